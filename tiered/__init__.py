@@ -1,0 +1,47 @@
+"""tiered: run models whose weights are larger than host RAM.
+
+Weights stay in safetensors shards on disk; they are copied through one fixed-size ring of
+(pinned) host memory and, on CUDA, to the GPU just before the layer that needs them runs.
+Host RSS is bounded by the ring, not by the model.
+
+    model = tiered.load("path/to/model_dir", ring_gb=4)
+    print(tiered.stats(model))
+
+Importing this package does no CUDA initialisation, starts no thread and allocates nothing.
+"""
+
+from .api import Options, attach, close, load, stats
+from .errors import (
+    ConfigError,
+    DuplicateTensorError,
+    HeaderError,
+    MissingTensorError,
+    RingTooSmallError,
+    ShapeMismatchError,
+    ShardNotFoundError,
+    StreamerError,
+    TieredError,
+    TruncatedShardError,
+)
+from .stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "attach",
+    "stats",
+    "close",
+    "Options",
+    "Stats",
+    "TieredError",
+    "HeaderError",
+    "TruncatedShardError",
+    "ShardNotFoundError",
+    "MissingTensorError",
+    "ShapeMismatchError",
+    "DuplicateTensorError",
+    "RingTooSmallError",
+    "ConfigError",
+    "StreamerError",
+]

@@ -1,0 +1,347 @@
+"""Public entry points: :func:`load`, :func:`attach`, :func:`stats`, :func:`close`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, RingTooSmallError
+from .format import Checkpoint, open_checkpoint
+from .plan import Plan, build_plan
+from .reader import Reader
+from .ring import GiB, Ring
+from .stats import Stats, proc_status
+from .streamer import Streamer
+
+__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta"]
+
+#: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
+GPU_HEADROOM_BYTES = 4 * GiB
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a model is streamed. Sizes in GiB (2**30 bytes) say so in their name."""
+
+    ring_gb: float = 4.0  # host ring, GiB: RSS is bounded by this plus a constant
+    device: str | None = None  # "cuda" when available, else "cpu"
+    dtype: torch.dtype | None = None  # cast on the fly (None: config.json's dtype, as from_pretrained)
+    prefetch: int = 2  # units loaded ahead of the one running
+    gpu_gb: float | None = None  # GPU budget for resident units (None: free memory - 4 GiB headroom)
+    io: str = "mmap"  # reader backend; "mmap" (the only one so far)
+    threads: int = 4  # reader threads (one stream does not saturate NVMe)
+    drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
+    drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
+
+
+class _Handle:
+    """What a tiered model owns: ring, reader, streamer, hooks."""
+
+    def __init__(self, module: nn.Module, plan: Plan, ckpt: Checkpoint, opts: Options, device: torch.device) -> None:
+        self.module = module
+        self.plan = plan
+        self.ckpt = ckpt
+        self.opts = opts
+        self.device = device
+        self.stats = Stats()
+        self.hooks: list[Any] = []
+        self.ring: Ring | None = None
+        self.reader: Reader | None = None
+        self.streamer: Streamer | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        if self.streamer is not None:
+            self.streamer.close()
+        if self.reader is not None:
+            self.reader.close()
+        if self.ring is not None:
+            self.ring.close()
+
+
+class _TieredMixin:
+    """Added to the returned model's class: the right ``device``, ``close()`` and a context manager."""
+
+    _tiered: _Handle
+
+    @property
+    def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes
+        return self._tiered.device
+
+    def close(self) -> None:
+        """Release the ring, threads and hooks. The model cannot run afterwards."""
+        self._tiered.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _wrap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_TieredMixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASSES[cls]
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with parameters on ``meta`` and buffers real (rotary ``inv_freq`` etc.).
+
+    Parameters cost nothing; buffers that are computed at construction keep their values, as
+    ``from_pretrained`` would recompute them. Not thread-safe (patches ``nn.Module.register_parameter``).
+    """
+    old = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        old(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = old  # type: ignore[method-assign]
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but CUDA is not available; pass device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+    return dev
+
+
+def _dtype(d: torch.dtype | str | None) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+    if d not in names:
+        raise ConfigError(f"dtype {d!r} is not one of {sorted(names)}")
+    return names[d]
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device.type != "meta" and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
+def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int) -> set[int]:
+    if device.type == "cpu":
+        # The ring is the only memory: keep everything there when it all fits, else stream everything.
+        need = sum((u.nbytes + 4095) // 4096 * 4096 for u in plan.units)
+        return {u.index for u in plan.units} if need <= ring else set()
+    if gpu_gb is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free - GPU_HEADROOM_BYTES
+    else:
+        budget = int(gpu_gb * GiB)
+    if plan.nbytes <= budget:
+        return {u.index for u in plan.units}
+    # Largest units first: what streams then needs the smallest device buffers.
+    chosen: set[int] = set()
+    order = sorted(plan.units, key=lambda u: -u.nbytes)
+    for u in order:
+        streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index}), default=0)
+        pool = (prefetch + 1) * streamed_max
+        used = sum(plan.units[i].nbytes for i in chosen) + u.nbytes
+        if used + pool <= budget:
+            chosen.add(u.index)
+    return chosen
+
+
+def attach(
+    module: nn.Module,
+    model_dir: str | os.PathLike[str],
+    *,
+    ring_gb: float = 4.0,
+    device: str | torch.device | None = None,
+    prefetch: int = 2,
+    gpu_gb: float | None = None,
+    io: str = "mmap",
+    threads: int = 4,
+    drop_pages: bool = True,
+    drop_page_cache: bool = False,
+    _rss_before: int | None = None,
+) -> nn.Module:
+    """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
+
+    ``module``'s ``state_dict`` names must match the checkpoint (for ``transformers`` models its
+    conversion mapping is applied too). Parameter dtypes are the module's (cast on the fly).
+    Returns ``module`` itself, now with ``.device``, ``.close()`` and a context manager.
+
+    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA) plus a
+    constant; device memory by the resident units plus ``prefetch + 1`` buffers of the largest
+    streamed unit.
+
+    Raises:
+        RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed).
+        MissingTensorError / ShapeMismatchError: the checkpoint does not match the module.
+        HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
+        ConfigError: an unknown device or io backend.
+    """
+    if io != "mmap":
+        raise ConfigError(f"io={io!r} is not available yet; use io='mmap'")
+    if ring_gb <= 0:
+        raise RingTooSmallError(f"ring_gb must be > 0, got {ring_gb}")
+    dev = _resolve_device(device)
+    opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
+                   drop_pages=drop_pages, drop_page_cache=drop_page_cache)
+    rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
+    ckpt = open_checkpoint(model_dir)
+    plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
+    ring_bytes = int(ring_gb * GiB)
+    big = plan.max_unit
+    if big.nbytes > ring_bytes:
+        raise RingTooSmallError(
+            f"unit {big.name!r} needs {big.nbytes / GiB:.3f} GiB but ring_gb={ring_gb}; pass ring_gb >= "
+            f"{big.nbytes / GiB:.3f} (>= {2 * big.nbytes / GiB:.3f} lets the next unit load while one runs)"
+        )
+    _move_buffers(module, dev)
+    h = _Handle(module, plan, ckpt, opts, dev)
+    h.stats.rss_before_load = rss0
+    try:
+        h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
+        h.stats.ring_bytes = h.ring.size
+        h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache)
+        resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch)
+        h.stats.model_bytes = plan.nbytes
+        h.stats.units = len(plan.units)
+        h.stats.resident_units = len(resident)
+        h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
+        h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats)
+        h.streamer.load_resident()
+        s = h.streamer
+        for u in plan.units:
+            if u.index in resident:
+                continue
+            h.hooks.append(u.module.register_forward_pre_hook(lambda m, a, i=u.index: s.acquire(i)))
+            h.hooks.append(u.module.register_forward_hook(lambda m, a, o, i=u.index: s.release(i), always_call=True))
+        h.stats.ring_high_water = h.ring.high_water
+    except BaseException:
+        h.close()
+        raise
+    module._tiered = h  # type: ignore[attr-defined]
+    _wrap_class(module)
+    return module
+
+
+def load(
+    model_dir: str | os.PathLike[str],
+    *,
+    ring_gb: float = 4.0,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    prefetch: int = 2,
+    gpu_gb: float | None = None,
+    io: str = "mmap",
+    threads: int = 4,
+    model_class: type | str | None = None,
+    drop_pages: bool = True,
+    drop_page_cache: bool = False,
+) -> nn.Module:
+    """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
+
+    Args:
+        model_dir: ``config.json`` plus ``model.safetensors`` or shards with ``model.safetensors.index.json``.
+        ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant.
+        device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
+        dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
+            default: ``config.json``'s dtype, as ``from_pretrained`` does.
+        prefetch: units of lookahead.
+        gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed). Default: free
+            memory minus 4 GiB. When the whole model fits, it is loaded once through the ring and stays.
+        io: reader backend, ``"mmap"``.
+        threads: reader threads.
+        model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
+
+    Returns:
+        an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
+
+    Raises:
+        ConfigError: no ``config.json`` or an architecture ``transformers`` does not know.
+        and every error :func:`attach` raises.
+    """
+    rss0 = proc_status().get("VmRSS", 0)
+    import transformers
+
+    root = Path(model_dir)
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"{root}: no config.json; pass a Hugging Face model directory")
+    try:
+        config = transformers.AutoConfig.from_pretrained(root)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"{root / 'config.json'}: transformers cannot read it: {e}") from e
+    cls = model_class
+    if cls is None:
+        archs = getattr(config, "architectures", None) or []
+        if not archs:
+            raise ConfigError(f"{root / 'config.json'} has no 'architectures'; pass model_class=...")
+        cls = archs[0]
+    if isinstance(cls, str):
+        name = cls
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            raise ConfigError(f"{root / 'config.json'}: architecture {name!r} is not in transformers "
+                              f"{transformers.__version__}; pass model_class=...")
+    dt = _dtype(dtype)
+    if dt is None:
+        dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dt = _dtype(dt) if isinstance(dt, str) else dt
+    with params_on_meta():
+        model = cls._from_config(config, dtype=dt)
+    model.eval()
+    gen = root / "generation_config.json"
+    if gen.is_file() and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(root)
+    return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
+                  threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, _rss_before=rss0)
+
+
+def _handle(model: nn.Module) -> _Handle:
+    h = getattr(model, "_tiered", None)
+    if h is None:
+        raise TypeError("not a tiered model: use tiered.load or tiered.attach")
+    return h
+
+
+def stats(model: nn.Module) -> Stats:
+    """The model's live :class:`~tiered.stats.Stats` (print it, or ``.snapshot()`` for a dict)."""
+    h = _handle(model)
+    if h.ring is not None:
+        h.stats.ring_high_water = h.ring.high_water
+    return h.stats
+
+
+def close(model: nn.Module) -> None:
+    """Release the model's ring, threads and hooks."""
+    _handle(model).close()

@@ -1,0 +1,63 @@
+"""The ``TieredError`` family: one subclass per failure mode.
+
+Every message names the file, tensor and byte offset involved where there is one, and
+says how to fix the problem. Catch ``TieredError`` to catch them all.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TieredError",
+    "HeaderError",
+    "TruncatedShardError",
+    "ShardNotFoundError",
+    "MissingTensorError",
+    "ShapeMismatchError",
+    "DuplicateTensorError",
+    "RingTooSmallError",
+    "ConfigError",
+    "StreamerError",
+]
+
+
+class TieredError(Exception):
+    """Base class of every error raised by ``tiered``."""
+
+
+class HeaderError(TieredError, ValueError):
+    """A safetensors header is malformed (bad length, bad JSON, bad offsets, bad dtype)."""
+
+
+class TruncatedShardError(HeaderError):
+    """A shard file is shorter than its safetensors header says (an interrupted download or copy)."""
+
+
+class ShardNotFoundError(TieredError, FileNotFoundError):
+    """A shard named by ``model.safetensors.index.json`` is missing or points outside ``model_dir``."""
+
+
+class MissingTensorError(TieredError, KeyError):
+    """The model has a parameter that no checkpoint tensor provides."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(TieredError, ValueError):
+    """A checkpoint tensor's shape differs from the parameter the config builds."""
+
+
+class DuplicateTensorError(TieredError, ValueError):
+    """The same tensor name appears in two shards."""
+
+
+class RingTooSmallError(TieredError, ValueError):
+    """A unit does not fit in the ring (or the ring cannot hold what must be held at once)."""
+
+
+class ConfigError(TieredError, ValueError):
+    """``config.json`` is missing or names an architecture ``transformers`` does not know."""
+
+
+class StreamerError(TieredError, RuntimeError):
+    """A reader or copy thread failed; the original exception is chained as ``__cause__``."""

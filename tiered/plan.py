@@ -1,0 +1,350 @@
+"""The plan: which checkpoint bytes go to which parameter, grouped into units in execution order.
+
+A *unit* is the streaming granule: one repeated block (a decoder layer: each child of an
+``nn.ModuleList`` of identical blocks), or one other module that owns parameters outside the
+repeated blocks (embeddings, final norm, head). Its hook point is that module: everything the
+unit holds is used inside that module's ``forward``.
+
+Checkpoint names are mapped onto module names with ``transformers``' own conversion machinery
+(``transformers.conversion_mapping.get_model_conversion_mapping`` and
+``transformers.core_model_loading.rename_source_key``), so renamed and fused weights (a Mixtral
+checkpoint's per-expert ``w1``/``w3`` become one stacked ``experts.gate_up_proj``) load the way
+``from_pretrained`` loads them. Stack/concatenate conversions are *placed*: each source span is
+copied straight into its slice of the fused tensor inside the ring slot; any other conversion runs
+``transformers``' own operation on the source and copies the result (memory: one fused tensor).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import MissingTensorError, ShapeMismatchError
+from .format import Checkpoint, TensorInfo
+
+__all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots"]
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Copy:
+    """Copy checkpoint tensor ``src`` into ``place(target_view)`` (cast to the target dtype)."""
+
+    src: TensorInfo
+    place: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: the whole target
+
+
+@dataclass
+class Convert:
+    """A conversion that cannot be placed: run ``transformers``' operations, copy the results."""
+
+    converter: object  # transformers.core_model_loading.WeightConverter
+    layer_name: str
+    sources: dict[str, list[TensorInfo]]
+    targets: list[str]  # model keys filled by this conversion
+
+
+@dataclass
+class Target:
+    """One model tensor (parameter or persistent buffer) a unit binds.
+
+    ``offset`` (bytes) is its place inside the unit's layout; ``nbytes = numel * itemsize``.
+    """
+
+    key: str
+    module: nn.Module
+    attr: str
+    is_param: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: list[Copy] = field(default_factory=list)
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class Unit:
+    """The streaming granule: the targets bound while ``module`` runs.
+
+    ``nbytes`` is the layout size in bytes (targets at ``align``-byte offsets); ``src_bytes`` is
+    what is read from disk for it.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    targets: list[Target]
+    converts: list[Convert] = field(default_factory=list)
+    nbytes: int = 0
+    src_bytes: int = 0
+
+
+@dataclass
+class Plan:
+    """Units in predicted execution order, plus checkpoint keys nothing uses."""
+
+    units: list[Unit]
+    unused: list[str]
+    align: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def max_unit(self) -> Unit:
+        return max(self.units, key=lambda u: u.nbytes)
+
+
+def _repeated_lists(model: nn.Module) -> set[int]:
+    """ids of ModuleLists/Sequentials of >= 2 same-class children that hold parameters."""
+    out = set()
+    for mod in model.modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            kids = list(mod.children())
+            if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
+                out.add(id(mod))
+    return out
+
+
+def find_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """Unit hook points in module-registration (DFS) order: the initial guess at execution order.
+
+    A module is descended into when its subtree contains a repeated block list; each child of a
+    repeated list is a unit; any other module owning parameters is one unit. Parameters owned
+    directly by an ancestor of a repeated list are a unit hooked on that ancestor.
+    """
+    rep = _repeated_lists(model)
+    holds_rep: set[int] = set()
+
+    def mark(mod: nn.Module) -> bool:
+        found = id(mod) in rep
+        for c in mod.children():
+            found = mark(c) or found
+        if found:
+            holds_rep.add(id(mod))
+        return found
+
+    mark(model)
+    roots: list[tuple[str, nn.Module, bool]] = []
+
+    def visit(name: str, mod: nn.Module) -> None:
+        if id(mod) in rep:
+            for cname, c in mod.named_children():
+                roots.append((f"{name}.{cname}" if name else cname, c, False))
+            return
+        if id(mod) in holds_rep:
+            if mod._parameters or mod._buffers:
+                roots.append((name or "<root>", mod, True))
+            for cname, c in mod.named_children():
+                visit(f"{name}.{cname}" if name else cname, c)
+            return
+        if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+            roots.append((name or "<root>", mod, False))
+
+    visit("", model)
+    return roots
+
+
+def _conversion_tools(model: nn.Module):
+    """(renamings, converters, rename_fn, natural_key) from transformers, or None for plain modules."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+    except ImportError:  # pragma: no cover - transformers missing or too old
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return renamings, converters, rename_source_key, dot_natural_key
+
+
+def _meta_shape(t: TensorInfo) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _place_converter(converter, sources: dict[str, list[TensorInfo]], shape: tuple[int, ...]) -> list[Copy] | None:
+    """Copies that assemble a stack/concatenate conversion in place, or None if not placeable."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(converter.operations)
+    pats = [p for p in converter.source_patterns if p in sources]
+    merge = ops.pop(0) if ops and type(ops[0]) is MergeModulelist else None
+    cat = ops.pop(0) if ops and type(ops[0]) is Concatenate else None
+    if ops or (merge is None and cat is None) or getattr(converter, "quantization_operation", None):
+        return None
+    # pieces: per pattern, (list of sources, placement inside the piece)
+    pieces: list[tuple[list[TensorInfo], torch.Size]] = []
+    for p in pats:
+        srcs = sources[p]
+        if merge is not None:
+            pieces.append((srcs, torch.stack([_meta_shape(s) for s in srcs], merge.dim).shape))
+        else:
+            pieces.extend(([s], torch.Size(s.shape)) for s in srcs)
+    if cat is None:
+        if len(pieces) != 1:
+            return None
+        total = pieces[0][1]
+    else:
+        total = torch.cat([torch.empty(ps, device="meta") for _, ps in pieces], cat.dim).shape
+    if tuple(total) != tuple(shape):
+        return None
+    copies: list[Copy] = []
+    off = 0
+    for srcs, ps in pieces:
+        width = ps[cat.dim] if cat is not None else 0
+
+        def piece(t: torch.Tensor, off=off, width=width) -> torch.Tensor:
+            return t.narrow(cat.dim, off, width) if cat is not None else t
+
+        for k, s in enumerate(srcs):
+            if merge is not None:
+                copies.append(Copy(s, lambda t, piece=piece, k=k, d=merge.dim: piece(t).select(d, k)))
+            else:
+                copies.append(Copy(s, piece))
+        off += width
+    return copies
+
+
+def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str, bool]:
+    mod_name, _, attr = key.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        return mod, attr, True
+    return mod, attr, False
+
+
+def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
+    """Map every checkpoint tensor onto ``model`` (built on ``meta``) and group targets into units.
+
+    Target dtype is the meta parameter's dtype (what ``from_pretrained`` casts to).
+    Persistent buffers found in the checkpoint are targets too.
+
+    Raises:
+        MissingTensorError: a parameter has no checkpoint tensor (and is not tied to one that has).
+        ShapeMismatchError: a checkpoint tensor's shape differs from the parameter's.
+    """
+    sd = model.state_dict(keep_vars=True)
+    tools = _conversion_tools(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    direct: dict[str, TensorInfo] = {}
+    conv: dict[str, tuple[object, dict[str, list[TensorInfo]]]] = {}
+    unused: list[str] = []
+
+    keys: Iterable[str] = ckpt.tensors
+    if tools is not None:
+        renamings, converters, rename, natural = tools
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        for k in sorted(ckpt.tensors, key=natural):
+            new, pat = rename(k, renamings, converters, prefix or None, sd)
+            if new not in sd and k in sd:
+                new, pat = k, None
+            if new not in sd:
+                unused.append(k)
+            elif pat is None:
+                direct[new] = ckpt.tensors[k]
+            else:
+                c, srcs = conv.setdefault(new, (deepcopy(by_pattern[pat]), {}))
+                srcs.setdefault(pat, []).append(ckpt.tensors[k])
+    else:
+        for k in keys:
+            (direct.__setitem__(k, ckpt.tensors[k]) if k in sd else unused.append(k))
+
+    tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    targets: dict[str, Target] = {}
+    converts: list[tuple[Convert, str]] = []
+    for key, ref in sd.items():
+        mod, attr, is_param = _owner(model, key)
+        if not is_param and key not in direct and key not in conv:
+            continue  # buffer not in the checkpoint: keep its initialised value
+        tgt = Target(key, mod, attr, is_param, tuple(ref.shape), ref.dtype)
+        src_key = key
+        if key not in direct and key not in conv:
+            other = tied.get(key) or next((t for t, s in tied.items() if s == key), None)
+            if other is not None and (other in direct or other in conv):
+                src_key = other
+            else:
+                raise MissingTensorError(
+                    f"{ckpt.root}: no checkpoint tensor for parameter {key!r} (shape {list(ref.shape)}); "
+                    "the checkpoint does not match config.json: use the checkpoint's own config, or pass the "
+                    "right architecture"
+                )
+        if src_key in direct:
+            s = direct[src_key]
+            if tuple(s.shape) != tgt.shape:
+                raise ShapeMismatchError(
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but the model "
+                    f"built from config.json expects {list(tgt.shape)} for {key!r}; the config does not match "
+                    "the checkpoint: use the checkpoint's own config.json"
+                )
+            tgt.copies.append(Copy(s))
+        else:
+            converter, srcs = conv[src_key]
+            placed = _place_converter(converter, srcs, tgt.shape)
+            if placed is not None:
+                tgt.copies.extend(placed)
+            else:
+                converts.append((Convert(converter, src_key, srcs, [key]), key))
+        targets[key] = tgt
+
+    roots = find_unit_roots(model)
+    owner_of: dict[int, int] = {}
+    for i, (_, mod, direct_only) in enumerate(roots):
+        for m in [mod] if direct_only else mod.modules():
+            owner_of.setdefault(id(m), i)
+    grouped: dict[int, list[Target]] = {}
+    for t in targets.values():
+        grouped.setdefault(owner_of[id(t.module)], []).append(t)
+    units: list[Unit] = []
+    claimed: set[str] = set()
+    for i, (name, mod, _) in enumerate(roots):
+        own = grouped.get(i)
+        if not own:
+            continue
+        claimed.update(t.key for t in own)
+        keys = {t.key for t in own}
+        u = Unit(len(units), name, mod, own)
+        u.converts = [c for c, k in converts if k in keys]
+        off = 0
+        for t in own:
+            off = _align(off, align)
+            t.offset = off
+            off += t.nbytes
+        u.nbytes = _align(off, align)
+        u.src_bytes = sum(c.src.nbytes for t in own for c in t.copies) + sum(
+            s.nbytes for c in u.converts for ss in c.sources.values() for s in ss
+        )
+        units.append(u)
+    rest = [k for k in targets if k not in claimed]
+    if rest:  # pragma: no cover - find_unit_roots covers every parameter
+        raise MissingTensorError(f"internal: targets without a unit: {rest[:5]}")
+    return Plan(units=units, unused=unused, align=align)
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The layer number in a tensor name (``model.layers.12.mlp`` -> 12), or None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
