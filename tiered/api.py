@@ -315,8 +315,8 @@ def load(
                               f"{transformers.__version__}; pass model_class=...")
     dt = _dtype(dtype)
     if dt is None:
-        dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        dt = _dtype(dt) if isinstance(dt, str) else dt
+        dt = getattr(config, "dtype", None) or torch.float32
+        dt = _dtype(dt.removeprefix("torch.")) if isinstance(dt, str) else dt
     with params_on_meta():
         model = cls._from_config(config, dtype=dt)
     model.eval()

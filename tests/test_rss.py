@@ -1,0 +1,81 @@
+"""The promise: peak RSS is bounded by the ring, not by the model — measured in a subprocess.
+
+A generated Llama-shaped fp32 checkpoint of >= 1.5 GiB is run with ``ring_gb=0.125`` for two
+forward passes; VmHWM minus the RSS just before ``tiered.load`` must stay under ring + 200 MiB.
+The same run without the ``madvise(MADV_DONTNEED)`` step must break that bound (the test can fail).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+MiB = 1 << 20
+RING_GB = 0.125
+SLACK = 200 * MiB
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    import tiered
+    transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
+    from tiered.stats import proc_status
+    d, drop = sys.argv[1], sys.argv[2] == "1"
+    torch.set_num_threads(2)
+    ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
+    base = proc_status()["VmRSS"]
+    model = tiered.load(d, ring_gb=%r, device="cpu", drop_pages=drop, threads=2)
+    with torch.no_grad():
+        for _ in range(2):
+            logits = model(ids).logits
+    s = tiered.stats(model).snapshot()
+    st = proc_status()
+    print(json.dumps({"base": base, "hwm": st["VmHWM"], "rss_file": st["RssFile"], "read": s["read_bytes"],
+                      "model": s["model_bytes"], "resident": s["resident_units"], "misses": s["misses"],
+                      "nonzero": bool(logits.abs().sum() > 0)}))
+    """
+    % RING_GB
+)
+
+
+@pytest.fixture(scope="module")
+def tall_checkpoint() -> Path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from make_checkpoint import make_checkpoint
+
+    cache = Path(os.environ.get("TIERED_CACHE", ROOT / ".cache"))
+    cache.mkdir(parents=True, exist_ok=True)
+    return make_checkpoint(cache / "test-llama-tall-fp32", "llama-tall", dtype="fp32", quiet=True)
+
+
+def _run(d: Path, drop: bool) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if drop else "0"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_peak_rss_bounded_by_ring(tall_checkpoint: Path) -> None:
+    size = sum(p.stat().st_size for p in tall_checkpoint.glob("*.safetensors"))
+    assert size >= 1.5 * GiB
+    r = _run(tall_checkpoint, drop=True)
+    assert r["resident"] == 0 and r["nonzero"]
+    assert r["read"] >= 2 * r["model"]  # two passes, everything streamed
+    growth = r["hwm"] - r["base"]
+    assert growth < RING_GB * GiB + SLACK, f"peak RSS grew {growth / MiB:.0f} MiB for a {RING_GB} GiB ring"
+
+
+@pytest.mark.slow
+def test_bound_breaks_without_madvise(tall_checkpoint: Path) -> None:
+    r = _run(tall_checkpoint, drop=False)
+    growth = r["hwm"] - r["base"]
+    assert growth > RING_GB * GiB + SLACK, f"without MADV_DONTNEED peak RSS grew only {growth / MiB:.0f} MiB"

@@ -1,0 +1,193 @@
+"""The ``tiered`` command: ``generate`` and ``inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+__all__ = ["main", "inspect_dir"]
+
+GiB = 1 << 30
+
+
+def _plan_for(model_dir: Path, dtype: str | None, device: str):
+    import transformers
+
+    from .api import _dtype, params_on_meta
+    from .format import open_checkpoint
+    from .plan import build_plan
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
+    dt = _dtype(dtype) or getattr(config, "dtype", None) or torch_float32()
+    with params_on_meta():
+        model = cls._from_config(config, dtype=dt)
+    ckpt = open_checkpoint(model_dir)
+    return config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
+
+
+def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu") -> dict:
+    """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes)."""
+    from .plan import layer_index
+
+    model_dir = Path(model_dir)
+    config, ckpt, plan = _plan_for(model_dir, dtype, device)
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
+    # Stream order on disk: do units' spans appear in execution order and contiguous?
+    spans = []
+    for u in plan.units:
+        offs = [(str(c.src.file), c.src.offset, c.src.offset + c.src.nbytes) for t in u.targets for c in t.copies]
+        spans.append(offs)
+    contiguous = 0
+    for offs in spans:
+        files = {f for f, _, _ in offs}
+        if len(files) == 1:
+            lo, hi = min(o[1] for o in offs), max(o[2] for o in offs)
+            if hi - lo == sum(o[2] - o[1] for o in offs):
+                contiguous += 1
+    aligned = all((s.data_start % 4096) == 0 for s in ckpt.shards)
+    big = plan.max_unit
+    return {
+        "model_dir": str(model_dir),
+        "architecture": (config.architectures or ["?"])[0],
+        "shards": [{"file": s.path.name, "bytes": s.file_size, "tensors": len(s.tensors), "data_start": s.data_start}
+                   for s in ckpt.shards],
+        "tensors": len(ckpt.tensors),
+        "checkpoint_bytes": ckpt.nbytes,
+        "dtypes": dict(dtypes),
+        "units": [{"name": u.name, "bytes": u.nbytes, "tensors": len(u.targets),
+                   "layer": layer_index(u.name + ".")} for u in plan.units],
+        "model_bytes": plan.nbytes,
+        "largest_unit": {"name": big.name, "bytes": big.nbytes},
+        "ring_min_gb": big.nbytes / GiB,
+        "ring_recommended_gb": 3 * big.nbytes / GiB,  # the running unit + prefetch=2
+        "ring_resident_gb": plan.nbytes / GiB,
+        "units_contiguous_on_disk": contiguous,
+        "data_aligned_4k": aligned,
+        "unused_checkpoint_tensors": plan.unused,
+    }
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['model_dir']}: {info['architecture']}, {info['tensors']} tensors, "
+          f"{info['checkpoint_bytes'] / GiB:.3f} GiB in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
+    for s in info["shards"]:
+        print(f"  shard {s['file']}: {s['bytes'] / GiB:.3f} GiB, {s['tensors']} tensors, data at byte {s['data_start']}")
+    print(f"units ({len(info['units'])}, in execution order):")
+    units = info["units"]
+    show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
+    for u in show:
+        print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors")
+    print(f"ring needed: >= {info['ring_min_gb']:.3f} GiB (largest unit {info['largest_unit']['name']}); "
+          f"{info['ring_recommended_gb']:.3f} GiB to prefetch 2 units; "
+          f"{info['ring_resident_gb']:.3f} GiB holds the whole model (CPU: loaded once)")
+    print(f"layout: {info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
+          f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
+          + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"]
+             else " (a resharded layout streams each unit as one span)"))
+    if info["unused_checkpoint_tensors"]:
+        print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
+    return 0
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    import tiered
+
+    model_dir = Path(a.model_dir)
+    tok = None
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    model = tiered.load(model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
+                        gpu_gb=a.gpu_gb, threads=a.threads)
+    load_s = time.perf_counter() - t0
+    with model:
+        if tok is not None and not a.ids:
+            inputs = tok(a.prompt, return_tensors="pt").to(model.device)
+        else:
+            try:
+                ids = [int(x) for x in a.prompt.replace(",", " ").split()]
+            except ValueError:
+                print("error: no tokenizer in MODEL_DIR: give --prompt as token ids, e.g. --prompt '1 2 3'",
+                      file=sys.stderr)
+                return 2
+            inputs = {"input_ids": torch.tensor([ids], device=model.device)}
+        n_in = inputs["input_ids"].shape[1]
+        before = tiered.stats(model).read_bytes
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=a.max_new_tokens, do_sample=False)
+        gen_s = time.perf_counter() - t1
+        new = out[0, n_in:]
+        s = tiered.stats(model)
+        print(tok.decode(new, skip_special_tokens=True) if tok is not None and not a.ids else " ".join(map(str, new.tolist())))
+        n = max(1, len(new))
+        streamed = s.read_bytes - before
+        print(f"[tiered] load {load_s:.2f} s; {n} tokens in {gen_s:.2f} s = {n / gen_s:.2f} tokens/s "
+              f"({gen_s / n:.3f} s/token); streamed {streamed / 1e9:.2f} GB at {streamed / gen_s / 1e9:.2f} GB/s "
+              "end to end", file=sys.stderr)
+        print(f"[tiered] {s}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="tiered",
+        description="Run Hugging Face models whose weights are larger than host RAM: weights stream from "
+        "safetensors shards through a fixed host ring (RSS ~ ring size), to the GPU when there is one.",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="greedy generation from a model directory, with streaming stats")
+    g.add_argument("model_dir", help="Hugging Face model directory (config.json + *.safetensors)")
+    g.add_argument("--prompt", default="Hello", help="text (needs a tokenizer in MODEL_DIR) or token ids '1 2 3'")
+    g.add_argument("--ids", action="store_true", help="treat --prompt as token ids even if a tokenizer exists")
+    g.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
+    g.add_argument("--ring-gb", type=float, default=4.0,
+                   help="host ring size in GiB; peak RSS ~ ring + runtime (default 4)")
+    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: config.json's dtype)")
+    g.add_argument("--gpu-gb", type=float, default=None,
+                   help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
+    g.add_argument("--prefetch", type=int, default=2, help="units loaded ahead of the running one (default 2)")
+    g.add_argument("--threads", type=int, default=4, help="reader threads (default 4)")
+    g.set_defaults(fn=_cmd_generate)
+
+    i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs")
+    i.add_argument("model_dir")
+    i.add_argument("--dtype", default=None, help="plan for this dtype (default: config.json's)")
+    i.add_argument("--device", default="cpu", help="plan alignment for this device (cuda: 512 B, cpu: 64 B)")
+    i.add_argument("--all", action="store_true", help="list every unit")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(fn=_cmd_inspect)
+
+    a = p.parse_args(argv)
+    from .errors import TieredError
+
+    try:
+        return a.fn(a)
+    except TieredError as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
