@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the tests).
+# Each creates .venv and installs what it needs: the CPU wheel of torch 2.13.0 (it lies on this
+# kind of machine's disk; installed first so nothing pulls a multi-GB CUDA build), transformers
+# pinned to the GPU machine's version, and the project with its extras.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tiered-installed
+
+.PHONY: demo test lint bench-quick clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "transformers==5.17.0" -e ".[test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tiered tools benchmarks tests
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
