@@ -1,0 +1,967 @@
+#!/usr/bin/env python
+"""Generate Hugging Face model directories at real model shapes with random weights, offline.
+
+The output looks like what ``model.save_pretrained(out_dir)`` writes for the real model:
+
+* ``config.json`` built from the transformers config class (real hyperparameters, no hub
+  access), with ``architectures`` and ``dtype`` (plus the legacy ``torch_dtype`` key) set;
+* ``generation_config.json`` from ``GenerationConfig.from_model_config`` so ``.generate()`` works;
+* ``model.safetensors`` (one shard), or ``model-0000i-of-0000N.safetensors`` plus
+  ``model.safetensors.index.json`` (several shards);
+* ``tiered_checkpoint.json``, a marker recording the generation parameters (used as a cache key).
+
+No tokenizer files are written.
+
+The tensor names and shapes are exactly those of ``model.state_dict()`` of the model built by
+transformers on the meta device, minus tied duplicates. Each shard is byte-identical to what
+``safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})`` writes for the same
+tensors, but it is streamed tensor by tensor, so peak memory stays at a few MiB whatever the size
+of the checkpoint.
+
+Values are random but cheap: one seeded random block per kind of tensor (matrices: normal with
+std 0.02; 1-D norm weights: 1 + 0.02 * normal; biases: 0.01 * normal) is generated once, and each
+tensor is that block tiled from a per-tensor offset (a hash of the seed and the tensor name), so
+tensors differ from each other, nothing is all zero, and generation runs at disk speed.
+Everything is deterministic for a given seed.
+
+Command line: ``python benchmarks/make_checkpoint.py --help``.
+Python: ``make_checkpoint(out_dir, "gptj-6b", dtype="fp16")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ARCHS",
+    "ArchSpec",
+    "TensorSpec",
+    "build_config",
+    "generate_state_dict",
+    "make_checkpoint",
+    "parse_size",
+    "weight_specs",
+]
+
+MARKER_NAME = "tiered_checkpoint.json"
+MARKER_FORMAT = 1
+SINGLE_FILE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# Elements per random block. Deliberately not a power of two, so that a block tiled over a matrix
+# whose row length is a power of two lands shifted on each repetition (rows do not repeat).
+_BLOCK_ELEMS = {"matrix": (1 << 22) - 3, "norm": (1 << 18) - 5, "bias": (1 << 18) - 5}
+# (mean, std) of each kind of tensor.
+_KIND_STATS = {"matrix": (0.0, 0.02), "norm": (1.0, 0.02), "bias": (0.0, 0.01)}
+
+_DTYPES = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_DTYPE_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# safetensors dtype names, and their order in the Rust ``Dtype`` enum (safetensors 0.8): inside a
+# file, tensors are sorted by this rank descending (larger alignment first), then by name.
+_ST_DTYPE_NAME = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
+_ST_DTYPE_RANK = {
+    name: i
+    for i, name in enumerate(
+        [
+            "BOOL",
+            "F4",
+            "F6_E2M3",
+            "F6_E3M2",
+            "U8",
+            "I8",
+            "F8_E5M2",
+            "F8_E4M3",
+            "F8_E8M0",
+            "I16",
+            "U16",
+            "F16",
+            "BF16",
+            "I32",
+            "U32",
+            "F32",
+            "C64",
+            "F64",
+            "I64",
+            "U64",
+        ]
+    )
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Architectures
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture: the transformers config class and the real hyperparameters.
+
+    ``family`` is ``"gptj"`` or ``"llama"`` and decides how ``--scale`` is applied.
+    """
+
+    description: str
+    family: str
+    config_class: str
+    architecture: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "gptj-6b": ArchSpec(
+        description="EleutherAI/gpt-j-6B: 28 layers, hidden 4096, 16 heads, vocab 50400, "
+        "untied lm_head with bias (~6.05 B params, 12.1 GB in fp16)",
+        family="gptj",
+        config_class="GPTJConfig",
+        architecture="GPTJForCausalLM",
+        kwargs={
+            "vocab_size": 50400,
+            "n_positions": 2048,
+            "n_embd": 4096,
+            "n_layer": 28,
+            "n_head": 16,
+            "rotary_dim": 64,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "initializer_range": 0.02,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama3-8b": ArchSpec(
+        description="Meta-Llama-3-8B: 32 layers, hidden 4096, intermediate 14336, 32 heads, "
+        "8 kv heads, vocab 128256, rope_theta 5e5, untied (~8.03 B params, 16.1 GB in bf16)",
+        family="llama",
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        kwargs={
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama2-13b": ArchSpec(
+        description="Llama-2-13b: 40 layers, hidden 5120, intermediate 13824, 40 heads, "
+        "40 kv heads, vocab 32000, untied (~13.0 B params, 26.0 GB in bf16)",
+        family="llama",
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        kwargs={
+            "vocab_size": 32000,
+            "hidden_size": 5120,
+            "intermediate_size": 13824,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 40,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "tinyllama-1.1b": ArchSpec(
+        description="TinyLlama-1.1B: 22 layers, hidden 2048, intermediate 5632, 32 heads, "
+        "4 kv heads, vocab 32000, untied (~1.10 B params, 2.2 GB in bf16)",
+        family="llama",
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        kwargs={
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama-tall": ArchSpec(
+        description="synthetic Llama for memory tests: 24 layers, hidden 1024, intermediate "
+        "4096, 16 heads, 16 kv heads, vocab 8192, untied (~420 M params, 0.84 GB in bf16)",
+        family="llama",
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        kwargs={
+            "vocab_size": 8192,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPE_SHORT:
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of fp16, bf16, fp32")
+
+
+def _round64(x: float) -> int:
+    return max(64, round(x / 64.0) * 64)
+
+
+def _scaled_heads(heads: int, kv_heads: int, scale: float) -> tuple[int, int]:
+    """Scale the head counts; the kv head count is the largest divisor of the new head count
+    that does not exceed the scaled kv head count."""
+    new_heads = max(1, round(heads * scale))
+    kv_target = max(1, min(new_heads, round(kv_heads * scale)))
+    new_kv = max(d for d in range(1, kv_target + 1) if new_heads % d == 0)
+    return new_heads, new_kv
+
+
+def build_config(
+    arch: str,
+    *,
+    dtype: str | torch.dtype,
+    layers: int | None = None,
+    scale: float = 1.0,
+    tie: bool | None = None,
+):
+    """Build the ``transformers.PretrainedConfig`` of ``arch``, offline.
+
+    Args:
+        arch: a key of ``ARCHS``.
+        dtype: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (or the torch dtype); written as ``dtype``.
+        layers: number of decoder layers (default: the real model's).
+        scale: factor in (0, 1] applied to the hidden and intermediate sizes. The head dimension
+            is kept: the number of attention heads is scaled instead (at least 1), the number of
+            kv heads becomes the largest divisor of it not above the scaled kv head count, and
+            hidden size = heads * head_dim (a multiple of 64). Llama's intermediate size is
+            scaled and rounded to a multiple of 64 (at least 64); GPT-J's stays 4 * hidden.
+            Vocabulary and head dimension are not scaled.
+        tie: tie the lm_head to the input embedding (default: the real model's, untied for all).
+
+    Returns:
+        a ``GPTJConfig`` or ``LlamaConfig`` with ``architectures`` set.
+
+    Raises:
+        ValueError: unknown ``arch`` or ``dtype``, ``layers`` < 1, ``scale`` outside (0, 1].
+    """
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    spec = ARCHS[arch]
+    tdtype = _torch_dtype(dtype)
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+    scale = float(scale)
+    if not (0.0 < scale <= 1.0) or math.isnan(scale):
+        raise ValueError(f"scale must be in (0, 1], got {scale!r}")
+
+    kw = dict(spec.kwargs)
+    if spec.family == "gptj":
+        head_dim = kw["n_embd"] // kw["n_head"]
+        heads, _ = _scaled_heads(kw["n_head"], kw["n_head"], scale)
+        kw["n_head"] = heads
+        kw["n_embd"] = heads * head_dim
+        kw["rotary_dim"] = min(kw["rotary_dim"], head_dim)
+        if layers is not None:
+            kw["n_layer"] = layers
+    elif spec.family == "llama":
+        head_dim = kw["head_dim"]
+        heads, kv = _scaled_heads(kw["num_attention_heads"], kw["num_key_value_heads"], scale)
+        kw["num_attention_heads"] = heads
+        kw["num_key_value_heads"] = kv
+        kw["hidden_size"] = heads * head_dim
+        if scale != 1.0:
+            kw["intermediate_size"] = _round64(kw["intermediate_size"] * scale)
+        if layers is not None:
+            kw["num_hidden_layers"] = layers
+    else:  # pragma: no cover - ARCHS is static
+        raise ValueError(f"unknown family {spec.family!r}")
+    if tie is not None:
+        kw["tie_word_embeddings"] = bool(tie)
+    config_cls = getattr(transformers, spec.config_class)
+    return config_cls(architectures=[spec.architecture], dtype=tdtype, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write: state-dict name, shape, kind (``matrix``/``norm``/``bias``), dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _kind(name: str, ndim: int) -> str:
+    if ndim >= 2:
+        return "matrix"
+    if name.endswith("bias"):
+        return "bias"
+    return "norm"
+
+
+def weight_specs(config, dtype: str | torch.dtype | None = None) -> list[TensorSpec]:
+    """The tensors of the checkpoint of ``config``, in ``state_dict()`` order.
+
+    The model is built by ``AutoModelForCausalLM.from_config`` on the meta device (no memory);
+    tied duplicates (e.g. ``lm_head.weight`` when ``tie_word_embeddings``) are dropped, keeping
+    the first occurrence, as ``save_pretrained`` does. Non-persistent buffers are not in
+    ``state_dict()``. Floating tensors get ``dtype`` (default: ``config.dtype``).
+
+    Raises:
+        ValueError: ``dtype`` unsupported, or the model has a non-floating persistent tensor.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tdtype = _torch_dtype(dtype if dtype is not None else config.dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied: set[str] = set()
+    if getattr(config, "tie_word_embeddings", False):
+        tied_map = getattr(model, "_tied_weights_keys", None)
+        if isinstance(tied_map, dict):
+            tied = set(tied_map)
+    specs: list[TensorSpec] = []
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen or name in tied:
+            continue
+        seen.add(id(t))
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: non-floating persistent tensor ({t.dtype}) not supported")
+        specs.append(TensorSpec(name, tuple(t.shape), _kind(name, t.dim()), tdtype))
+    return specs
+
+
+class _Blocks:
+    """The random source blocks, one per kind, as raw little-endian bytes of ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype, seed: int):
+        self.dtype = dtype
+        self.seed = int(seed)
+        self.itemsize = dtype.itemsize
+        gen = torch.Generator().manual_seed(self.seed)
+        base = torch.randn(max(_BLOCK_ELEMS.values()), generator=gen, dtype=torch.float32)
+        self.bytes: dict[str, memoryview] = {}
+        for kind, n in _BLOCK_ELEMS.items():
+            mean, std = _KIND_STATS[kind]
+            vals = (base[:n] * std + mean).to(dtype)
+            if kind == "bias":  # make sure no bias element is exactly zero
+                vals[vals == 0] = torch.tensor(std, dtype=dtype)
+            self.bytes[kind] = memoryview(vals.view(torch.uint8).numpy()).cast("B")
+        del base
+
+    def offset(self, spec: TensorSpec) -> int:
+        """Element offset of ``spec`` in its block: a hash of (seed, name)."""
+        h = hashlib.blake2b(f"{self.seed}\0{spec.name}".encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little") % _BLOCK_ELEMS[spec.kind]
+
+    def chunks(self, spec: TensorSpec) -> Iterator[memoryview]:
+        """The bytes of ``spec``: its block, rotated by the tensor's offset and tiled.
+
+        Yields views into the block (no copies), each at most one block long.
+        """
+        if spec.dtype != self.dtype:
+            raise ValueError(f"{spec.name}: dtype {spec.dtype} but blocks are {self.dtype}")
+        block = self.bytes[spec.kind]
+        pos = self.offset(spec) * self.itemsize
+        remaining = spec.nbytes
+        while remaining:
+            n = min(remaining, len(block) - pos)
+            yield block[pos : pos + n]
+            remaining -= n
+            pos = 0
+
+    def tensor(self, spec: TensorSpec) -> torch.Tensor:
+        """Materialize ``spec`` as a CPU tensor (for tests and small models)."""
+        buf = bytearray(spec.nbytes)
+        pos = 0
+        for c in self.chunks(spec):
+            buf[pos : pos + len(c)] = c
+            pos += len(c)
+        if not buf:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        return torch.frombuffer(buf, dtype=spec.dtype).reshape(spec.shape)
+
+
+def generate_state_dict(
+    arch: str,
+    *,
+    dtype: str = "bf16",
+    layers: int | None = None,
+    scale: float = 1.0,
+    seed: int = 0,
+    tie: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Materialize in memory the tensors that ``make_checkpoint`` writes with these arguments.
+
+    Same values, names and order (state-dict order). Holds the whole model in RAM: for tests
+    and small models only. Raises what ``build_config`` raises.
+    """
+    config = build_config(arch, dtype=dtype, layers=layers, scale=scale, tie=tie)
+    tdtype = _torch_dtype(dtype)
+    blocks = _Blocks(tdtype, seed)
+    return {s.name: blocks.tensor(s) for s in weight_specs(config, tdtype)}
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors writing
+# --------------------------------------------------------------------------------------------
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a size in bytes: an int, or a number and a unit such as ``"5GB"`` (decimal,
+    10**9 bytes, as transformers), ``"500MB"``, ``"2GiB"`` (binary, 2**30), ``"1.5GB"``.
+    Units (case-insensitive): B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+
+    Raises:
+        ValueError: unparsable, or not > 0.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"invalid size {size!r}; use a number and a unit, e.g. 5GB, 500MB, 2GiB")
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {size!r}")
+    return value
+
+
+def _plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
+    """Split ``specs`` in order: a new shard starts when the next tensor would push the current
+    one over ``max_shard_size`` (a tensor larger than that gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for s in specs:
+        if current and size + s.nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += s.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _header(specs: list[TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, list[TensorSpec]]:
+    """The safetensors header (8-byte length + JSON padded with spaces to a multiple of 8)
+    exactly as safetensors' Rust serializer writes it, and the tensors in file order."""
+    ordered = sorted(specs, key=lambda s: (-_ST_DTYPE_RANK[_ST_DTYPE_NAME[s.dtype]], s.name))
+    entries: dict[str, Any] = {}
+    if metadata is not None:
+        entries["__metadata__"] = metadata
+    offset = 0
+    for s in ordered:
+        entries[s.name] = {
+            "dtype": _ST_DTYPE_NAME[s.dtype],
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
+        offset += s.nbytes
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, ordered
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shard(path: Path, specs: list[TensorSpec], blocks: _Blocks, progress) -> int:
+    header, ordered = _header(specs, {"format": "pt"})
+    written = 0
+    with open(path, "wb") as f:
+        f.write(header)
+        for s in ordered:
+            for chunk in blocks.chunks(s):
+                f.write(chunk)
+                written += len(chunk)
+                progress.update(len(chunk))
+        f.flush()
+        os.fsync(f.fileno())
+    return len(header) + written
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint directory
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Result:
+    path: Path
+    cached: bool
+    params: dict[str, Any]
+    tensor_bytes: int = 0
+    file_bytes: int = 0
+    shards: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        p = self.params
+        what = f"{p['arch']} {p['dtype']} layers={p['layers']} scale={p['scale']} seed={p['seed']} tie={p['tie']}"
+        if self.cached:
+            return f"cached: {self.path} already holds {what}; nothing written"
+        gb = self.file_bytes / 1e9
+        rate = gb / self.seconds if self.seconds > 0 else float("inf")
+        return (
+            f"wrote {self.path}: {gb:.3f} GB in {self.shards} shard(s), {self.seconds:.1f} s, {rate:.2f} GB/s ({what})"
+        )
+
+
+def _read_marker(out: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((out / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _marker_matches(out: Path, params: dict[str, Any]) -> bool:
+    """True when ``out`` holds a complete checkpoint generated with ``params``."""
+    marker = _read_marker(out)
+    if marker is None or marker.get("params") != params:
+        return False
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return False
+    for name, size in files.items():
+        try:
+            if (out / name).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _generate(
+    out_dir: str | os.PathLike,
+    arch: str,
+    *,
+    dtype: str = "bf16",
+    layers: int | None = None,
+    scale: float = 1.0,
+    max_shard_size: int | str = "5GB",
+    seed: int = 0,
+    tie: bool | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> _Result:
+    from tqdm import tqdm
+    from transformers import GenerationConfig
+
+    out = Path(out_dir).absolute()
+    tdtype = _torch_dtype(dtype)
+    shard_limit = parse_size(max_shard_size)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    config = build_config(arch, dtype=tdtype, layers=layers, scale=scale, tie=tie)
+    params = {
+        "arch": arch,
+        "dtype": _DTYPE_SHORT[tdtype],
+        "layers": int(config.num_hidden_layers),
+        "scale": float(scale),
+        "seed": int(seed),
+        "tie": bool(config.tie_word_embeddings),
+        "max_shard_size": shard_limit,
+    }
+
+    if out.exists() or out.is_symlink():
+        if out.is_dir() and _marker_matches(out, params):
+            return _Result(out, True, params)
+        empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+        if not empty_dir and not force:
+            marker = _read_marker(out)
+            if marker is None:
+                why = f"it has no valid {MARKER_NAME} marker (not made by this script?)"
+            else:
+                old = marker.get("params")
+                old = old if isinstance(old, dict) else {}
+                diff = [f"{k}={old.get(k)!r} (requested {v!r})" for k, v in params.items() if old.get(k) != v]
+                why = (
+                    f"it was generated with {', '.join(diff)}"
+                    if diff
+                    else "its files do not match its marker (incomplete or modified)"
+                )
+            raise FileExistsError(f"{out} already exists and {why}; pass --force (force=True) to replace it")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"parent directory {out.parent} does not exist")
+
+    specs = weight_specs(config, tdtype)
+    shards = _plan_shards(specs, shard_limit)
+    tensor_bytes = sum(s.nbytes for s in specs)
+    n = len(shards)
+    names = [SINGLE_FILE_NAME] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    try:
+        blocks = _Blocks(tdtype, seed)
+        files: dict[str, int] = {}
+        with tqdm(
+            total=tensor_bytes,
+            unit="B",
+            unit_scale=True,
+            desc=f"{arch} {params['dtype']}",
+            file=sys.stderr,
+            disable=quiet,
+            mininterval=0.5,
+        ) as progress:
+            for name, shard in zip(names, shards, strict=True):
+                files[name] = _write_shard(tmp / name, shard, blocks, progress)
+        del blocks
+
+        cfg = json.loads(config.to_json_string(use_diff=True))  # as save_pretrained
+        # "torch_dtype" is the legacy key, read by transformers < 5 and other tools.
+        cfg["torch_dtype"] = cfg["dtype"]
+        _write_text(tmp / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if n > 1:
+            index = {
+                "metadata": {
+                    "total_parameters": sum(s.numel for s in specs),
+                    "total_size": tensor_bytes,
+                },
+                "weight_map": {s.name: name for name, shard in zip(names, shards, strict=True) for s in shard},
+            }
+            _write_text(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        marker = {
+            "format": MARKER_FORMAT,
+            "generator": "benchmarks/make_checkpoint.py",
+            "params": params,
+            "total_size": tensor_bytes,
+            "files": files,
+        }
+        for extra in ("config.json", "generation_config.json"):
+            _fsync_file(tmp / extra)
+        _write_text(tmp / MARKER_NAME, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        _fsync_dir(tmp)
+        installed = _install(tmp, out, params, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    if not installed:  # a concurrent run with the same parameters finished first
+        return _Result(out, True, params)
+    return _Result(out, False, params, tensor_bytes, sum(files.values()), n, seconds)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, out: Path, params: dict[str, Any], force: bool) -> bool:
+    """Rename ``tmp`` to ``out``, replacing an existing ``out`` only when ``force``.
+
+    Returns False (and removes ``tmp``) when a concurrent run installed the same checkpoint."""
+    trash = None
+    if (out.exists() or out.is_symlink()) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        if not force:  # appeared while we were writing
+            if out.is_dir() and _marker_matches(out, params):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            raise FileExistsError(f"{out} appeared while generating; pass --force to replace it")
+        trash = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(out, trash)
+    try:
+        os.rename(tmp, out)  # replaces an empty directory atomically
+    except OSError:
+        # A concurrent run with the same parameters may have won the race.
+        if out.is_dir() and _marker_matches(out, params):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+    _fsync_dir(out.parent)
+    if trash is not None:
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            trash.unlink()
+    return True
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike,
+    arch: str,
+    *,
+    dtype: str = "bf16",
+    layers: int | None = None,
+    scale: float = 1.0,
+    max_shard_size: int | str = "5GB",
+    seed: int = 0,
+    tie: bool | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> Path:
+    """Generate a Hugging Face model directory for ``arch`` with random weights at ``out_dir``.
+
+    The directory is written next to ``out_dir`` under a temporary name, fsynced, then renamed
+    to ``out_dir``, so it either exists complete or not at all. If ``out_dir`` already holds a
+    checkpoint made with the same parameters (per its ``tiered_checkpoint.json`` marker, and
+    all its files have their recorded sizes), nothing is written (cache hit).
+
+    Args:
+        out_dir: the directory to create. Its parent must exist. An existing empty directory is
+            replaced silently.
+        arch: a key of ``ARCHS``.
+        dtype: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the dtype of every tensor.
+        layers: number of decoder layers (default: the real model's).
+        scale: hidden/intermediate size factor in (0, 1]; see ``build_config``.
+        max_shard_size: largest shard, in bytes (int) or a string like ``"5GB"`` (decimal, as
+            transformers), ``"500MB"``, ``"2GiB"``. Tensors are taken in state-dict order and a
+            new shard starts when the next tensor would exceed it (a bigger tensor gets its own).
+        seed: random seed (integer >= 0); same arguments and seed give identical bytes.
+        tie: tie lm_head to the embedding (default: the real model's, untied for all ARCHS).
+        force: replace an ``out_dir`` that exists with other parameters or without a marker.
+        quiet: no tqdm progress bar (stderr) and no summary line (stdout).
+
+    Returns:
+        ``out_dir`` as an absolute ``pathlib.Path``.
+
+    Raises:
+        ValueError: bad ``arch``, ``dtype``, ``layers``, ``scale``, ``max_shard_size``, ``seed``.
+        FileExistsError: ``out_dir`` exists, is not empty and does not match, and not ``force``.
+        FileNotFoundError: the parent of ``out_dir`` does not exist.
+        OSError: writing failed (e.g. disk full); the temporary directory is removed.
+    """
+    result = _generate(
+        out_dir,
+        arch,
+        dtype=dtype,
+        layers=layers,
+        scale=scale,
+        max_shard_size=max_shard_size,
+        seed=seed,
+        tie=tie,
+        force=force,
+        quiet=quiet,
+    )
+    if not quiet:
+        print(result.summary(), flush=True)
+    return result.path
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _arg_parser() -> argparse.ArgumentParser:
+    archs = "\n".join(f"  {name:<15} {spec.description}" for name, spec in ARCHS.items())
+    parser = argparse.ArgumentParser(
+        prog="make_checkpoint.py",
+        description=(
+            "Generate a Hugging Face model directory (config.json, generation_config.json, "
+            "safetensors shards and index) at a real model's shapes with random weights, "
+            "offline. Shards are byte-identical to safetensors.torch.save_file output and are "
+            "streamed, so memory stays at a few MiB. The result is cached: re-running with the "
+            "same parameters on an existing OUT_DIR does nothing."
+        ),
+        epilog=f"archs:\n{archs}\n\nexample:\n  python benchmarks/make_checkpoint.py "
+        "--arch gptj-6b --dtype fp16 /data/gptj-6b-random",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create (its parent must exist)")
+    parser.add_argument(
+        "--arch",
+        required=True,
+        choices=list(ARCHS),
+        help="model architecture (see below)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=["fp16", "bf16", "fp32"],
+        help="dtype of every tensor: 2 bytes per parameter for fp16/bf16, 4 for fp32 (default: bf16)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of decoder layers, >= 1 (default: the real model's)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="factor in (0, 1] for hidden and intermediate sizes; head_dim is kept, the number "
+        "of heads is scaled, sizes stay multiples of 64; vocab is not scaled (default: 1.0)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard file, bytes or a number with a unit: KB/MB/GB/TB are decimal "
+        "(5GB = 5*10^9 bytes, as transformers), KiB/MiB/GiB/TiB binary (default: 5GB)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed, integer >= 0; same arguments and seed give identical bytes (default: 0)",
+    )
+    parser.add_argument(
+        "--tie",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tie lm_head.weight to the input embedding (--tie) or not (--no-tie); tied "
+        "checkpoints omit lm_head.weight (default: the real model's, untied for all archs)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it exists with other parameters or was not made by this script",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (the bar counts bytes, on stderr); the one-line summary is still printed on stdout",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0 ok or cached, 1 refused/failed,
+    2 bad arguments)."""
+    parser = _arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = _generate(
+            args.out_dir,
+            args.arch,
+            dtype=args.dtype,
+            layers=args.layers,
+            scale=args.scale,
+            max_shard_size=args.max_shard_size,
+            seed=args.seed,
+            tie=args.tie,
+            force=args.force,
+            quiet=args.quiet,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    except OSError as e:
+        print(f"make_checkpoint.py: error: {e}", file=sys.stderr)
+        return 1
+    print(result.summary(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
