@@ -20,7 +20,7 @@ from .ring import GiB, Ring
 from .stats import Stats, proc_status
 from .streamer import Streamer
 
-__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta"]
+__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta", "build_meta_model"]
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -122,6 +122,27 @@ def params_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = old  # type: ignore[method-assign]
+
+
+def build_meta_model(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    """``cls`` built from ``config`` with parameters on ``meta`` in ``dtype`` and buffers computed as
+    ``from_pretrained`` computes them.
+
+    ``from_pretrained`` re-initialises non-persistent buffers (rotary ``inv_freq``, GPT-J's
+    ``embed_positions``) after construction, under the default dtype (float32); computing them
+    during construction under ``dtype`` instead gives different bits (fp16 sinusoids), so this
+    calls ``initialize_weights()`` likewise (a no-op on the meta parameters).
+    """
+    with params_on_meta():
+        model = cls._from_config(config, dtype=dtype)
+    init = getattr(model, "initialize_weights", None)
+    nonpersistent = getattr(model, "named_non_persistent_buffers", None)
+    if callable(init) and callable(nonpersistent):
+        for key, _ in nonpersistent():
+            owner = model.get_submodule(key.rpartition(".")[0]) if "." in key else model
+            owner._is_hf_initialized = False  # post_init marked it done; from_pretrained redoes it
+        init()
+    return model.eval()
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -317,9 +338,7 @@ def load(
     if dt is None:
         dt = getattr(config, "dtype", None) or torch.float32
         dt = _dtype(dt.removeprefix("torch.")) if isinstance(dt, str) else dt
-    with params_on_meta():
-        model = cls._from_config(config, dtype=dt)
-    model.eval()
+    model = build_meta_model(cls, config, dt)
     gen = root / "generation_config.json"
     if gen.is_file() and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)

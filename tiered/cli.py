@@ -17,15 +17,14 @@ GiB = 1 << 30
 def _plan_for(model_dir: Path, dtype: str | None, device: str):
     import transformers
 
-    from .api import _dtype, params_on_meta
+    from .api import _dtype, build_meta_model
     from .format import open_checkpoint
     from .plan import build_plan
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
     dt = _dtype(dtype) or getattr(config, "dtype", None) or torch_float32()
-    with params_on_meta():
-        model = cls._from_config(config, dtype=dt)
+    model = build_meta_model(cls, config, dt)
     ckpt = open_checkpoint(model_dir)
     return config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
 

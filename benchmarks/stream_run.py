@@ -1,0 +1,141 @@
+"""One measured ``tiered`` generation run, printed as one JSON line (and appended to --out).
+
+Figures: load s, time to first token, decode s/token (median over steps), bytes streamed per
+token, GB/s per stage (disk->ring, ring->GPU), stalls, peak host RSS (VmHWM) over the RSS measured
+just before ``tiered.load`` (after ``import torch, transformers``), peak GPU memory.
+
+    python benchmarks/stream_run.py MODEL_DIR --ring-gb 1 --gpu-gb 2 --new-tokens 8 [--drop-caches]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tiered  # noqa: E402
+from tiered.stats import proc_status  # noqa: E402
+
+GiB = 1 << 30
+
+
+class _Clock:
+    """A generate() streamer that timestamps each new token (generate moves them to the CPU first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.first = True
+
+    def put(self, value) -> None:
+        if self.first:  # the prompt
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--ring-gb", type=float, default=1.0)
+    p.add_argument("--gpu-gb", type=float, default=None, help="GiB for resident units (default: all that fits)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
+    p.add_argument("--label", default="tiered")
+    p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
+    a = p.parse_args()
+
+    cold = drop_caches() if a.drop_caches else False
+    torch.manual_seed(0)
+    base = proc_status()["VmRSS"]
+    t0 = time.perf_counter()
+    model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
+                        gpu_gb=a.gpu_gb, threads=a.threads)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    ids = torch.randint(100, min(vocab, 30000), (1, a.prompt_len), device=model.device)
+    clock = _Clock()
+    s0 = tiered.stats(model).read_bytes
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
+                             streamer=clock, pad_token_id=0)
+    total = time.perf_counter() - t1
+    s = tiered.stats(model)
+    snap = s.snapshot()
+    steps = [b - a_ for a_, b in zip(clock.times, clock.times[1:])]
+    n = out.shape[1] - ids.shape[1]
+    res = {
+        "label": a.label,
+        "model_dir": str(a.model_dir),
+        "device": str(model.device),
+        "gpu": torch.cuda.get_device_name() if model.device.type == "cuda" else None,
+        "cold_cache": cold,
+        "ring_gb": a.ring_gb,
+        "gpu_gb": a.gpu_gb,
+        "threads": a.threads,
+        "prefetch": a.prefetch,
+        "model_gb": snap["model_bytes"] / 1e9,
+        "units": snap["units"],
+        "resident_units": snap["resident_units"],
+        "load_s": load_s,
+        "ttft_s": clock.times[0] - t1 if clock.times else None,
+        "decode_s_per_token_median": statistics.median(steps) if steps else None,
+        "tokens": n,
+        "generate_s": total,
+        "streamed_gb": (snap["read_bytes"] - s0) / 1e9,
+        "streamed_gb_per_token": (snap["read_bytes"] - s0) / 1e9 / max(1, n),
+        "read_gbps": snap["read_gbps"],
+        "h2d_gbps": snap["h2d_gbps"],
+        "end_to_end_gbps": (snap["read_bytes"] - s0) / total / 1e9,
+        "stall_s": snap["stall_s"],
+        "hits": snap["hits"],
+        "misses": snap["misses"],
+        "ring_high_water_gb": snap["ring_high_water"] / GiB,
+        "rss_base_gb": base / GiB,
+        "peak_rss_over_base_gb": (snap["peak_rss"] - base) / GiB,
+        "peak_rss_gb": snap["peak_rss"] / GiB,
+        "gpu_peak_gb": torch.cuda.max_memory_allocated() / GiB if model.device.type == "cuda" else None,
+        "tokens_out": out[0, ids.shape[1]:].tolist(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    model.close()
+    line = json.dumps(res)
+    print(line, flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
