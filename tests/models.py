@@ -1,0 +1,264 @@
+"""Tiny random-weight checkpoints written the way Hugging Face writes them (no hub access).
+
+Every builder makes a model from a config, overwrites *every* parameter with seeded random
+values (``from_config`` leaves norms at one and biases at zero, which would hide a wrong
+binding), checks nothing is all-zero, and ``save_pretrained``s it into ``path``: sharded
+(``max_shard_size`` small, so units straddle shards) or as one ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+
+__all__ = [
+    "VOCAB",
+    "randomize_",
+    "save_model",
+    "llama",
+    "gptj",
+    "gpt2",
+    "bert",
+    "mixtral",
+    "qwen2_moe",
+    "BUILDERS",
+    "checkpoint_keys",
+    "MLPStack",
+]
+
+VOCAB = 256  # token ids of the test inputs are drawn from [0, VOCAB)
+
+
+def randomize_(model: nn.Module, *, seed: int, std: float = 0.1) -> None:
+    """Overwrite every parameter in place with seeded N(0, std) values (1-D norm weights: 1 + N(0, std)).
+
+    Tied parameters are one object and are written once. Raises AssertionError if any parameter ends up all zero.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
+            if p.dim() == 1 and name.endswith("weight"):  # norm scales around one
+                r += 1.0
+            p.copy_(r.to(p.dtype))
+            assert p.abs().sum().item() > 0, f"{name} is all zero"
+            assert p.std().item() > 0 if p.numel() > 1 else True, f"{name} is constant"
+
+
+def save_model(
+    model: transformers.PreTrainedModel,
+    path: Path,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    max_shard_size: str | None,
+    std: float = 0.1,
+) -> Path:
+    """Randomize ``model``, cast it to ``dtype`` and ``save_pretrained`` it into ``path`` (sharded or not)."""
+    randomize_(model, seed=seed, std=std)
+    model.to(dtype)
+    model.config.dtype = dtype
+    model.eval()
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {"max_shard_size": "10GB"}
+    model.save_pretrained(path, **kw)
+    sharded = (path / "model.safetensors.index.json").is_file()
+    assert sharded == (max_shard_size is not None), f"{path}: expected sharded={max_shard_size is not None}"
+    if sharded:
+        files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+        assert len(files) >= 3, f"{path}: only {len(files)} shards; lower max_shard_size"
+    return path
+
+
+def checkpoint_keys(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of the checkpoint in ``path``: name -> (shard file name, shape)."""
+    out: dict[str, tuple[str, list[int]]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                out[k] = (f.name, list(st.get_slice(k).get_shape()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- builders
+# Each returns the directory it wrote. Shapes are tiny; 4 layers so a streamed run has more units
+# than a ring of 2-3 units holds.
+
+
+def llama(
+    path: Path,
+    *,
+    tied: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: str | None = "40KB",
+    seed: int = 1,
+) -> Path:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+    # a tied checkpoint stores the embedding once: tiered must bind lm_head from it
+    assert ("lm_head.weight" in checkpoint_keys(path)) == (not tied)
+    return path
+
+
+def gptj(path: Path, *, dtype: torch.dtype = torch.float16, max_shard_size: str | None = "40KB", seed: int = 2) -> Path:
+    cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=4, n_head=4, rotary_dim=8)
+    return save_model(transformers.GPTJForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def gpt2(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = "60KB", seed: int = 3) -> Path:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=4, n_head=4)
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+    assert "lm_head.weight" not in checkpoint_keys(path)
+    return path
+
+
+def bert(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = "60KB", seed: int = 4) -> Path:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    return save_model(transformers.BertModel(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def mixtral(
+    path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "40KB", seed: int = 5
+) -> Path:
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    save_model(transformers.MixtralForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+    keys = checkpoint_keys(path)
+    # transformers 5 fuses experts in memory but save_pretrained writes the legacy per-expert layout:
+    # that is what exercises tiered's conversion path. Write it ourselves if it ever stops doing so.
+    if "model.layers.0.block_sparse_moe.experts.0.w1.weight" not in keys:  # pragma: no cover
+        _write_legacy_mixtral(path, cfg)
+        keys = checkpoint_keys(path)
+    for layer in range(cfg.num_hidden_layers):
+        for e in range(cfg.num_local_experts):
+            for w in ("w1", "w2", "w3"):
+                assert f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+    return path
+
+
+def _write_legacy_mixtral(path: Path, cfg: transformers.MixtralConfig) -> None:  # pragma: no cover
+    """Rewrite a fused Mixtral checkpoint in the per-expert layout (w1/w3 = gate/up halves, w2 = down)."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(path.glob("*.safetensors"))
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(f))
+        f.unlink()
+    idx = path / "model.safetensors.index.json"
+    if idx.exists():
+        idx.unlink()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            pre = k[: -len("mlp.experts.gate_up_proj")] + "block_sparse_moe.experts"
+            for e in range(v.shape[0]):
+                g, u = v[e].chunk(2, dim=0)  # (2*I, H) -> (I, H), (I, H)
+                out[f"{pre}.{e}.w1.weight"] = g.contiguous()
+                out[f"{pre}.{e}.w3.weight"] = u.contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            pre = k[: -len("mlp.experts.down_proj")] + "block_sparse_moe.experts"
+            for e in range(v.shape[0]):
+                out[f"{pre}.{e}.w2.weight"] = v[e].contiguous()
+        elif ".mlp.gate." in k:
+            out[k.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = v
+        else:
+            out[k] = v
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def qwen2_moe(
+    path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "40KB", seed: int = 6
+) -> Path:
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    save_model(transformers.Qwen2MoeForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+    keys = checkpoint_keys(path)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys, sorted(keys)[:20]
+    return path
+
+
+#: name -> (builder, kwargs, AutoModel class used as the reference, causal LM?)
+BUILDERS: dict[str, tuple[Callable[..., Path], dict, type, bool]] = {
+    "llama": (llama, {}, transformers.AutoModelForCausalLM, True),
+    "llama_tied_single": (llama, {"tied": True, "max_shard_size": None}, transformers.AutoModelForCausalLM, True),
+    "llama_fp32": (llama, {"dtype": torch.float32, "seed": 7}, transformers.AutoModelForCausalLM, True),
+    "gptj": (gptj, {}, transformers.AutoModelForCausalLM, True),  # fp16, like GPT-J-6B's published weights
+    "gpt2": (gpt2, {}, transformers.AutoModelForCausalLM, True),
+    "gpt2_single": (gpt2, {"max_shard_size": None}, transformers.AutoModelForCausalLM, True),
+    "bert": (bert, {}, transformers.AutoModel, False),
+    "bert_single": (bert, {"max_shard_size": None}, transformers.AutoModel, False),
+    "mixtral": (mixtral, {}, transformers.AutoModelForCausalLM, True),
+    "qwen2_moe": (qwen2_moe, {}, transformers.AutoModelForCausalLM, True),
+}
+
+
+# ---------------------------------------------------------------------------------------------- plain module
+
+
+class MLPStack(nn.Module):
+    """A non-transformers module for ``tiered.attach``: embedding-free MLP blocks in a ModuleList + a head."""
+
+    def __init__(self, width: int = 64, depth: int = 4, out: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, width) -> (B, out)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(self.norm(x))

@@ -1,0 +1,321 @@
+"""tiered vs stock transformers, bit for bit, resident and streamed, on tiny random checkpoints and a real one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import Checkpoints, streaming_ring_gb
+from models import BUILDERS, VOCAB, MLPStack
+from safetensors.torch import load_file, save_file
+
+import tiered
+from tiered.api import params_on_meta
+
+ALL = list(BUILDERS)
+CAUSAL = [n for n, (_, _, _, causal) in BUILDERS.items() if causal]
+MODES = ["resident", "streamed"]
+RESIDENT_GB = 1.0  # far more than any test checkpoint: everything stays in the ring
+
+
+def _ids(batch: int = 2, seq: int = 10, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _inputs(causal: bool) -> dict[str, torch.Tensor]:
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    if not causal:
+        mask[1, -3:] = 0  # padding in the second row: exercises the attention mask
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class References:
+    """Stock ``from_pretrained`` models and their outputs, computed once per checkpoint."""
+
+    def __init__(self, ckpts: Checkpoints) -> None:
+        self.ckpts = ckpts
+        self.models: dict[str, torch.nn.Module] = {}
+        self.outputs: dict[str, object] = {}
+        self.generated: dict[str, torch.Tensor] = {}
+        self.rings: dict[str, float] = {}
+
+    def model(self, name: str) -> torch.nn.Module:
+        if name not in self.models:
+            auto = BUILDERS[name][2]
+            self.models[name] = auto.from_pretrained(self.ckpts[name]).eval()
+        return self.models[name]
+
+    def output(self, name: str):
+        if name not in self.outputs:
+            with torch.no_grad():
+                self.outputs[name] = self.model(name)(**_inputs(BUILDERS[name][3]))
+        return self.outputs[name]
+
+    def generate(self, name: str) -> torch.Tensor:
+        if name not in self.generated:
+            self.generated[name] = _generate(self.model(name))
+        return self.generated[name]
+
+    def ring_gb(self, name: str) -> float:
+        """A ring that streams ``name`` (holds ~3 units, not the whole model)."""
+        if name not in self.rings:
+            with tiered.load(self.ckpts[name], device="cpu", ring_gb=RESIDENT_GB) as m:
+                self.rings[name] = streaming_ring_gb(m)
+        return self.rings[name]
+
+
+def _generate(model: torch.nn.Module) -> torch.Tensor:
+    inp = _inputs(True)
+    with torch.no_grad():
+        return model.generate(**inp, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def refs(ckpts: Checkpoints) -> References:
+    return References(ckpts)
+
+
+def _load(name: str, mode: str, ckpts: Checkpoints, refs: References, **kw) -> torch.nn.Module:
+    ring = RESIDENT_GB if mode == "resident" else refs.ring_gb(name)
+    return tiered.load(ckpts[name], device="cpu", ring_gb=ring, **kw)
+
+
+def _check_mode(m: torch.nn.Module, mode: str) -> None:
+    s = tiered.stats(m).snapshot()
+    assert s["units"] == len(m._tiered.plan.units) > 0
+    if mode == "resident":
+        assert s["resident_units"] == s["units"], s
+        assert s["misses"] == 0 and s["hits"] == 0, s
+        # loaded exactly once
+        assert s["read_bytes"] == sum(u.src_bytes for u in m._tiered.plan.units), s
+    else:
+        assert s["resident_units"] == 0, s
+        assert s["hits"] > 0, s
+        assert s["read_bytes"] > sum(u.src_bytes for u in m._tiered.plan.units), s  # 2 passes: read twice
+        assert s["ring_high_water"] <= s["ring_bytes"], s
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_buffers_match_from_pretrained(name: str, ckpts: Checkpoints, refs: References) -> None:
+    """Buffers computed at construction (rotary tables, position ids) equal from_pretrained's.
+
+    from_pretrained recomputes non-persistent buffers after loading (``initialize_weights``, in the default
+    fp32); a model built under ``dtype=fp16/bf16`` computes them in that dtype instead.
+    """
+    want = dict(refs.model(name).named_buffers())
+    with tiered.load(ckpts[name], device="cpu", ring_gb=RESIDENT_GB) as m:
+        got = dict(m.named_buffers())
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype, k
+            assert torch.equal(got[k], v), f"buffer {k}: max diff {(got[k].double() - v.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ALL)
+def test_forward_and_generate_match_transformers(name: str, mode: str, ckpts: Checkpoints, refs: References) -> None:
+    causal = BUILDERS[name][3]
+    ref = refs.output(name)
+    with _load(name, mode, ckpts, refs) as m:
+        assert type(m).__name__ == type(refs.model(name)).__name__
+        assert m.dtype == refs.model(name).dtype
+        assert m.device == torch.device("cpu")
+        for _ in range(2):  # the second pass streams everything again (or reuses the resident set)
+            with torch.no_grad():
+                out = m(**_inputs(causal))
+            if causal:
+                assert torch.equal(out.logits, ref.logits), (out.logits - ref.logits).abs().max()
+            else:
+                assert torch.equal(out.last_hidden_state, ref.last_hidden_state)
+                assert torch.equal(out.pooler_output, ref.pooler_output)
+        if causal:
+            gen = _generate(m)
+            want = refs.generate(name)
+            assert gen.shape == want.shape and torch.equal(gen, want), (gen, want)
+            assert (gen[:, -8:] != gen[:, -9:-8]).any(), "degenerate generation: weights too small?"
+        _check_mode(m, mode)
+        text = str(tiered.stats(m))
+        assert "hits/misses" in text and "GiB" in text
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 4])
+def test_streamed_prefetch_depths(prefetch: int, ckpts: Checkpoints, refs: References) -> None:
+    ref = refs.output("llama")
+    with _load("llama", "streamed", ckpts, refs, prefetch=prefetch, threads=1) as m:
+        with torch.no_grad():
+            out = m(**_inputs(True))
+        assert torch.equal(out.logits, ref.logits)
+        s = tiered.stats(m).snapshot()
+        assert s["resident_units"] == 0
+        if prefetch == 0:
+            assert s["hits"] == 0 and s["misses"] == s["units_streamed"] > 0, s
+
+
+def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:
+    """Guard against a vacuous pass: different seeds give different logits, so equality above means something."""
+    a = refs.output("llama").logits
+    b = refs.output("llama_tied_single").logits
+    assert not torch.equal(a, b)
+    assert a.abs().max() > 0 and a.std() > 0
+
+
+# ---------------------------------------------------------------------------------------------- dtype cast
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_dtype_cast_matches_from_pretrained(dtype, mode: str, ckpts: Checkpoints, refs: References) -> None:
+    d = ckpts["llama_fp32"]
+    assert load_file(next(d.glob("*.safetensors")).as_posix()).popitem()[1].dtype == torch.float32
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = ref(**_inputs(True)).logits
+    with _load("llama_fp32", mode, ckpts, refs, dtype=dtype) as m:
+        assert m.dtype == torch.bfloat16
+        with torch.no_grad():
+            got = m(**_inputs(True)).logits
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        assert torch.equal(_generate(m), _generate(ref))
+
+
+# ---------------------------------------------------------------------------------------------- real checkpoint
+
+
+SENTENCES = [
+    "Weights stay on NVMe in safetensors shards.",
+    "A small fixed ring of host memory bounds the resident set size.",
+    "hello",
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_minilm_l6_v2_matches_transformers(mode: str, minilm_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tok(SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    ref = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        want = ref(**batch)
+
+    def pool(h: torch.Tensor) -> torch.Tensor:  # mean over real tokens: (B, T, H) -> (B, H)
+        mask = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+        return torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1).clamp(min=1e-9), dim=-1)
+
+    ring = RESIDENT_GB
+    if mode == "streamed":
+        with tiered.load(minilm_dir, device="cpu", ring_gb=RESIDENT_GB) as m:
+            ring = streaming_ring_gb(m)
+    with tiered.load(minilm_dir, device="cpu", ring_gb=ring) as m:
+        assert type(m).__name__ == "BertModel"
+        for _ in range(2):
+            with torch.no_grad():
+                got = m(**batch)
+            assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+            assert torch.equal(got.pooler_output, want.pooler_output)
+        emb, ref_emb = pool(got.last_hidden_state), pool(want.last_hidden_state)
+        assert torch.equal(emb, ref_emb)
+        sims = emb @ emb.T
+        assert sims.diagonal().allclose(torch.ones(3)) and not torch.equal(emb[0], emb[1])  # sane embeddings
+        _check_mode(m, mode)
+
+
+# ---------------------------------------------------------------------------------------------- attach
+
+
+@pytest.fixture(scope="session")
+def mlp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("mlp")
+    torch.manual_seed(11)
+    ref = MLPStack()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    assert all(p.abs().sum() > 0 for p in ref.parameters())
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, d / "model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("ring_gb", [RESIDENT_GB, 160 * 1024 / 2**30])  # 160 KiB: ~2 blocks of 66 KiB
+def test_attach_plain_module(ring_gb: float, mlp_dir: Path) -> None:
+    ref = MLPStack()
+    ref.load_state_dict(load_file(mlp_dir / "model.safetensors"))
+    ref.eval()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(x)
+    with params_on_meta():
+        mod = MLPStack()
+    assert all(p.device.type == "meta" for p in mod.parameters())
+    m = tiered.attach(mod, mlp_dir, ring_gb=ring_gb, device="cpu")
+    assert m is mod
+    try:
+        assert {u.name for u in m._tiered.plan.units} >= {"blocks.0", "blocks.3", "norm", "head"}
+        for _ in range(2):
+            with torch.no_grad():
+                got = m(x)
+            assert torch.equal(got, want)
+        s = tiered.stats(m).snapshot()
+        if ring_gb == RESIDENT_GB:
+            assert s["resident_units"] == s["units"]
+        else:
+            assert s["resident_units"] == 0 and s["hits"] > 0, s
+            assert all(p.device.type == "meta" for p in m.parameters())  # unbound between passes
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+
+def test_close_removes_hooks_and_context_manager(ckpts: Checkpoints, refs: References) -> None:
+    m = _load("llama", "streamed", ckpts, refs)
+    units = [u.module for u in m._tiered.plan.units]
+    before = [len(u._forward_pre_hooks) + len(u._forward_hooks) for u in units]
+    assert all(n >= 2 for n in before), before
+    m.close()
+    assert all(len(u._forward_pre_hooks) == 0 and len(u._forward_hooks) == 0 for u in units)
+    assert m._tiered.closed
+    m.close()  # idempotent
+    tiered.close(m)
+
+    with _load("llama", "streamed", ckpts, refs) as m2:
+        units = [u.module for u in m2._tiered.plan.units]
+        assert all(len(u._forward_pre_hooks) >= 1 for u in units)
+        with torch.no_grad():
+            assert torch.equal(m2(**_inputs(True)).logits, refs.output("llama").logits)
+    assert m2._tiered.closed
+    assert all(len(u._forward_pre_hooks) == 0 for u in units)
+    assert not any(t.is_alive() for t in [m2._tiered.streamer._loader])
+
+
+def test_resident_close_unbinds(ckpts: Checkpoints, refs: References) -> None:
+    with _load("gpt2", "resident", ckpts, refs) as m:
+        assert all(p.device.type == "cpu" for p in m.parameters())
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+
+def test_out_of_order_unit_calls(ckpts: Checkpoints, refs: References) -> None:
+    """A unit called outside the predicted order (lm_head right after lm_head, norm alone) is loaded on demand."""
+    ref = refs.model("llama")
+    want = refs.output("llama").logits
+    with _load("llama", "streamed", ckpts, refs) as m:
+        with torch.no_grad():
+            out = m(**_inputs(True), output_hidden_states=True)
+            assert torch.equal(out.logits, want)
+            h = out.hidden_states[-1]
+            misses = tiered.stats(m).misses
+            assert torch.equal(m.lm_head(h), ref.lm_head(h))
+            assert torch.equal(m.lm_head(h * 2), ref.lm_head(h * 2))  # same unit twice in a row
+            assert torch.equal(m.model.norm(h), ref.model.norm(h))
+            assert torch.equal(m.model.embed_tokens(_ids()), ref.model.embed_tokens(_ids()))
+            assert torch.equal(m.lm_head(h), ref.lm_head(h))
+            assert tiered.stats(m).misses > misses
+            # and a full pass afterwards is still exact
+            assert torch.equal(m(**_inputs(True)).logits, want)
+            assert torch.equal(_generate(m), refs.generate("llama"))

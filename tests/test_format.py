@@ -1,0 +1,410 @@
+"""safetensors header validation (tiered.format) against files written by safetensors and crafted bad ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tiered.errors import (
+    DuplicateTensorError,
+    HeaderError,
+    ShardNotFoundError,
+    TieredError,
+    TruncatedShardError,
+)
+from tiered.format import DTYPES, MAX_HEADER_SIZE, open_checkpoint, read_header
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def raw_file(path: Path, header: dict | bytes, data: bytes = b"", *, n: int | None = None) -> Path:
+    """Write ``path`` byte by byte: 8-byte LE header size (``n`` overrides it), the header, the data section."""
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h) if n is None else n) + h + data)
+    return path
+
+
+def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c.f16": torch.randn(2, 2, 2, generator=g).to(torch.float16),
+        "d.i64": torch.randint(-(2**40), 2**40, (4,), generator=g),
+        "e.u8": torch.randint(0, 255, (9,), generator=g).to(torch.uint8),
+        "f.bool": torch.tensor([True, False, True]),
+        "g.scalar": torch.tensor(1.5, dtype=torch.float64),
+        "h.empty": torch.empty(0, 4),
+        "i.i8": torch.randint(-100, 100, (5,), generator=g).to(torch.int8),
+    }
+
+
+def assert_names_file(err: pytest.ExceptionInfo, path: Path, *also: str) -> None:
+    msg = str(err.value)
+    assert str(path) in msg or path.name in msg, f"message does not name {path}: {msg}"
+    for s in also:
+        assert s in msg, f"message does not name {s!r}: {msg}"
+
+
+# ---------------------------------------------------------------------------------------------- valid files
+
+
+def test_read_header_equals_safe_open(tmp_path: Path) -> None:
+    tensors = sample_tensors()
+    p = tmp_path / "ok.safetensors"
+    save_file(tensors, p, metadata={"format": "pt", "note": "x"})
+    shard = read_header(p)
+    assert shard.path == p and shard.file_size == p.stat().st_size
+    assert shard.metadata == {"format": "pt", "note": "x"}
+    with safe_open(p, "pt") as f:
+        assert set(shard.tensors) == set(f.keys())
+        for name in f.keys():
+            info, ref = shard.tensors[name], f.get_tensor(name)
+            assert info.name == name
+            assert info.shape == tuple(ref.shape), name
+            assert info.dtype == ref.dtype, name
+            assert info.nbytes == ref.numel() * ref.element_size()
+            assert info.file == p
+    # offsets are absolute and point at the tensor's bytes
+    blob = p.read_bytes()
+    for name, t in tensors.items():
+        info = shard.tensors[name]
+        got = blob[info.offset : info.offset + info.nbytes]
+        assert got == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else got == b"", name
+    # in data-offset order, starting at the data section
+    offs = [t.offset for t in shard.tensors.values()]
+    assert offs == sorted(offs) and offs[0] == shard.data_start
+
+
+def test_read_header_no_metadata_and_padding(tmp_path: Path) -> None:
+    data = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    h = json.dumps({"x": entry("F32", [2, 3], 0, 24)}).encode() + b"     "  # padded with spaces, as allowed
+    p = raw_file(tmp_path / "pad.safetensors", h, data)
+    shard = read_header(p)
+    assert shard.metadata is None
+    assert shard.data_start == 8 + len(h)
+    assert shard.tensors["x"].offset == 8 + len(h) and shard.tensors["x"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_every_dtype_round_trips(name: str, tmp_path: Path) -> None:
+    dt = DTYPES[name]
+    n = 2 * dt.itemsize
+    p = raw_file(tmp_path / "d.safetensors", {"t": entry(name, [2], 0, n)}, bytes(range(n)))
+    assert read_header(p).tensors["t"].dtype == dt
+
+
+def test_models_written_by_save_pretrained(ckpts) -> None:
+    d = ckpts["llama"]
+    ck = open_checkpoint(d)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(ck.tensors) == set(idx)
+    for name, t in ck.tensors.items():
+        assert t.file.name == idx[name]
+    assert ck.nbytes == sum(t.nbytes for t in ck.tensors.values()) > 0
+
+
+# ---------------------------------------------------------------------------------------------- bad headers
+
+
+def test_file_shorter_than_size_field(tmp_path: Path) -> None:
+    p = tmp_path / "tiny.safetensors"
+    p.write_bytes(b"\x10\x00\x00")
+    with pytest.raises(TruncatedShardError) as e:
+        read_header(p)
+    assert_names_file(e, p)
+
+
+def test_header_size_larger_than_file(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "big.safetensors", b'{"a": 1}', n=10_000)
+    with pytest.raises(TruncatedShardError) as e:
+        read_header(p)
+    assert_names_file(e, p, "10000")
+
+
+def test_header_size_cap(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "cap.safetensors", b"{}", n=MAX_HEADER_SIZE + 1)
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert not isinstance(e.value, TruncatedShardError)
+    assert_names_file(e, p, str(MAX_HEADER_SIZE))
+
+
+@pytest.mark.parametrize("header", [b"not json at all", b"\xff\xfe{}", b'{"a": ', b"[1, 2, 3]", b'"str"'])
+def test_header_not_json_object(header: bytes, tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "nj.safetensors", header)
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert_names_file(e, p)
+
+
+def test_unknown_dtype(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "dt.safetensors", {"w": entry("F7", [2], 0, 2)}, b"\0\0")
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert_names_file(e, p, "'w'", "F7")
+
+
+@pytest.mark.parametrize("shape", [[-1, 2], [True, 2], [2.0], "2", [None], {"0": 1}])
+def test_bad_shape(shape, tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "sh.safetensors", {"w": entry("F32", shape, 0, 8)}, bytes(8))
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert_names_file(e, p, "'w'")
+
+
+@pytest.mark.parametrize("offsets", [[0, 12], [0, 4], [4, 0], [0], [0, 8, 16], [False, 8], [0.0, 8], "0-8", [-8, 0]])
+def test_offsets_not_matching_shape(offsets, tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "of.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": offsets}}, bytes(8))
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert_names_file(e, p, "'w'")
+
+
+def test_entry_with_extra_or_missing_fields(tmp_path: Path) -> None:
+    e1 = entry("F32", [2], 0, 8) | {"extra": 1}
+    p = raw_file(tmp_path / "x.safetensors", {"w": e1}, bytes(8))
+    with pytest.raises(HeaderError, match="'w'"):
+        read_header(p)
+    p = raw_file(tmp_path / "y.safetensors", {"w": {"dtype": "F32", "shape": [2]}}, bytes(8))
+    with pytest.raises(HeaderError, match="'w'"):
+        read_header(p)
+    p = raw_file(tmp_path / "z.safetensors", {"w": [1, 2]}, bytes(8))
+    with pytest.raises(HeaderError, match="'w'"):
+        read_header(p)
+
+
+def test_bad_metadata(tmp_path: Path) -> None:
+    h = {"__metadata__": {"format": 1}, "w": entry("F32", [2], 0, 8)}
+    p = raw_file(tmp_path / "md.safetensors", h, bytes(8))
+    with pytest.raises(HeaderError) as e:
+        read_header(p)
+    assert_names_file(e, p, "__metadata__")
+
+
+def test_hole(tmp_path: Path) -> None:
+    h = {"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 12, 20)}
+    p = raw_file(tmp_path / "hole.safetensors", h, bytes(20))
+    with pytest.raises(HeaderError, match="hole") as e:
+        read_header(p)
+    assert not isinstance(e.value, TruncatedShardError)
+    assert_names_file(e, p, "'b'")
+
+
+def test_hole_at_start(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "hole0.safetensors", {"a": entry("F32", [2], 4, 12)}, bytes(12))
+    with pytest.raises(HeaderError, match="hole") as e:
+        read_header(p)
+    assert_names_file(e, p, "'a'")
+
+
+def test_overlap(tmp_path: Path) -> None:
+    h = {"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}
+    p = raw_file(tmp_path / "ov.safetensors", h, bytes(12))
+    with pytest.raises(HeaderError, match="overlap") as e:
+        read_header(p)
+    assert_names_file(e, p, "'b'")
+
+
+def test_same_offsets_twice(tmp_path: Path) -> None:
+    h = {"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 0, 8)}
+    p = raw_file(tmp_path / "dup.safetensors", h, bytes(8))
+    with pytest.raises(HeaderError, match="overlap"):
+        read_header(p)
+
+
+def test_trailing_bytes(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "tr.safetensors", {"a": entry("F32", [2], 0, 8)}, bytes(8 + 3))
+    with pytest.raises(HeaderError, match="trailing") as e:
+        read_header(p)
+    assert not isinstance(e.value, TruncatedShardError)
+    assert_names_file(e, p, "3")
+
+
+def test_trailing_bytes_after_empty_header(tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "tr0.safetensors", {}, bytes(5))
+    with pytest.raises(HeaderError, match="trailing"):
+        read_header(p)
+
+
+@pytest.mark.parametrize("cut", [1, 100, "data"])
+def test_truncated_data_section(cut, tmp_path: Path) -> None:
+    p = tmp_path / "cut.safetensors"
+    save_file(sample_tensors(), p)
+    full = p.read_bytes()
+    shard = read_header(p)
+    keep = shard.data_start if cut == "data" else len(full) - cut
+    p.write_bytes(full[:keep])
+    with pytest.raises(TruncatedShardError) as e:
+        read_header(p)
+    assert_names_file(e, p)
+    assert "truncated" in str(e.value)
+
+
+def test_truncated_inside_header(tmp_path: Path) -> None:
+    p = tmp_path / "cuth.safetensors"
+    save_file(sample_tensors(), p)
+    full = p.read_bytes()
+    p.write_bytes(full[:20])
+    with pytest.raises(TruncatedShardError) as e:
+        read_header(p)
+    assert_names_file(e, p)
+
+
+def test_errors_are_tiered_errors() -> None:
+    for cls in (HeaderError, TruncatedShardError, ShardNotFoundError, DuplicateTensorError):
+        assert issubclass(cls, TieredError)
+    assert issubclass(TruncatedShardError, HeaderError)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def write_sharded(root: Path, shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str] | None = None):
+    """Write each shard with safetensors and an index (``weight_map`` overrides the true one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    true_map = {}
+    for fname, tensors in shards.items():
+        save_file(tensors, root / fname)
+        true_map.update({k: fname for k in tensors})
+    doc = {"metadata": {"total_size": 0}, "weight_map": true_map if weight_map is None else weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(doc))
+    return root
+
+
+def two_shards() -> dict[str, dict[str, torch.Tensor]]:
+    t = sample_tensors()
+    names = sorted(t)
+    return {
+        "model-00001-of-00002.safetensors": {k: t[k] for k in names[:4]},
+        "model-00002-of-00002.safetensors": {k: t[k] for k in names[4:]},
+    }
+
+
+def test_open_sharded_checkpoint(tmp_path: Path) -> None:
+    root = write_sharded(tmp_path / "m", two_shards())
+    ck = open_checkpoint(root)
+    assert len(ck.shards) == 2
+    assert set(ck.tensors) == set(sample_tensors())
+    assert ck.tensors["a.weight"].file.name == "model-00001-of-00002.safetensors"
+
+
+def test_open_single_file_and_glob(tmp_path: Path) -> None:
+    save_file(sample_tensors(), tmp_path / "model.safetensors")
+    assert set(open_checkpoint(tmp_path).tensors) == set(sample_tensors())
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"x": torch.ones(2)}, other / "weights.safetensors")
+    assert set(open_checkpoint(other).tensors) == {"x"}
+
+
+def test_index_names_missing_shard(tmp_path: Path) -> None:
+    root = write_sharded(tmp_path / "m", two_shards())
+    (root / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ShardNotFoundError) as e:
+        open_checkpoint(root)
+    assert_names_file(e, root / "model.safetensors.index.json", "model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("bad", ["../x.safetensors", "sub/../../x.safetensors", "ABS"])
+def test_shard_path_escaping_dir(bad: str, tmp_path: Path) -> None:
+    outside = tmp_path / "x.safetensors"
+    save_file({"secret": torch.ones(3)}, outside)  # it exists: it must still not be read
+    if bad == "ABS":
+        bad = str(outside)
+    root = tmp_path / "m"
+    write_sharded(root, {"model-1.safetensors": {"a": torch.ones(2)}}, {"a": "model-1.safetensors", "secret": bad})
+    with pytest.raises(ShardNotFoundError) as e:
+        open_checkpoint(root)
+    assert_names_file(e, root / "model.safetensors.index.json", bad)
+
+
+def test_hf_cache_symlinked_shards(tmp_path: Path) -> None:
+    """The Hugging Face hub cache layout: snapshots/<rev>/<shard> are symlinks to ../../blobs/<hash>.
+
+    The shard *names* stay inside the directory; their targets do not. from_pretrained loads such a
+    directory, and so must tiered (it is where every downloaded checkpoint lives).
+    """
+    src = write_sharded(tmp_path / "src", two_shards())
+    blobs = tmp_path / "cache" / "blobs"
+    snap = tmp_path / "cache" / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        blob = blobs / f"{i:040x}"
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    ck = open_checkpoint(snap)
+    assert set(ck.tensors) == set(sample_tensors())
+
+
+def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:
+    shards = two_shards()
+    shards["model-00002-of-00002.safetensors"]["a.weight"] = torch.zeros(3, 5)
+    root = write_sharded(tmp_path / "m", shards)
+    with pytest.raises(DuplicateTensorError) as e:
+        open_checkpoint(root)
+    msg = str(e.value)
+    assert "'a.weight'" in msg
+    assert "model-00001-of-00002.safetensors" in msg and "model-00002-of-00002.safetensors" in msg
+
+
+def test_duplicate_tensor_without_index(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "one.safetensors")
+    save_file({"a": torch.ones(2)}, tmp_path / "two.safetensors")
+    with pytest.raises(DuplicateTensorError, match="'a'"):
+        open_checkpoint(tmp_path)
+
+
+def test_index_disagrees_with_shards(tmp_path: Path) -> None:
+    shards = two_shards()
+    wm = {k: f for f, ts in shards.items() for k in ts}
+    wm["a.weight"] = "model-00002-of-00002.safetensors"  # it is really in shard 1
+    root = write_sharded(tmp_path / "m", shards, wm)
+    with pytest.raises(HeaderError) as e:
+        open_checkpoint(root)
+    assert_names_file(e, root / "model.safetensors.index.json", "'a.weight'")
+    wm = {k: f for f, ts in shards.items() for k in ts} | {"ghost": "model-00001-of-00002.safetensors"}
+    root = write_sharded(tmp_path / "m2", shards, wm)
+    with pytest.raises(HeaderError, match="'ghost'"):
+        open_checkpoint(root)
+
+
+@pytest.mark.parametrize("doc", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": [1]}'])
+def test_bad_index(doc: str, tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, tmp_path / "model-1.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(doc)
+    with pytest.raises(HeaderError) as e:
+        open_checkpoint(tmp_path)
+    assert_names_file(e, tmp_path / "model.safetensors.index.json")
+
+
+def test_no_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(ShardNotFoundError):
+        open_checkpoint(tmp_path / "nope")
+    with pytest.raises(ShardNotFoundError) as e:
+        open_checkpoint(tmp_path)
+    assert_names_file(e, tmp_path)
+    torch.save({"a": torch.ones(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ShardNotFoundError, match="pytorch_model.bin"):
+        open_checkpoint(tmp_path)
+
+
+def test_bad_shard_inside_checkpoint_names_it(tmp_path: Path) -> None:
+    root = write_sharded(tmp_path / "m", two_shards())
+    bad = root / "model-00002-of-00002.safetensors"
+    bad.write_bytes(bad.read_bytes()[:-7])
+    with pytest.raises(TruncatedShardError) as e:
+        open_checkpoint(root)
+    assert_names_file(e, bad)
