@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import tiered  # noqa: E402
 from models import BUILDERS, VOCAB  # noqa: E402
+
+import tiered  # noqa: E402
 
 
 def run(name: str, d: Path, auto, causal: bool, mode: str, dtype: torch.dtype | None, dev: str) -> dict:
@@ -48,7 +49,8 @@ def run(name: str, d: Path, auto, causal: bool, mode: str, dtype: torch.dtype | 
     s = tiered.stats(model)
     model.close()
     del ref
-    return {"model": name, "mode": mode, "dtype": str(dtype or "config"), "logits_equal": same, "max_abs_diff": maxdiff,
+    return {"model": name, "mode": mode, "dtype": str(dtype or "config"), "logits_equal": same,
+            "max_abs_diff": maxdiff,
             "generate_equal": gen_same, "resident_units": s.resident_units, "units": s.units,
             "h2d_gb": s.h2d_bytes / 1e9, "hits": s.hits, "misses": s.misses}
 
@@ -72,7 +74,8 @@ def main() -> int:
     bad = [r for r in rows if not r["logits_equal"] or r["generate_equal"] is False]
     print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
     if a.out:
-        a.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name() if a.device != "cpu" else "cpu", "torch": torch.__version__, "rows": rows},
+        gpu = torch.cuda.get_device_name() if a.device != "cpu" else "cpu"
+        a.out.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows},
                                     indent=1))
     return 1 if bad else 0
 

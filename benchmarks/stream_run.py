@@ -92,7 +92,7 @@ def main() -> int:
     total = time.perf_counter() - t1
     s = tiered.stats(model)
     snap = s.snapshot()
-    steps = [b - a_ for a_, b in zip(clock.times, clock.times[1:])]
+    steps = [b - a_ for a_, b in zip(clock.times, clock.times[1:], strict=False)]
     n = out.shape[1] - ids.shape[1]
     res = {
         "label": a.label,

@@ -23,7 +23,7 @@ RING_GB = 0.125
 SLACK = 200 * MiB
 
 CHILD = textwrap.dedent(
-    """
+    f"""
     import json, sys, torch, transformers
     import tiered
     transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
@@ -32,17 +32,16 @@ CHILD = textwrap.dedent(
     torch.set_num_threads(2)
     ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
     base = proc_status()["VmRSS"]
-    model = tiered.load(d, ring_gb=%r, device="cpu", drop_pages=drop, threads=2)
+    model = tiered.load(d, ring_gb={RING_GB!r}, device="cpu", drop_pages=drop, threads=2)
     with torch.no_grad():
         for _ in range(2):
             logits = model(ids).logits
     s = tiered.stats(model).snapshot()
     st = proc_status()
-    print(json.dumps({"base": base, "hwm": st["VmHWM"], "rss_file": st["RssFile"], "read": s["read_bytes"],
+    print(json.dumps({{"base": base, "hwm": st["VmHWM"], "rss_file": st["RssFile"], "read": s["read_bytes"],
                       "model": s["model_bytes"], "resident": s["resident_units"], "misses": s["misses"],
-                      "nonzero": bool(logits.abs().sum() > 0)}))
+                      "nonzero": bool(logits.abs().sum() > 0)}}))
     """
-    % RING_GB
 )
 
 

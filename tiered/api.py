@@ -16,7 +16,7 @@ from .errors import ConfigError, RingTooSmallError
 from .format import Checkpoint, open_checkpoint
 from .plan import Plan, build_plan
 from .reader import Reader
-from .ring import GiB, Ring
+from .ring import GiB, Ring, gib_up
 from .stats import Stats, proc_status
 from .streamer import Streamer
 
@@ -148,7 +148,10 @@ def build_meta_model(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"device {device!r} is not a device: {e}; use 'cpu' or 'cuda[:N]'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} but CUDA is not available; pass device='cpu'")
@@ -244,8 +247,8 @@ def attach(
     big = plan.max_unit
     if big.nbytes > ring_bytes:
         raise RingTooSmallError(
-            f"unit {big.name!r} needs {big.nbytes / GiB:.3f} GiB but ring_gb={ring_gb}; pass ring_gb >= "
-            f"{big.nbytes / GiB:.3f} (>= {2 * big.nbytes / GiB:.3f} lets the next unit load while one runs)"
+            f"unit {big.name!r} needs {gib_up(big.nbytes)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
+            f"{gib_up(big.nbytes)} (>= {gib_up(2 * big.nbytes)} lets the next unit load while one runs)"
         )
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)

@@ -183,17 +183,49 @@ def _meta_shape(t: TensorInfo) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def _place_converter(converter, sources: dict[str, list[TensorInfo]], shape: tuple[int, ...]) -> list[Copy] | None:
-    """Copies that assemble a stack/concatenate conversion in place, or None if not placeable."""
+def _place_converter(
+    converter, sources: dict[str, list[TensorInfo]], key: str, shape: tuple[int, ...]
+) -> list[Copy] | None:
+    """Copies that assemble a stack/concatenate conversion of ``key`` in place.
+
+    Returns None when the operations are not stack (``MergeModulelist``) then/or concatenate
+    (``Concatenate``): those run ``transformers``' own operation at read time instead.
+
+    Raises:
+        MissingTensorError: a source pattern has no tensor, or fewer experts than the target stacks.
+        ShapeMismatchError: the sources' shapes disagree with each other or with the target's.
+    """
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = list(converter.operations)
-    pats = [p for p in converter.source_patterns if p in sources]
     merge = ops.pop(0) if ops and type(ops[0]) is MergeModulelist else None
     cat = ops.pop(0) if ops and type(ops[0]) is Concatenate else None
     if ops or (merge is None and cat is None) or getattr(converter, "quantization_operation", None):
         return None
-    # pieces: per pattern, (list of sources, placement inside the piece)
+    pats = list(converter.source_patterns)
+    for p in pats:
+        if not sources.get(p):
+            have = [s.name for ss in sources.values() for s in ss][:3]
+            raise MissingTensorError(
+                f"{key!r} is assembled from checkpoint tensors matching {p!r}, but there are none (found {have}...); "
+                "the checkpoint is incomplete or does not match config.json"
+            )
+    if merge is not None and len(shape) > merge.dim:
+        for p in pats:
+            if len(sources[p]) != shape[merge.dim]:
+                names = [s.name for s in sources[p]]
+                raise MissingTensorError(
+                    f"{key!r} stacks {shape[merge.dim]} tensors matching {p!r} but the checkpoint has "
+                    f"{len(names)}: {names}; a shard is incomplete or config.json does not match"
+                )
+    first = sources[pats[0]][0]
+    for p in pats:
+        for s in sources[p]:
+            if merge is not None and tuple(s.shape) != tuple(sources[p][0].shape):
+                raise ShapeMismatchError(
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but "
+                    f"{sources[p][0].name!r} has {list(sources[p][0].shape)}; they are stacked into {key!r}"
+                )
     pieces: list[tuple[list[TensorInfo], torch.Size]] = []
     for p in pats:
         srcs = sources[p]
@@ -201,14 +233,19 @@ def _place_converter(converter, sources: dict[str, list[TensorInfo]], shape: tup
             pieces.append((srcs, torch.stack([_meta_shape(s) for s in srcs], merge.dim).shape))
         else:
             pieces.extend(([s], torch.Size(s.shape)) for s in srcs)
-    if cat is None:
-        if len(pieces) != 1:
-            return None
-        total = pieces[0][1]
-    else:
-        total = torch.cat([torch.empty(ps, device="meta") for _, ps in pieces], cat.dim).shape
-    if tuple(total) != tuple(shape):
-        return None
+    try:
+        if cat is None:
+            total = pieces[0][1] if len(pieces) == 1 else None
+        else:
+            total = torch.cat([torch.empty(ps, device="meta") for _, ps in pieces], cat.dim).shape
+    except (RuntimeError, IndexError):
+        total = None
+    if total is None or tuple(total) != tuple(shape):
+        raise ShapeMismatchError(
+            f"{first.file}: tensors for {key!r} (first {first.name!r} at offset {first.offset}, shape "
+            f"{list(first.shape)}) assemble to {list(total) if total is not None else 'nothing'} but the model built "
+            f"from config.json expects {list(shape)}; use the checkpoint's own config.json"
+        )
     copies: list[Copy] = []
     off = 0
     for srcs, ps in pieces:
@@ -300,7 +337,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
             tgt.copies.append(Copy(s))
         else:
             converter, srcs = conv[src_key]
-            placed = _place_converter(converter, srcs, tgt.shape)
+            placed = _place_converter(converter, srcs, key, tgt.shape)
             if placed is not None:
                 tgt.copies.extend(placed)
             else:

@@ -11,6 +11,7 @@ frees). A reader thread that finds no room waits (back-pressure) until the consu
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 from dataclasses import dataclass
@@ -19,10 +20,15 @@ import torch
 
 from .errors import RingTooSmallError
 
-__all__ = ["Ring", "Slot", "GiB"]
+__all__ = ["Ring", "Slot", "GiB", "gib_up"]
 
 GiB = 1 << 30
 _PAGE = mmap.PAGESIZE
+
+
+def gib_up(nbytes: int | float) -> str:
+    """``nbytes`` in GiB, rounded *up* to 0.001 GiB, for "pass ring_gb >= ..." advice that is enough."""
+    return f"{math.ceil(nbytes / GiB * 1000) / 1000:.3f}"
 
 
 @dataclass
@@ -98,8 +104,8 @@ class Ring:
         n = max(_PAGE, (n + _PAGE - 1) // _PAGE * _PAGE)
         if n > self.size:
             raise RingTooSmallError(
-                f"unit {owner!r} needs {n / GiB:.3f} GiB but the ring is {self.size / GiB:.3f} GiB; "
-                f"pass ring_gb >= {n / GiB:.3f} (2x that lets the next unit load while one runs)"
+                f"unit {owner!r} needs {gib_up(n)} GiB but the ring is {self.size / GiB:.3f} GiB; "
+                f"pass ring_gb >= {gib_up(n)} (>= {gib_up(2 * n)} lets the next unit load while one runs)"
             )
         with self._cv:
             while True:

@@ -35,7 +35,7 @@ from torch import nn
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .plan import Plan, Unit
 from .reader import Reader
-from .ring import GiB, Ring, Slot
+from .ring import GiB, Ring, Slot, gib_up
 from .stats import Stats
 
 __all__ = ["Streamer", "Loaded"]
@@ -111,7 +111,7 @@ class Streamer:
         self.stats = stats
         self.streamed = [u.index for u in self.units if u.index not in self.resident_ids]
         # learned order: unit -> the unit that ran after it (initially plan order, cyclic)
-        self.successor = {a: b for a, b in zip(self.streamed, self.streamed[1:] + self.streamed[:1])}
+        self.successor = {a: b for a, b in zip(self.streamed, self.streamed[1:] + self.streamed[:1], strict=False)}
         self.last: int | None = None
         self.pending: OrderedDict[int, _Job] = OrderedDict()
         self.held: dict[int, tuple[Loaded, int]] = {}  # unit -> (loaded, refcount)
@@ -146,7 +146,7 @@ class Streamer:
                 need = max(u.nbytes for u in self.units)
                 return RingTooSmallError(
                     f"the ring ({self.ring.size / GiB:.3f} GiB) is full of units held at once and cannot load the "
-                    f"next; pass ring_gb >= {2 * need / GiB:.3f}"
+                    f"next; pass ring_gb >= {gib_up(2 * need)}"
                 )
         return None
 
@@ -208,7 +208,7 @@ class Streamer:
                     raise RingTooSmallError(
                         f"{len(self.held)} units are held at once but only {self.n_bufs} device buffers exist; "
                         "raise prefetch"
-                    )
+                    ) from None
 
     def _retire_loop(self) -> None:
         torch.cuda.set_device(self.device)

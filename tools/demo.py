@@ -56,7 +56,7 @@ def part_a(ring_gb: float) -> bool:
     same = torch.equal(ref, got)
     print(f"(a) all-MiniLM-L6-v2 ({s.model_bytes / 2**20:.1f} MiB) through a {ring_gb * 1024:.0f} MiB ring, "
           f"{s.units} units, {s.resident_units} resident, {s.read_bytes / 1e6:.1f} MB read")
-    for sent, e in zip(sentences, got):
+    for sent, e in zip(sentences, got, strict=False):
         print(f"    {e[:4].tolist()} ...  {sent!r}")
     sims = got @ got.T
     print(f"    cosine(0,1)={sims[0, 1]:.4f} cosine(0,2)={sims[0, 2]:.4f}; "
