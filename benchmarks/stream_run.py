@@ -65,6 +65,7 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--io", choices=["mmap", "direct"], default="mmap")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
@@ -77,7 +78,7 @@ def main() -> int:
     base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads)
+                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -103,6 +104,7 @@ def main() -> int:
         "ring_gb": a.ring_gb,
         "gpu_gb": a.gpu_gb,
         "threads": a.threads,
+        "io": a.io,
         "prefetch": a.prefetch,
         "model_gb": snap["model_bytes"] / 1e9,
         "units": snap["units"],

@@ -319,3 +319,21 @@ def test_out_of_order_unit_calls(ckpts: Checkpoints, refs: References) -> None:
             # and a full pass afterwards is still exact
             assert torch.equal(m(**_inputs(True)).logits, want)
             assert torch.equal(_generate(m), refs.generate("llama"))
+
+
+@pytest.mark.parametrize("name", ["llama", "gptj", "mixtral", "bert_single", "llama_fp32"])
+def test_direct_io_matches_transformers(name: str, ckpts: Checkpoints, refs: References) -> None:
+    """io="direct" (O_DIRECT reads through a staging buffer) gives the same bits as stock transformers."""
+    causal = BUILDERS[name][3]
+    ref = refs.output(name)
+    try:
+        m = _load(name, "streamed", ckpts, refs, io="direct")
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    with m:
+        for _ in range(2):
+            with torch.no_grad():
+                out = m(**_inputs(causal))
+            got, want = (out.logits, ref.logits) if causal else (out.last_hidden_state, ref.last_hidden_state)
+            assert torch.equal(got, want), (got - want).abs().max()
+        _check_mode(m, "streamed")

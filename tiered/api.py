@@ -35,7 +35,7 @@ class Options:
     dtype: torch.dtype | None = None  # cast on the fly (None: config.json's dtype, as from_pretrained)
     prefetch: int = 2  # units loaded ahead of the one running
     gpu_gb: float | None = None  # GPU budget for resident units (None: free memory - 4 GiB headroom)
-    io: str = "mmap"  # reader backend; "mmap" (the only one so far)
+    io: str = "mmap"  # reader backend: "mmap" (page cache) or "direct" (O_DIRECT, bypasses the page cache)
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
@@ -233,8 +233,8 @@ def attach(
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
         ConfigError: an unknown device or io backend.
     """
-    if io != "mmap":
-        raise ConfigError(f"io={io!r} is not available yet; use io='mmap'")
+    if io not in ("mmap", "direct"):
+        raise ConfigError(f"io={io!r}: use 'mmap' (page cache, default) or 'direct' (O_DIRECT, bypasses the page cache)")
     if ring_gb <= 0:
         raise RingTooSmallError(f"ring_gb must be > 0, got {ring_gb}")
     dev = _resolve_device(device)
@@ -256,7 +256,7 @@ def attach(
     try:
         h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
         h.stats.ring_bytes = h.ring.size
-        h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache)
+        h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
         resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch)
         h.stats.model_bytes = plan.nbytes
         h.stats.units = len(plan.units)
@@ -304,7 +304,8 @@ def load(
         prefetch: units of lookahead.
         gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed). Default: free
             memory minus 4 GiB. When the whole model fits, it is loaded once through the ring and stays.
-        io: reader backend, ``"mmap"``.
+        io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
+            after each copy) or ``"direct"`` (``O_DIRECT`` reads: no page cache at all; cold-cache and cgroup use).
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
 

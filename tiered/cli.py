@@ -116,7 +116,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
     model = tiered.load(model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads)
+                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
     load_s = time.perf_counter() - t0
     with model:
         if tok is not None and not a.ids:
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
     g.add_argument("--prefetch", type=int, default=2, help="units loaded ahead of the running one (default 2)")
     g.add_argument("--threads", type=int, default=4, help="reader threads (default 4)")
+    g.add_argument("--io", choices=["mmap", "direct"], default="mmap",
+                   help="mmap: through the page cache (default); direct: O_DIRECT, bypasses the page cache")
     g.set_defaults(fn=_cmd_generate)
 
     i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs")
