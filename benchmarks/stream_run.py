@@ -75,7 +75,13 @@ def main() -> int:
 
     cold = drop_caches() if a.drop_caches else False
     torch.manual_seed(0)
-    base = proc_status()["VmRSS"]
+    base = proc_status()["VmRSS"]  # after import torch, transformers (ANCHORS.md's baseline)
+    cuda_base = None
+    if a.device != "cpu" and torch.cuda.is_available():
+        # the CUDA context and cuBLAS cost host RSS whatever loads the weights: measure them apart
+        x = torch.ones(256, 256, device="cuda", dtype=torch.float16)
+        (x @ x).sum().item()
+        cuda_base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
@@ -126,6 +132,8 @@ def main() -> int:
         "rss_base_gb": base / GiB,
         "peak_rss_over_base_gb": (snap["peak_rss"] - base) / GiB,
         "peak_rss_gb": snap["peak_rss"] / GiB,
+        "rss_cuda_base_gb": cuda_base / GiB if cuda_base else None,
+        "peak_rss_over_cuda_base_gb": (snap["peak_rss"] - cuda_base) / GiB if cuda_base else None,
         "gpu_peak_gb": torch.cuda.max_memory_allocated() / GiB if model.device.type == "cuda" else None,
         "tokens_out": out[0, ids.shape[1]:].tolist(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
