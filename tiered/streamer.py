@@ -140,8 +140,11 @@ class Streamer:
         if self._closed:
             return StreamerError("streamer closed")
         if self._caller_waiting:
-            held = {id(ld.slot) for ld, _ in self.held.values() if ld.slot is not None}
-            live = {id(s) for s in self.ring._live}
+            try:  # the caller thread does not touch these while it waits; tolerate a race anyway
+                held = {id(ld.slot) for ld, _ in list(self.held.values()) if ld.slot is not None}
+                live = {id(s) for s in list(self.ring._live)}
+            except RuntimeError:
+                return None
             if live and live <= held | {id(ld.slot) for ld in self.resident.values()}:
                 need = max(u.nbytes for u in self.units)
                 return RingTooSmallError(
