@@ -23,6 +23,16 @@ from .errors import (
     TieredError,
     TruncatedShardError,
 )
+from .reshard import (
+    DestinationExistsError,
+    DiskFullError,
+    ReshardError,
+    ReshardSummary,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+    VerifyError,
+    reshard,
+)
 from .stats import Stats
 
 __version__ = "0.1.0"
@@ -32,6 +42,14 @@ __all__ = [
     "attach",
     "stats",
     "close",
+    "reshard",
+    "ReshardSummary",
+    "ReshardError",
+    "DestinationExistsError",
+    "DiskFullError",
+    "UnsafePickleError",
+    "UnsupportedCheckpointError",
+    "VerifyError",
     "Options",
     "Stats",
     "TieredError",

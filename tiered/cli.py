@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(fn=_cmd_inspect)
 
+    from .reshard import add_parser as add_reshard_parser
+
+    add_reshard_parser(sub)
+
     a = p.parse_args(argv)
     from .errors import TieredError
 
