@@ -55,6 +55,10 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
             if hi - lo == sum(o[2] - o[1] for o in offs):
                 contiguous += 1
     aligned = all((s.data_start % 4096) == 0 for s in ckpt.shards)
+    # Stream-ordered: each unit's first byte comes after the previous unit's, in shard order.
+    shard_rank = {str(s.path): i for i, s in enumerate(ckpt.shards)}
+    starts = [min((shard_rank[f], lo) for f, lo, _ in offs) for offs in spans if offs]
+    ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
     big = plan.max_unit
     return {
         "model_dir": str(model_dir),
@@ -72,6 +76,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_recommended_gb": 3 * big.nbytes / GiB,  # the running unit + prefetch=2
         "ring_resident_gb": plan.nbytes / GiB,
         "units_contiguous_on_disk": contiguous,
+        "stream_ordered": ordered,
         "data_aligned_4k": aligned,
         "unused_checkpoint_tensors": plan.unused,
     }
@@ -94,10 +99,11 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     print(f"ring needed: >= {info['ring_min_gb']:.3f} GiB (largest unit {info['largest_unit']['name']}); "
           f"{info['ring_recommended_gb']:.3f} GiB to prefetch 2 units; "
           f"{info['ring_resident_gb']:.3f} GiB holds the whole model (CPU: loaded once)")
-    print(f"layout: {info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
+    print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
+          f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
-          + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"]
-             else " (a resharded layout streams each unit as one span)"))
+          + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"] and info["stream_ordered"]
+             else " (`tiered reshard` writes a layout that streams each unit as one span)"))
     if info["unused_checkpoint_tensors"]:
         print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
     return 0
