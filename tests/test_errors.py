@@ -217,3 +217,38 @@ def test_bad_options(kw: dict, ckpts: Checkpoints) -> None:
     """Documented: ConfigError for an unknown device, io backend or dtype name."""
     with pytest.raises(ConfigError, match=re.escape(str(next(iter(kw.values()))))):
         _load(ckpts["llama"], **kw)
+
+
+# ---------------------------------------------------------------------------------------------- worker threads
+
+
+def test_reader_error_surfaces_in_forward(ckpts: Checkpoints) -> None:
+    """An exception in a reader thread reaches the caller's forward as StreamerError (cause chained), no hang."""
+    m = _load(ckpts["llama"], ring_gb=3 * 4096 / GiB + 64 * 1024 / GiB)
+    with m:
+        assert tiered.stats(m).resident_units == 0
+        reader = m._tiered.reader
+
+        def boom(*a, **k):
+            raise OSError(5, "Input/output error (injected)")
+
+        reader._copy = boom  # every later copy fails in a reader thread
+        ids = torch.tensor([[1, 2, 3]])
+        with pytest.raises(tiered.StreamerError) as e:
+            with torch.no_grad():
+                m(ids)
+        assert isinstance(e.value.__cause__, OSError) and "injected" in str(e.value.__cause__)
+
+
+def test_shard_truncated_after_load_direct_io(ckpts: Checkpoints, tmp_path: Path) -> None:
+    """With io="direct", a shard cut short while the model is loaded gives TruncatedShardError in forward."""
+    d = ckpts.copy("llama", tmp_path / "m")
+    m = _load(d, ring_gb=3 * 4096 / GiB + 64 * 1024 / GiB, io="direct")
+    with m:
+        assert tiered.stats(m).resident_units == 0
+        for f in sorted(d.glob("*.safetensors")):
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+        with pytest.raises(TruncatedShardError, match="truncated"):
+            with torch.no_grad():
+                m(torch.tensor([[1, 2, 3]]))
