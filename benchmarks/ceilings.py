@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""The machine's ceilings, measured in the same run as the systems: what streaming weights could reach.
+
+All GB/s are decimal (1e9 bytes/s), as disks and PCIe are quoted.
+
+* ``odirect_{N}t_gbps`` — ``O_DIRECT`` ``os.preadv`` of the checkpoint's own shard files (so: the
+  same file system and device), 16 MiB page-aligned requests, N threads pulling the next request
+  (1 and 4 by default). Bypasses the page cache: the disk's (or the virtual disk's) ceiling.
+* ``buffered_cold_gbps`` — plain ``preadv`` (one stream, kernel readahead) of bytes just evicted from
+  the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages of those ranges only: no
+  root needed, and the rest of the page cache, e.g. the rest of the checkpoint, stays warm).
+* ``pagecache_{N}t_gbps`` — the same bytes read twice; the second, timed read comes from the page
+  cache (1 thread: one stream; N threads: what a reader pool can copy out of the cache).
+* ``memcpy_gbps`` — one thread, ``ctypes.memmove`` of 256 MiB between two page-aligned buffers
+  (best of 5): the cost of the copy into the ring.
+* ``h2d_pinned_gbps`` / ``h2d_pageable_gbps`` — when CUDA is available: 1 GiB host -> device
+  ``copy_`` timed with CUDA events (best of 5), from page-locked and from ordinary memory.
+
+The read ceilings touch at most ``--max-gb`` of the checkpoint (the first bytes of its shards in
+name order). Each figure is independent: one that fails is reported as ``{name}_error``.
+
+    python benchmarks/ceilings.py MODEL_DIR [--max-gb 2] [--threads 1,4]
+prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["measure", "odirect_read", "buffered_read", "memcpy_gbps", "h2d_gbps"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+CHUNK = 16 * MiB
+ALIGN = 4096
+
+
+def _requests(files: list[Path], max_bytes: int) -> list[tuple[Path, int, int]]:
+    """(file, offset, length) requests of CHUNK bytes covering at most ``max_bytes`` of ``files``."""
+    reqs: list[tuple[Path, int, int]] = []
+    left = max_bytes
+    for f in files:
+        size = f.stat().st_size
+        off = 0
+        while off < size and left > 0:
+            n = min(CHUNK, size - off, left)
+            reqs.append((f, off, n))
+            off += n
+            left -= n
+        if left <= 0:
+            break
+    return reqs
+
+
+def _parallel_read(reqs: list[tuple[Path, int, int]], threads: int, direct: bool) -> tuple[int, float]:
+    """Read every request with ``threads`` threads; returns (bytes, seconds)."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = {f: os.open(f, flags) for f in {r[0] for r in reqs}}
+    lock = threading.Lock()
+    nxt = [0]
+    total = [0]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        buf = mmap.mmap(-1, CHUNK + ALIGN)  # anonymous: page-aligned, as O_DIRECT needs
+        view = memoryview(buf)
+        got = 0
+        try:
+            while True:
+                with lock:
+                    i = nxt[0]
+                    nxt[0] += 1
+                if i >= len(reqs):
+                    break
+                f, off, n = reqs[i]
+                length = (n + ALIGN - 1) // ALIGN * ALIGN if direct else n  # O_DIRECT: aligned length
+                r = os.preadv(fds[f], [view[:length]], off)
+                got += min(r, n)
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+        finally:
+            view.release()
+            buf.close()
+            with lock:
+                total[0] += got
+
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return total[0], dt
+
+
+def _files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def odirect_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int) -> dict:
+    """O_DIRECT read GB/s of the checkpoint's shards with ``threads`` threads."""
+    n, dt = _parallel_read(_requests(_files(Path(model_dir)), max_bytes), threads, direct=True)
+    return {"gbps": n / dt / 1e9, "bytes": n, "s": dt, "threads": threads}
+
+
+def _evict(reqs: list[tuple[Path, int, int]]) -> None:
+    """Drop the requests' byte ranges from the page cache (clean pages; ``posix_fadvise`` DONTNEED)."""
+    for f in {r[0] for r in reqs}:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            hi = max(off + n for g, off, n in reqs if g == f)
+            os.posix_fadvise(fd, 0, hi, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def buffered_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int, warm: bool) -> dict:
+    """Buffered read GB/s: ``warm`` reads the bytes once untimed first (page cache), else evicts them first."""
+    reqs = _requests(_files(Path(model_dir)), max_bytes)
+    if warm:
+        _parallel_read(reqs, max(threads, 4), direct=False)
+    else:
+        _evict(reqs)
+    n, dt = _parallel_read(reqs, threads, direct=False)
+    return {"gbps": n / dt / 1e9, "bytes": n, "s": dt, "threads": threads}
+
+
+def memcpy_gbps(nbytes: int = 256 * MiB, repeats: int = 5) -> dict:
+    """One-thread memcpy GB/s (bytes copied / s), best of ``repeats``."""
+    a = mmap.mmap(-1, nbytes)
+    b = mmap.mmap(-1, nbytes)
+    src = ctypes.addressof(ctypes.c_char.from_buffer(a))
+    dst = ctypes.addressof(ctypes.c_char.from_buffer(b))
+    ctypes.memset(src, 1, nbytes)  # fault both in
+    ctypes.memset(dst, 2, nbytes)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst, src, nbytes)
+        best = min(best, time.perf_counter() - t0)
+    return {"gbps": nbytes / best / 1e9, "bytes": nbytes, "s": best, "threads": 1}
+
+
+def h2d_gbps(nbytes: int = GiB, *, pinned: bool, repeats: int = 5) -> dict:
+    """Host -> device copy GB/s with CUDA events, best of ``repeats``. Raises RuntimeError without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA not available")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dev.copy_(host, non_blocking=pinned)  # warm-up
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        dev.copy_(host, non_blocking=pinned)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del host, dev
+    torch.cuda.empty_cache()
+    return {"gbps": nbytes / best / 1e9, "bytes": nbytes, "s": best}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def measure(model_dir: str | os.PathLike[str], *, max_bytes: int = 2 * GiB, threads: tuple[int, ...] = (1, 4),
+            cuda: bool = True, cold: bool = True) -> dict:
+    """Every ceiling (see the module docstring) as ``{name_gbps: float, name_detail: {...}}``; errors as text.
+
+    ``cold``: also measure the buffered cold read (evicts the bytes it reads from the page cache first).
+    """
+    out: dict = {"max_bytes": max_bytes, "files_dir": str(model_dir)}
+
+    def put(name: str, fn) -> None:
+        try:
+            d = fn()
+            out[f"{name}_gbps"] = d["gbps"]
+            out[f"{name}_detail"] = d
+        except Exception as e:  # noqa: BLE001 - a failed ceiling is data, not a crash
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"
+
+    for t in threads:
+        put(f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes))
+    if cold:
+        put("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False))
+    for t in threads:
+        put(f"pagecache_{t}t", lambda t=t: buffered_read(model_dir, threads=t, max_bytes=max_bytes, warm=True))
+    put("memcpy", memcpy_gbps)
+    if cuda and _cuda_available():
+        import torch
+
+        out["cuda_device"] = torch.cuda.get_device_name()
+        put("h2d_pinned", lambda: h2d_gbps(pinned=True))
+        put("h2d_pageable", lambda: h2d_gbps(pinned=False))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", type=Path, help="a checkpoint directory (its *.safetensors are read)")
+    p.add_argument("--max-gb", type=float, default=2.0, help="GiB of the shards to read per figure (default 2)")
+    p.add_argument("--threads", default="1,4", help="thread counts for the parallel reads (default 1,4)")
+    p.add_argument("--no-cuda", action="store_true", help="skip the H2D figures")
+    p.add_argument("--no-cold", action="store_true", help="skip the buffered cold read (it evicts what it reads)")
+    a = p.parse_args(argv)
+    threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
+    res = measure(a.model_dir, max_bytes=int(a.max_gb * GiB), threads=threads, cuda=not a.no_cuda, cold=not a.no_cold)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+#!/usr/bin/env python
+"""Markdown table and plots of a ``benchmarks/run.py`` result file.
+
+    python benchmarks/report.py RESULTS.json [MORE.json ...] [--out-stem PATH]
+
+Several files (e.g. the full suite split over two commands) are merged: machine info, ceilings and
+config come from the first, runs are concatenated (a later run with the same key replaces an earlier
+one). Writes ``STEM.md`` and ``STEM-rss.png``, ``STEM-spt.png``, ``STEM-gbps.png`` (default STEM:
+the first file without ``.json``). matplotlib is imported only for the plots; without it they are
+skipped with a note.
+
+Efficiency = achieved / ceiling, with the ceiling that bounds the run:
+* reading weights: O_DIRECT (best thread count) when the bytes come from the disk — ``io=direct``, or
+  a memory limit smaller than the model, or the load of a cold run — else the page cache (best thread
+  count); on CUDA also at most pinned H2D;
+* ``decode GB/s`` = bytes moved per token / median s per token (tiered: bytes streamed; accelerate:
+  parameters placed on "cpu"/"disk"; DeepSpeed: the whole model);
+* ``load GB/s`` = checkpoint bytes / load s (systems that read the whole model at load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["markdown", "plots", "ceiling_for", "merge", "main"]
+
+GiB = 1 << 30
+SYSTEM_COLORS = {"tiered": "#1f77b4", "transformers": "#d62728", "accelerate": "#ff7f0e", "deepspeed": "#2ca02c"}
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    if isinstance(x, (int, float)):
+        if x != 0 and abs(x) < 10 ** (-nd):
+            return f"{x:.1e}"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _best(c: dict[str, Any], prefix: str) -> tuple[float | None, str]:
+    """Best ``{prefix}_{N}t_gbps`` ceiling and its name."""
+    vals = [(v, k) for k, v in c.items() if k.startswith(prefix) and k.endswith("_gbps") and isinstance(v, (int, float))]
+    if not vals:
+        return None, ""
+    v, k = max(vals)
+    return v, k.removesuffix("_gbps")
+
+
+def ceiling_for(row: dict[str, Any], ceilings: dict[str, Any], what: str) -> tuple[float | None, str]:
+    """(GB/s, name) of the ceiling bounding ``what`` ("decode" or "load") of ``row``."""
+    disk, disk_n = _best(ceilings, "odirect_")
+    cache, cache_n = _best(ceilings, "pagecache_")
+    limit = row.get("mem_limit_gb")
+    model_gib = (row.get("model_gb") or 0) * 1e9 / GiB
+    from_disk = row.get("io") == "direct" or (limit is not None and limit < model_gib)
+    if what == "load":
+        from_disk = from_disk or row.get("cache") == "cold"
+    v, n = (disk, disk_n) if from_disk else (cache, cache_n)
+    if v is None:
+        return None, ""
+    h2d = ceilings.get("h2d_pinned_gbps")
+    if h2d and (row.get("spec") or {}).get("device", "cpu").startswith("cuda") and h2d < v:
+        v, n = h2d, "h2d_pinned"
+    return v, n
+
+
+def _eff(row: dict[str, Any], ceilings: dict[str, Any], key: str, what: str) -> str:
+    x = row.get(key)
+    if not x:
+        return _f(x if x != 0 else None)
+    c, n = ceiling_for(row, ceilings, what)
+    if not c:
+        return _f(x)
+    return f"{x:.2f} ({100 * x / c:.0f}% of {n.replace('_', ' ')})"
+
+
+def _short_status(s: str) -> str:
+    """The status up to its first ';' or '(' (a plot label)."""
+    for sep in (";", " ("):
+        s = s.split(sep)[0]
+    return s
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    base = json.loads(paths[0].read_text())
+    runs = {r["key"]: r for r in base["runs"]}
+    order = [r["key"] for r in base["runs"]]
+    for p in paths[1:]:
+        extra = json.loads(p.read_text())
+        for r in extra["runs"]:
+            if r["key"] not in runs:
+                order.append(r["key"])
+            if r["key"] not in runs or r.get("status") == "ok" or not runs[r["key"]].get("status", "").startswith("ok"):
+                runs[r["key"]] = r
+        base["checkpoints"] = {**extra.get("checkpoints", {}), **base.get("checkpoints", {})}
+        base.setdefault("notes", []).append(f"merged with {p.name}")
+    base["runs"] = [runs[k] for k in order]
+    return base
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    c = res.get("ceilings") or {}
+    cfg = res.get("config", {})
+    v = m.get("versions", {})
+    disk = m.get("disk", {})
+    out = [f"# tiered benchmark: {res['suite']} suite, {res['date'][:10]}, {res.get('machine_label', '')}", ""]
+    gpu = "; ".join(m.get("gpus") or []) or "none"
+    out.append(f"**Machine**: {m.get('cpu')} ({m.get('cores')} cores), {_f(m.get('ram_gib'), 1)} GiB RAM, GPU: {gpu}; "
+               f"checkpoint disk: {disk.get('source', '?')} ({disk.get('fstype', '?')} on {disk.get('mount', '?')}"
+               + (f", rotational={disk['rotational']}" if "rotational" in disk else "") + f"); kernel {m.get('kernel')}.  ")
+    out.append(f"**Versions**: torch {v.get('torch')}, transformers {v.get('transformers')}, accelerate "
+               f"{v.get('accelerate')}, deepspeed {v.get('deepspeed') or 'not installed'}, python {m.get('python')}, "
+               f"tiered {m.get('tiered_commit')}.  ")
+    cks = res.get("checkpoints", {})
+    parts = []
+    for k, ck in cks.items():
+        if ck.get("bytes"):
+            layers = ck.get("layers") or "all"
+            rs = ck.get("reshard_status", "pending")
+            rs_txt = "" if rs == "pending" else f", resharded: {rs}"
+            if ck.get("reshard_s") and rs == "ok":
+                rs_txt += f" ({ck['reshard_s']:.1f} s)"
+            parts.append(f"`{k}` = {ck['arch']} {ck['dtype']} layers={layers} scale={ck['scale']:g}: "
+                         f"{ck['bytes'] / 1e9:.3f} GB ({ck['bytes'] / GiB:.2f} GiB) in {ck['max_shard_size']} shards{rs_txt}")
+    out.append("**Checkpoints** (random weights, `benchmarks/make_checkpoint.py`): " + "; ".join(parts) + ".  ")
+    gpu_txt = f", GPU budget of streamed/accelerate {cfg.get('gpu_gb')} GiB" if cfg.get("device") == "cuda" else ""
+    out.append(f"**Setup**: device {cfg.get('device')}, prompt {cfg.get('prompt_len')} token ids (seed {cfg.get('seed')}), "
+               f"greedy; {cfg.get('new_tokens')} new tokens (warm tiered/transformers), {cfg.get('slow_new_tokens')} "
+               f"(accelerate, DeepSpeed, cold, limited); tiered ring {cfg.get('ring_gb')} GiB (CPU resident: a ring "
+               f"that holds the model), {cfg.get('threads')} reader threads, prefetch {cfg.get('prefetch')}{gpu_txt}; "
+               f"accelerate max_memory cpu {cfg.get('cpu_gb') or cfg.get('ring_gb')} GiB.  ")
+    cg = res.get("cgroup", {})
+    lim = f"; memory.max = {cg.get('mem_limit_gb')} GiB" if cg.get("available") else ""
+    cold = "drop_caches" if m.get("drop_caches_permitted") else "not permitted (runs are warm)"
+    out.append(f"**Memory limit**: {cg.get('why')}{lim}. **Cold cache**: {cold}.  ")
+    ce = []
+    for k, name in (("odirect_1t", "O_DIRECT 1 thread"), ("odirect_4t", "O_DIRECT 4 threads"),
+                    ("buffered_cold", "buffered cold"), ("pagecache_1t", "page cache 1 thread"),
+                    ("pagecache_4t", "page cache 4 threads"), ("memcpy", "memcpy 1 thread"),
+                    ("h2d_pinned", "H2D pinned"), ("h2d_pageable", "H2D pageable")):
+        if f"{k}_gbps" in c:
+            ce.append(f"{name} {c[f'{k}_gbps']:.2f}")
+        elif f"{k}_error" in c:
+            ce.append(f"{name}: {c[f'{k}_error']}")
+    out.append(f"**Ceilings** (GB/s, same run, {c.get('max_bytes', 0) / GiB:.2f} GiB of the checkpoint per read figure): "
+               + ("; ".join(ce) or "not measured") + ".")
+    out += ["", "| system | ckpt | cache | limit | status | load s | TTFT s | decode s/token | tok/s | peak RSS GiB "
+            "| over base | cgroup peak | GPU peak | GB/token | decode GB/s (eff.) | disk→ring / ring→GPU GB/s "
+            "| load GB/s (eff.) | tokens ok |",
+            "|" + "---|" * 18]
+    for r in res.get("runs", []):
+        st = r.get("status", "?")
+        lim = f"{r['mem_limit_gb']:g} GiB" if r.get("mem_limit_gb") else "none"
+        stage = "–"
+        if r.get("system") == "tiered" and r.get("status") == "ok":
+            stage = f"{_f(r.get('read_gbps'))} / {_f(r.get('h2d_gbps'))}"
+        over = r.get("peak_rss_over_base_gb")
+        out.append("| " + " | ".join([
+            r.get("label", r.get("key", "?")), r.get("ckpt", ""), r.get("cache", ""), lim,
+            st if len(st) < 90 else st[:87] + "...",
+            _f(r.get("load_s")), _f(r.get("ttft_s")), _f(r.get("decode_s_per_token_median"), 3),
+            _f(r.get("tokens_per_s")), _f(r.get("peak_rss_gb")), f"**{_f(over)}**" if over is not None else "–",
+            _f(r.get("cgroup_peak_gb")), _f(r.get("gpu_peak_gb")), _f(r.get("streamed_gb_per_token"), 3),
+            _eff(r, c, "decode_gbps", "decode"), stage, _eff(r, c, "load_gbps", "load"),
+            _f(r.get("tokens_match")) + (f" ({r.get('tokens')})" if r.get("tokens") else ""),
+        ]) + " |")
+    out += ["", "Peak RSS = VmHWM of the run's own process (from `wait4` when it was killed); \"over base\" subtracts "
+            "its RSS once torch, transformers and the model's transformers modules are imported, before anything is "
+            "loaded (on CUDA it still includes the CUDA context and cuBLAS, which every system pays; "
+            "`peak_rss_over_cuda_base_gb` in the JSON subtracts those too). "
+            "cgroup peak = `memory.peak` (includes page cache charged to the group). "
+            "GPU peak = `torch.cuda.max_memory_allocated`. Decode s/token = median gap between consecutive new tokens "
+            "(a `generate()` streamer). Tokens ok = greedy ids equal to the reference run of the same checkpoint "
+            "(transformers when it ran). GB = 1e9 bytes, GiB = 2^30."]
+    notes = list(res.get("notes", []))
+    for r in res.get("runs", []):
+        for n in (r.get("notes") or []) + (r.get("child", {}) or {}).get("notes", []):
+            notes.append(f"{r['key']}: {n}")
+    if notes:
+        out += ["", "Notes:", *[f"* {n}" for n in notes]]
+    if res.get("plots"):
+        out += ["", *[f"![{p}]({p})" for p in res["plots"]]]
+    return "\n".join(out) + "\n"
+
+
+def _row_name(r: dict[str, Any], with_ckpt: bool = False) -> str:
+    s = r.get("label", r["key"])
+    s += f" · {r.get('cache')}"
+    if r.get("mem_limit_gb"):
+        s += f" · ≤{r['mem_limit_gb']:g} GiB"
+    if with_ckpt:
+        s += f" · {r.get('ckpt')}"
+    return s
+
+
+def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
+    """Write the three PNGs; returns (paths, note) — note says why something was skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return [], f"plots skipped: matplotlib not importable ({e})"
+    runs = res.get("runs", [])
+    made: list[Path] = []
+    title = f"{res['suite']} suite · {res.get('machine_label', '')} · {res['date'][:10]}"
+    plt.rcParams.update({"font.size": 8})
+
+    # 1. peak RSS over base vs model size, warm unlimited runs, original layout, mmap
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
+    series: dict[str, list[tuple[float, float, str]]] = {}
+    for r in runs:
+        if r.get("status") != "ok" or r.get("cache") != "warm" or r.get("mem_limit_gb") or r.get("layout") != "original":
+            continue
+        if r.get("peak_rss_over_base_gb") is None or not r.get("model_gb"):
+            continue
+        series.setdefault(r["label"], []).append((r["model_gb"] * 1e9 / GiB, r["peak_rss_over_base_gb"], r["system"]))
+    xs_all: list[float] = []
+    markers = "osD^v<>"
+    for i, (lab, pts) in enumerate(sorted(series.items())):
+        pts.sort()
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        xs_all += xs
+        ax.plot(xs, ys, marker=markers[i % len(markers)], label=lab, color=SYSTEM_COLORS.get(pts[0][2]),
+                linestyle="-" if "streamed" in lab else "--")
+    if xs_all:
+        lo, hi = 0, max(xs_all) * 1.05
+        ax.plot([lo, hi], [lo, hi], ":", color="gray", label="model size")
+        ring = res.get("config", {}).get("ring_gb")
+        if ring:
+            ax.axhline(ring, color="#1f77b4", lw=0.8, alpha=0.5, ls=":", label=f"ring {ring:g} GiB")
+    ax.set_xlabel("model size (GiB)")
+    ax.set_ylabel("peak RSS over base (GiB)")
+    ax.set_title(f"Peak host RSS vs model size (warm, no limit) — {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = Path(f"{stem}-rss.png")
+    fig.savefig(p)
+    plt.close(fig)
+    made.append(p)
+
+    # 2. s/token per run on the main checkpoint (log scale); runs that did not finish are annotated
+    main_rows = [r for r in runs if r.get("ckpt") == "main"]
+    if main_rows:
+        fig, ax = plt.subplots(figsize=(7.5, 0.28 * len(main_rows) + 1.2), dpi=90)
+        names = [_row_name(r) for r in main_rows]
+        vals = [r.get("decode_s_per_token_median") or 0 for r in main_rows]
+        ypos = list(range(len(main_rows)))[::-1]
+        ok_vals = [x for x in vals if x > 0]
+        floor = min(ok_vals) / 2 if ok_vals else 1e-3
+        ax.barh(ypos, [x if x > 0 else 0 for x in vals], color=[SYSTEM_COLORS.get(r["system"], "gray") for r in main_rows])
+        for y, x, r in zip(ypos, vals, main_rows, strict=True):
+            if x > 0:
+                ax.text(x * 1.05, y, f"{x:.3f}", va="center", fontsize=7)
+            else:
+                ax.text(floor * 1.05, y, _short_status(r.get("status", "?"))[:60], va="center", fontsize=7, color="dimgray")
+        ax.set_yticks(ypos)
+        ax.set_yticklabels(names, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlim(left=floor, right=(max(ok_vals) * 4 if ok_vals else 1))
+        ax.set_xlabel("decode s/token (median, log scale; lower is better)")
+        ax.set_title(f"s/token per system — {title}")
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        p = Path(f"{stem}-spt.png")
+        fig.savefig(p)
+        plt.close(fig)
+        made.append(p)
+
+    # 3. achieved GB/s vs ceilings
+    c = res.get("ceilings") or {}
+    bars: list[tuple[str, float, str]] = []
+    for r in main_rows:
+        if r.get("status") != "ok":
+            continue
+        if r.get("decode_gbps"):
+            bars.append((f"{_row_name(r)}: decode", r["decode_gbps"], SYSTEM_COLORS.get(r["system"], "gray")))
+        if r.get("system") == "tiered" and r.get("read_gbps"):
+            bars.append((f"{_row_name(r)}: disk→ring", r["read_gbps"], "#9ecae1"))
+        if r.get("system") == "tiered" and r.get("h2d_gbps"):
+            bars.append((f"{_row_name(r)}: ring→GPU", r["h2d_gbps"], "#c6dbef"))
+        if r.get("load_gbps"):
+            bars.append((f"{_row_name(r)}: load", r["load_gbps"], "#bbbbbb"))
+    if bars:
+        fig, ax = plt.subplots(figsize=(8, 0.25 * len(bars) + 1.6), dpi=90)
+        ypos = list(range(len(bars)))[::-1]
+        ax.barh(ypos, [b[1] for b in bars], color=[b[2] for b in bars])
+        for y, b in zip(ypos, bars, strict=True):
+            ax.text(b[1] * 1.05, y, f"{b[1]:.2f}", va="center", fontsize=6)
+        ax.set_yticks(ypos)
+        ax.set_yticklabels([b[0] for b in bars], fontsize=6)
+        ax.set_xscale("log")
+        styles = {"odirect_1t": ("O_DIRECT 1t", "#8c564b", "--"), "odirect_4t": ("O_DIRECT 4t", "#8c564b", "-"),
+                  "pagecache_1t": ("page cache 1t", "#9467bd", "--"), "pagecache_4t": ("page cache 4t", "#9467bd", "-"),
+                  "memcpy": ("memcpy 1t", "#7f7f7f", "-."), "h2d_pinned": ("H2D pinned", "#17becf", "-")}
+        for k, (name, col, ls) in styles.items():
+            val = c.get(f"{k}_gbps")
+            if val:
+                ax.axvline(val, color=col, ls=ls, lw=1, label=f"{name} {val:.1f}")
+        ax.set_xlabel("GB/s (log scale; bars: achieved, lines: ceilings measured in the same run)")
+        ax.set_title(f"Achieved GB/s vs machine ceilings — {title}")
+        ax.legend(fontsize=6, loc="lower right")
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        p = Path(f"{stem}-gbps.png")
+        fig.savefig(p)
+        plt.close(fig)
+        made.append(p)
+    return made, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path, nargs="+")
+    p.add_argument("--out-stem", type=Path, default=None)
+    p.add_argument("--no-plots", action="store_true")
+    a = p.parse_args(argv)
+    res = merge(a.results)
+    stem = a.out_stem or a.results[0].with_suffix("")
+    if not a.no_plots:
+        made, note = plots(res, stem)
+        res["plots"] = [m.name for m in made]
+        if note:
+            res.setdefault("notes", []).append(note)
+    md = markdown(res)
+    Path(f"{stem}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

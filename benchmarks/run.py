@@ -1,0 +1,634 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark: tiered against transformers, accelerate and DeepSpeed, on one checkpoint.
+
+    python benchmarks/run.py --suite quick                      # CPU, a few minutes
+    python benchmarks/run.py --suite full --out-dir "$OUT"       # GPU: GPT-J-6B-shaped fp16, ring_gb=1
+
+Every run is its own child process (``benchmarks/systems.py``) so its peak RSS (VmHWM) is its own;
+each gets a timeout, and optionally a cgroup v2 ``memory.max`` (``benchmarks/cgroup.py``). All runs
+of one checkpoint use the same prompt token ids and greedy decoding, so their tokens must agree.
+The machine's ceilings (``benchmarks/ceilings.py``) are measured in the same invocation.
+
+Output in ``--out-dir`` (at most 6 files): ``<date>-<machine>-<suite>.json`` (machine info, ceilings,
+every run), ``.md`` (the table), ``-rss.png``, ``-spt.png``, ``-gbps.png`` (plots; skipped with a
+note when matplotlib is missing) and ``-logs.txt`` (the tail of each child's stderr). The JSON and
+the table are rewritten after every run, so a run cut short still leaves its results. Checkpoints
+(generated once by ``benchmarks/make_checkpoint.py``, resharded once by ``tiered.reshard``) and
+accelerate's offload folders live in ``--cache-dir``, not in the output.
+
+Only the standard library is imported here; children import torch, transformers, accelerate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import fnmatch
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import cgroup  # noqa: E402  (benchmarks/cgroup.py: stdlib only)
+
+GiB = 1 << 30
+
+__all__ = ["main", "build_plan", "machine_info", "SUITES"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Suites
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Suite:
+    """Defaults of one suite; every field can be overridden on the command line. Sizes in GiB."""
+
+    device: str  # "cpu" or "cuda"
+    arch: str  # benchmarks/make_checkpoint.py ARCHS key
+    dtype: str
+    layers: int | None  # None: the real model's
+    scale: float
+    max_shard_size: str  # as save_pretrained shards (5GB for real models)
+    sweep_layers: list[int]  # extra checkpoints (same arch, these layer counts) for RSS-vs-size
+    ring_gb: float  # tiered streamed ring (and, on the GPU, the resident run's ring too)
+    gpu_gb: float | None  # GPU budget of tiered streamed and accelerate (CUDA only)
+    new_tokens: int  # warm runs of the fast systems
+    slow_new_tokens: int  # accelerate, DeepSpeed, cold and memory-limited runs
+    budget_s: float  # the whole invocation stops starting runs after this
+    ceiling_gb: float  # GiB read per read ceiling
+    timeout_s: float  # per child (capped by what is left of the budget)
+    min_start_s: float  # no run starts with less than this left of the budget
+
+
+SUITES: dict[str, Suite] = {
+    # CPU: a Llama of ~0.6 GB in fp32 (8 layers of llama-tall), 200 MB shards; a 0.25 GiB ring.
+    "quick": Suite(device="cpu", arch="llama-tall", dtype="fp32", layers=8, scale=1.0, max_shard_size="200MB",
+                   sweep_layers=[4, 16], ring_gb=0.25, gpu_gb=None, new_tokens=8, slow_new_tokens=4,
+                   budget_s=900.0, ceiling_gb=0.5, timeout_s=180.0, min_start_s=10.0),
+    # GPU: GPT-J-6B shapes, fp16, 12.1 GB in ~5 GB shards; ring 1 GiB; streamed and accelerate get 2 GiB
+    # of GPU. Fits the device tool's 10-minute command limit (budget 540 s, then the report).
+    "full": Suite(device="cuda", arch="gptj-6b", dtype="fp16", layers=None, scale=1.0, max_shard_size="5GB",
+                  sweep_layers=[14], ring_gb=1.0, gpu_gb=2.0, new_tokens=8, slow_new_tokens=3,
+                  budget_s=540.0, ceiling_gb=2.0, timeout_s=120.0, min_start_s=25.0),
+}
+
+GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed")
+
+
+@dataclass
+class Ckpt:
+    key: str  # "main" or "L<n>"
+    arch: str
+    dtype: str
+    layers: int | None
+    scale: float
+    max_shard_size: str
+    dir: Path
+    bytes: int | None = None
+    gen_s: float | None = None
+    status: str = "pending"  # "ok" | "failed: ..."
+    resharded_dir: Path | None = None
+    reshard_status: str = "pending"  # "ok" | "cached" | "not run: ..."
+    reshard_s: float | None = None
+
+
+@dataclass
+class RunDef:
+    key: str  # unique: "<ckpt>/<system>-<variant>/<layout>/<io>/<cache>[/limit]"
+    group: str  # one of GROUPS
+    system: str  # systems.py: tiered | transformers | accelerate | deepspeed
+    variant: str  # streamed | resident | cuda | cpu | disk-offload | zero3-offload
+    ckpt: str
+    layout: str = "original"  # or "resharded"
+    io: str = "mmap"
+    cache: str = "warm"  # or "cold"
+    limit: bool = False
+    new_tokens: int = 8
+    opts: dict[str, Any] = field(default_factory=dict)  # ring_gb, gpu_gb, cpu_gb for the Spec
+
+    @property
+    def label(self) -> str:
+        names = {("tiered", "streamed"): "tiered streamed", ("tiered", "resident"): "tiered resident",
+                 ("transformers", "cuda"): "transformers (cuda)", ("transformers", "cpu"): "transformers (cpu)",
+                 ("accelerate", "disk-offload"): "accelerate disk offload",
+                 ("deepspeed", "zero3-offload"): "DeepSpeed ZeRO-3 offload"}
+        s = names.get((self.system, self.variant), f"{self.system} {self.variant}")
+        if self.layout != "original":
+            s += f" [{self.layout}]"
+        if self.io != "mmap":
+            s += f" [io={self.io}]"
+        return s
+
+
+def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: str) -> str:
+    name = f"{arch}-{dtype}"  # the plain name matches benchmarks/gpu_check.sh's cache entry
+    if layers is not None:
+        name += f"-L{layers}"
+    if scale != 1.0:
+        name += f"-s{scale:g}"
+    if shard != "5GB":
+        name += f"-{shard}"
+    return name
+
+
+def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list[RunDef]]:
+    """The checkpoints and the ordered runs (most important first: the budget may cut the tail)."""
+    cache = Path(a.cache_dir)
+    ckpts = {"main": Ckpt("main", a.arch, a.dtype, a.layers, a.scale, a.max_shard_size,
+                          cache / _ckpt_name(a.arch, a.dtype, a.layers, a.scale, a.max_shard_size))}
+    for n in a.sweep_layers:
+        if n != a.layers:
+            ckpts[f"L{n}"] = Ckpt(f"L{n}", a.arch, a.dtype, n, a.scale, a.max_shard_size,
+                                  cache / _ckpt_name(a.arch, a.dtype, n, a.scale, a.max_shard_size))
+    fast, slow = a.new_tokens, a.slow_new_tokens
+    streamed = {"ring_gb": a.ring_gb, "gpu_gb": a.gpu_gb if cuda else None}
+    resident = {"ring_gb": a.ring_gb, "gpu_gb": None} if cuda else {"ring_gb": "fit"}  # CPU: ring >= model
+    acc = {"gpu_gb": a.gpu_gb, "cpu_gb": a.cpu_gb if a.cpu_gb is not None else a.ring_gb}
+    tf_variant = "cuda" if cuda else "cpu"
+
+    def R(group: str, system: str, variant: str, ckpt: str = "main", **kw: Any) -> RunDef:
+        r = RunDef(key="", group=group, system=system, variant=variant, ckpt=ckpt, **kw)
+        r.key = "/".join([ckpt, f"{system}-{variant}", r.layout, r.io, r.cache] + (["limit"] if r.limit else []))
+        return r
+
+    def four(group: str, ckpt: str = "main", **kw: Any) -> list[RunDef]:
+        n_fast = slow if kw.get("cache") == "cold" or kw.get("limit") else fast
+        return [R(group, "tiered", "streamed", ckpt, opts=streamed, new_tokens=n_fast, **kw),
+                R(group, "tiered", "resident", ckpt, opts=resident, new_tokens=n_fast, **kw),
+                R(group, "transformers", tf_variant, ckpt, new_tokens=n_fast, **kw),
+                R(group, "accelerate", "disk-offload", ckpt, opts=acc, new_tokens=slow, **kw)]
+
+    runs: list[RunDef] = []
+    runs += four("core")
+    runs += four("cold", cache="cold")
+    runs += four("limit", cache="cold", limit=True)
+    for key in ckpts:
+        if key != "main":
+            runs += [r for r in four("sweep", key) if r.variant != "resident" or not cuda]
+    runs += [R("resharded", "tiered", "streamed", layout="resharded", opts=streamed, new_tokens=fast),
+             R("resharded", "tiered", "resident", layout="resharded", opts=resident, new_tokens=fast),
+             R("resharded", "tiered", "streamed", layout="resharded", cache="cold", opts=streamed, new_tokens=slow)]
+    # O_DIRECT never uses the page cache: these are cold runs by nature (the cache is dropped anyway)
+    runs += [R("io", "tiered", "streamed", io="direct", cache="cold", opts=streamed, new_tokens=slow),
+             R("io", "tiered", "streamed", io="direct", cache="cold", limit=True, opts=streamed, new_tokens=slow)]
+    runs += [R("deepspeed", "deepspeed", "zero3-offload", new_tokens=slow)]
+    keep = [r for r in runs if r.group in a.groups and r.system in a.systems
+            and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
+    if a.no_cold:
+        keep = [r for r in keep if r.cache != "cold"]
+    if a.no_limit:
+        keep = [r for r in keep if not r.limit]
+    return ckpts, keep
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machine
+# ---------------------------------------------------------------------------------------------------
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _sh(cmd: list[str], timeout: float = 20.0) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _mount_of(path: Path) -> dict[str, Any]:
+    """The mount holding ``path``: mount point, file system type, source device (+ rotational, model)."""
+    path = path.resolve()
+    best: dict[str, Any] = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mp = left.split()[4].replace("\\040", " ")
+                fstype, source = (right.split() + ["", ""])[:2]
+                if (str(path) == mp or str(path).startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best.get("mount", "")):
+                    best = {"mount": mp, "fstype": fstype, "source": source}
+    except OSError:
+        return best
+    src = best.get("source", "")
+    if src.startswith("/dev/"):
+        dev = os.path.basename(os.path.realpath(src))
+        blk = Path("/sys/class/block") / dev
+        parent = blk.resolve().parent.name if (blk / "partition").exists() else dev
+        for k, p in (("rotational", f"/sys/block/{parent}/queue/rotational"), ("model", f"/sys/block/{parent}/device/model")):
+            try:
+                best[k] = Path(p).read_text().strip()
+            except OSError:
+                pass
+    try:
+        du = shutil.disk_usage(path)
+        best["size_gb"], best["free_gb"] = du.total / 1e9, du.free / 1e9
+    except OSError:
+        pass
+    return best
+
+
+def machine_info(ckpt_dir: Path) -> dict[str, Any]:
+    cpu = None
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    gpus = _sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    commit = _sh(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = _sh(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": mem / GiB if mem else None,
+        "gpus": gpus.splitlines() if gpus else [],
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "disk": _mount_of(ckpt_dir),
+        "versions": {p: _version(p) for p in ("torch", "transformers", "accelerate", "deepspeed", "safetensors",
+                                               "matplotlib", "psutil")},
+        "tiered_commit": (commit + ("+dirty" if dirty else "")) if commit else None,
+        "drop_caches_permitted": os.access("/proc/sys/vm/drop_caches", os.W_OK),
+    }
+
+
+def machine_label(info: dict[str, Any]) -> str:
+    if info["gpus"]:
+        name = info["gpus"][0].split(",")[0].split()[-1].lower()
+        n = len(info["gpus"])
+        return name if n == 1 else f"{n}x{name}"
+    ram = f"-{round(info['ram_gib'])}g" if info.get("ram_gib") else ""
+    return f"cpu-{info['cores']}c{ram}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, a: argparse.Namespace, ckpts: dict[str, Ckpt], runs: list[RunDef], cuda: bool) -> None:
+        self.a = a
+        self.ckpts = ckpts
+        self.runs = runs
+        self.cuda = cuda
+        self.t0 = time.monotonic()
+        self.work = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=a.cache_dir))
+        self.warm: set[Path] = set()  # checkpoint dirs the page cache holds (emptied by every cache drop)
+        self.logs: list[str] = []
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+                        TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+
+    def left(self) -> float:
+        return self.a.budget_s - (time.monotonic() - self.t0)
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
+        print(line, file=sys.stderr, flush=True)
+        self.logs.append(line)
+
+    def _child_log(self, title: str, path: Path, lines: int = 40) -> None:
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        tail = [t for t in tail if "Loading weights" not in t]
+        self.logs.append(f"----- {title} -----")
+        self.logs.extend(tail)
+
+    def ensure_ckpt(self, c: Ckpt) -> bool:
+        if c.status != "pending":
+            return c.status == "ok"
+        cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--arch", c.arch, "--dtype", c.dtype, "--scale",
+               str(c.scale), "--max-shard-size", c.max_shard_size, "--quiet", str(c.dir)]
+        if c.layers is not None:
+            cmd[2:2] = ["--layers", str(c.layers)]
+        self.log(f"checkpoint {c.key}: {c.dir}")
+        t = time.monotonic()
+        log = self.work / f"ckpt-{c.key}.log"
+        r = cgroup.run_child(cmd, timeout_s=max(10.0, self.left()), stdout=log, stderr=log, env=self.env, cwd=ROOT)
+        c.gen_s = time.monotonic() - t
+        if r.status != "ok":
+            c.status = f"failed: make_checkpoint {r.status}"
+            self._child_log(f"make_checkpoint {c.key}", log)
+            return False
+        c.status = "ok"
+        c.bytes = sum(p.stat().st_size for p in c.dir.glob("*.safetensors"))
+        if "wrote" in log.read_text():  # just written: in the page cache (a cache hit proves nothing)
+            self.warm.add(c.dir)
+        self.log(f"  {c.bytes / 1e9:.3f} GB ready in {c.gen_s:.1f} s ({log.read_text().strip().splitlines()[-1:]})")
+        return True
+
+    def ensure_resharded(self, c: Ckpt) -> str:
+        if c.reshard_status != "pending":
+            return c.reshard_status
+        dst = c.dir.parent / (c.dir.name + "-resharded")
+        c.resharded_dir = dst
+        if (dst / "model.safetensors.index.json").is_file():
+            c.reshard_status = "cached"  # tiered.reshard renames into place only when complete
+            return c.reshard_status
+        code = ("import sys\ntry:\n    from tiered.reshard import reshard\nexcept ImportError as e:\n"
+                "    print('CONVERTER_MISSING', e); sys.exit(3)\n"
+                f"print(reshard({str(c.dir)!r}, {str(dst)!r}, quiet=True, force=True))\n")
+        log = self.work / f"reshard-{c.key}.log"
+        t = time.monotonic()
+        r = cgroup.run_child([sys.executable, "-c", code], timeout_s=max(10.0, self.left() - self.a.min_start_s),
+                             stdout=log, stderr=log, env=self.env, cwd=ROOT)
+        c.reshard_s = time.monotonic() - t
+        text = log.read_text(errors="replace")
+        if r.returncode == 3 and "CONVERTER_MISSING" in text:
+            c.reshard_status = "not run: converter missing (tiered.reshard not importable)"
+        elif r.status != "ok":
+            c.reshard_status = f"not run: converter {r.status}"
+            self._child_log(f"reshard {c.key}", log)
+        else:
+            c.reshard_status = "ok"
+            self.log(f"  resharded {c.key} in {c.reshard_s:.1f} s -> {dst}")
+        return c.reshard_status
+
+    def prewarm(self, d: Path) -> None:
+        """Read checkpoint ``d`` into the page cache, unless it is known to be there."""
+        if d in self.warm:
+            return
+        t = time.monotonic()
+        n = 0
+        buf = bytearray(8 << 20)
+        for p in sorted(d.glob("*.safetensors")):
+            with open(p, "rb", buffering=0) as f:
+                while (k := f.readinto(buf)) > 0:
+                    n += k
+        self.warm.add(d)
+        self.log(f"  page cache warmed: {d.name}, {n / 1e9:.2f} GB in {time.monotonic() - t:.1f} s")
+
+    def ceilings(self) -> dict[str, Any]:
+        c = self.ckpts["main"]
+        cmd = [sys.executable, str(HERE / "ceilings.py"), str(c.dir), "--max-gb", str(self.a.ceiling_gb)]
+        if not self.cuda:
+            cmd.append("--no-cuda")
+        out, err = self.work / "ceilings.out", self.work / "ceilings.err"
+        self.log("ceilings")
+        r = cgroup.run_child(cmd, timeout_s=max(10.0, min(180.0, self.left())), stdout=out, stderr=err, env=self.env, cwd=ROOT)
+        try:
+            return json.loads(out.read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            self._child_log("ceilings", err)
+            return {"error": f"ceilings.py {r.status}"}
+
+    def run_one(self, rd: RunDef, cg_ok: bool, cg_why: str) -> dict[str, Any]:
+        a = self.a
+        c = self.ckpts[rd.ckpt]
+        row: dict[str, Any] = {"key": rd.key, "label": rd.label, **{k: v for k, v in asdict(rd).items() if k != "opts"},
+                               "opts": dict(rd.opts), "mem_limit_gb": a.mem_limit_gb if rd.limit else None}
+        left = self.left()
+        if left < a.min_start_s:
+            row["status"] = f"not run: suite budget spent (--budget-s {a.budget_s:.0f})"
+            return row
+        if not self.ensure_ckpt(c):
+            row["status"] = f"not run: checkpoint {c.status}"
+            return row
+        row["model_gb"] = c.bytes / 1e9 if c.bytes else None
+        model_dir = c.dir
+        if rd.layout == "resharded":
+            st = self.ensure_resharded(c)
+            if st.startswith("not run"):
+                row["status"] = st
+                return row
+            model_dir = c.resharded_dir
+        if rd.system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            row["status"] = "not run: deepspeed not importable"
+            return row
+        if rd.limit and not cg_ok:
+            row["status"] = "not run: no cgroup v2 memory limit here (see 'Memory limit'); RSS alone is in the unlimited rows"
+            return row
+        if rd.cache == "warm":
+            self.prewarm(model_dir)
+        opts = dict(rd.opts)
+        if opts.get("ring_gb") == "fit":  # CPU resident: a ring that holds every unit (4 KiB-aligned) + slack
+            opts["ring_gb"] = max(a.ring_gb, ((c.bytes or 0) * 1.02 + (64 << 20)) / GiB)
+            opts["ring_gb"] = float(f"{opts['ring_gb']:.3f}")
+        row["opts"] = opts
+        offload = Path(a.cache_dir) / f"offload-{os.getpid()}"
+        spec = {"system": rd.system, "model_dir": str(model_dir), "prompt_ids": self.prompt_ids(c),
+                "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
+                "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
+                **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")}}
+        sp = self.work / f"spec-{len(self.logs)}.json"
+        sp.write_text(json.dumps(spec))
+        out, err = self.work / "child.out", self.work / "child.err"
+        timeout = min(a.timeout_s, left - 5.0)
+        limit = int(a.mem_limit_gb * GiB) if rd.limit else None
+        self.log(f"run {rd.key} ({rd.new_tokens} tokens, timeout {timeout:.0f} s"
+                 + (f", memory.max {a.mem_limit_gb:g} GiB" if limit else "") + ")")
+        r = cgroup.run_child([sys.executable, str(HERE / "systems.py"), str(sp)], timeout_s=timeout,
+                             mem_limit_bytes=limit, stdout=out, stderr=err, env=self.env, cwd=ROOT)
+        shutil.rmtree(offload, ignore_errors=True)
+        if rd.cache == "cold":
+            self.warm.clear()
+        res: dict[str, Any] = {}
+        partial: dict[str, Any] = {}
+        for line in out.read_text(errors="replace").splitlines():
+            if line.startswith("BENCH_RESULT "):
+                res = json.loads(line[len("BENCH_RESULT "):])
+            elif line.startswith("BENCH_PARTIAL "):
+                partial = json.loads(line[len("BENCH_PARTIAL "):])
+        row.update(partial)
+        row.update(res)
+        row["child"] = r.to_dict()
+        if r.status != "ok":
+            row["status"] = r.status
+        elif not res:
+            row["status"] = "failed: no result line"
+        if not str(row.get("status", "")).startswith(("ok", "not run")) or r.status != "ok":
+            self._child_log(rd.key, err)
+        if row.get("peak_rss_gb") is None and r.ru_maxrss_bytes:
+            row["peak_rss_gb"] = r.ru_maxrss_bytes / GiB  # killed: the kernel's record of its VmHWM
+            if row.get("rss_base_gb"):
+                row["peak_rss_over_base_gb"] = row["peak_rss_gb"] - row["rss_base_gb"]
+        row["ru_maxrss_gb"] = r.ru_maxrss_bytes / GiB if r.ru_maxrss_bytes else None
+        if r.cgroup:
+            row["cgroup_peak_gb"] = r.cgroup["memory_peak"] / GiB if r.cgroup.get("memory_peak") is not None else None
+            row["cgroup_events"] = r.cgroup.get("events")
+        row["wall_s"] = r.wall_s
+        msg = row["status"]
+        if row.get("decode_s_per_token_median"):
+            msg += f": load {row.get('load_s', 0):.1f} s, {row['decode_s_per_token_median']:.3f} s/token"
+        if row.get("peak_rss_over_base_gb") is not None:
+            msg += f", peak RSS +{row['peak_rss_over_base_gb']:.2f} GiB"
+        self.log(f"  {msg} ({r.wall_s:.0f} s)")
+        return row
+
+    def prompt_ids(self, c: Ckpt) -> list[int]:
+        vocab = 30000
+        try:
+            vocab = int(json.loads((c.dir / "config.json").read_text()).get("vocab_size", vocab))
+        except (OSError, ValueError):
+            pass
+        rng = random.Random(self.a.seed)
+        return [rng.randrange(100, min(vocab, 30000)) for _ in range(self.a.prompt_len)]
+
+
+def _tokens_match(rows: list[dict[str, Any]]) -> None:
+    """Greedy tokens of every ok run against the reference run of the same checkpoint (transformers first)."""
+    by_ckpt: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("tokens_out"):
+            by_ckpt.setdefault(r["ckpt"], []).append(r)
+    for group in by_ckpt.values():
+        ref = next((r for r in group if r["system"] == "transformers"), group[0])
+        for r in group:
+            n = min(len(r["tokens_out"]), len(ref["tokens_out"]))
+            r["tokens_match"] = r["tokens_out"][:n] == ref["tokens_out"][:n]
+            r["tokens_ref"] = ref["key"]
+
+
+def _cuda_available() -> bool:
+    out = _sh([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], timeout=120)
+    return out is not None and out.strip().endswith("True")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=list(SUITES), default="quick")
+    p.add_argument("--out-dir", type=Path, default=HERE / "results")
+    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TIERED_CACHE", "/tmp/tiered-cache")),
+                   help="checkpoints, resharded copies, offload folders, child logs (default $TIERED_CACHE or /tmp/tiered-cache)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the suite's")
+    p.add_argument("--arch", default=None, help="make_checkpoint.py arch (default: the suite's)")
+    p.add_argument("--dtype", default=None, choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--scale", type=float, default=None)
+    p.add_argument("--max-shard-size", default=None)
+    p.add_argument("--sweep-layers", default=None, help="comma list of layer counts for the RSS-vs-size sweep ('' for none)")
+    p.add_argument("--ring-gb", type=float, default=None, help="tiered ring, GiB")
+    p.add_argument("--gpu-gb", type=float, default=None, help="GPU budget of tiered streamed and accelerate, GiB")
+    p.add_argument("--cpu-gb", type=float, default=None, help="accelerate max_memory['cpu'], GiB (default: = ring)")
+    p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of the limited runs (default: ring + 2)")
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="prompt token ids seed")
+    p.add_argument("--threads", type=int, default=4, help="tiered reader threads")
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
+    p.add_argument("--timeout-s", type=float, default=None, help="per child process")
+    p.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {','.join(GROUPS)}")
+    p.add_argument("--systems", default="tiered,transformers,accelerate,deepspeed")
+    p.add_argument("--runs", default="", help="comma list of fnmatch patterns on run keys (e.g. 'main/tiered-*')")
+    p.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
+    p.add_argument("--no-limit", action="store_true", help="skip memory-limited runs")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--tag", default="", help="appended to the output file names")
+    p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    p.add_argument("--list", action="store_true", help="print the plan and exit")
+    a = p.parse_args(argv)
+    s = SUITES[a.suite]
+    for k in ("device", "arch", "dtype", "layers", "scale", "max_shard_size", "ring_gb", "gpu_gb", "new_tokens",
+              "slow_new_tokens", "budget_s", "timeout_s"):
+        if getattr(a, k) is None:
+            setattr(a, k, getattr(s, k))
+    a.sweep_layers = s.sweep_layers if a.sweep_layers is None else [int(x) for x in a.sweep_layers.split(",") if x.strip()]
+    a.ceiling_gb, a.min_start_s = s.ceiling_gb, s.min_start_s
+    a.mem_limit_gb = a.mem_limit_gb if a.mem_limit_gb is not None else a.ring_gb + 2.0
+    a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]
+    a.systems = [x.strip() for x in a.systems.split(",") if x.strip()]
+    a.runs = [x.strip() for x in a.runs.split(",") if x.strip()]
+    bad = [g for g in a.groups if g not in GROUPS]
+    if bad:
+        p.error(f"unknown group(s) {bad}; choose from {GROUPS}")
+
+    a.cache_dir.mkdir(parents=True, exist_ok=True)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = a.device == "cuda"
+    if cuda and not a.list and not _cuda_available():
+        print("run.py: --device cuda but torch sees no CUDA device; use --suite quick or --device cpu", file=sys.stderr)
+        return 2
+    ckpts, runs = build_plan(a, cuda)
+    if a.list:
+        for r in runs:
+            print(f"{r.group:10} {r.key:70} {r.new_tokens} tokens  {r.opts}")
+        return 0
+
+    info = machine_info(a.cache_dir)
+    stem = f"{info['date'][:10]}-{machine_label(info)}-{a.suite}{('-' + a.tag) if a.tag else ''}"
+    json_path = a.out_dir / f"{stem}.json"
+    cg_ok, cg_why = cgroup.probe() if any(r.limit for r in runs) else (False, "no memory-limited runs in this plan")
+    runner = Runner(a, ckpts, runs, cuda)
+    runner.log(f"{a.suite} suite -> {json_path} ({len(runs)} runs, budget {a.budget_s:.0f} s); {cg_why}")
+    results: dict[str, Any] = {
+        "suite": a.suite, "date": info["date"], "machine": info, "machine_label": machine_label(info),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "cgroup": {"available": cg_ok, "why": cg_why, "mem_limit_gb": a.mem_limit_gb},
+        "notes": list(a.note), "ceilings": {}, "checkpoints": {}, "runs": [],
+    }
+    if not info["drop_caches_permitted"]:
+        results["notes"].append("drop_caches not permitted (not root): 'cold' runs ran with whatever the page cache held")
+
+    import report  # benchmarks/report.py (matplotlib imported lazily inside)
+
+    def save() -> None:
+        _tokens_match(results["runs"])
+        results["checkpoints"] = {k: {**asdict(c), "dir": str(c.dir), "resharded_dir": str(c.resharded_dir or "")}
+                                  for k, c in ckpts.items()}
+        results["elapsed_s"] = time.monotonic() - runner.t0
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        os.replace(tmp, json_path)
+        (a.out_dir / f"{stem}.md").write_text(report.markdown(results))
+        (a.out_dir / f"{stem}-logs.txt").write_text("\n".join(runner.logs) + "\n")
+
+    try:
+        if runner.ensure_ckpt(ckpts["main"]):
+            results["ceilings"] = runner.ceilings()
+        save()
+        for rd in runs:
+            results["runs"].append(runner.run_one(rd, cg_ok, cg_why))
+            save()
+    finally:
+        shutil.rmtree(runner.work, ignore_errors=True)
+    if not a.no_plots:
+        made, note = report.plots(results, a.out_dir / stem)
+        if note:
+            results["notes"].append(note)
+        results["plots"] = [m.name for m in made]
+    save()
+    runner.log(f"done in {time.monotonic() - runner.t0:.0f} s: {json_path}")
+    print((a.out_dir / f"{stem}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

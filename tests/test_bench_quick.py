@@ -1,0 +1,156 @@
+"""The benchmark harness (benchmarks/run.py and friends) end to end on a tiny checkpoint, on the CPU.
+
+One run of the quick suite, cut down to three systems on a ~13 MB checkpoint (tiered streamed through a
+ring smaller than the model, tiered resident, stock transformers) plus the DeepSpeed row (not run on
+CPU); then checks the files it writes and that the numbers are sane. Also: the cgroup runner's
+OOM / timeout reporting against a fake cgroup tree, the report without matplotlib, the full plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import cgroup  # noqa: E402
+import report  # noqa: E402
+
+NEW_TOKENS = 3
+RING_GB = 0.01  # 10.7 MB: smaller than the 12.6 MB checkpoint, larger than its biggest unit (4.2 MB)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "out"
+    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "quick", "--arch", "llama-tall", "--layers", "4",
+           "--scale", "0.125", "--dtype", "fp32", "--sweep-layers", "", "--ring-gb", str(RING_GB),
+           "--new-tokens", str(NEW_TOKENS), "--slow-new-tokens", str(NEW_TOKENS), "--groups", "core,deepspeed",
+           "--systems", "tiered,transformers,deepspeed", "--no-cold", "--no-limit", "--out-dir", str(out),
+           "--cache-dir", str(tmp / "cache"), "--budget-s", "300", "--tag", "test"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    jsons = list(out.glob("*-quick-test.json"))
+    assert len(jsons) == 1, list(out.iterdir())
+    return {"out": out, "json": jsons[0], "res": json.loads(jsons[0].read_text()), "stderr": r.stderr}
+
+
+def test_files_written(suite: dict) -> None:
+    stem = suite["json"].with_suffix("")
+    md = Path(f"{stem}.md").read_text()
+    assert "| system |" in md and "tiered streamed" in md and "transformers (cpu)" in md
+    assert Path(f"{stem}-logs.txt").is_file()
+    pngs = [Path(f"{stem}-{k}.png") for k in ("rss", "spt", "gbps")]
+    for p in pngs:
+        assert p.is_file(), p
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert 5_000 < p.stat().st_size < 200_000, (p, p.stat().st_size)
+    assert suite["res"]["plots"] == [p.name for p in pngs]
+    assert len(list(suite["out"].iterdir())) <= 8  # the device tool brings back at most 8 files
+
+
+def test_machine_and_ceilings(suite: dict) -> None:
+    res = suite["res"]
+    m = res["machine"]
+    assert m["cores"] >= 1 and m["ram_gib"] > 0 and m["versions"]["torch"] and m["versions"]["transformers"]
+    assert m["disk"].get("mount") and m["disk"].get("fstype")
+    c = res["ceilings"]
+    assert c["memcpy_gbps"] > 0.1
+    for k in ("odirect_1t", "odirect_4t", "pagecache_1t", "pagecache_4t"):
+        assert c.get(f"{k}_gbps", 0) > 0 or f"{k}_error" in c, k
+    ck = res["checkpoints"]["main"]
+    assert ck["status"] == "ok" and 12e6 < ck["bytes"] < 14e6
+
+
+def test_rows_sane(suite: dict) -> None:
+    rows = {r["key"]: r for r in suite["res"]["runs"]}
+    streamed = rows["main/tiered-streamed/original/mmap/warm"]
+    resident = rows["main/tiered-resident/original/mmap/warm"]
+    stock = rows["main/transformers-cpu/original/mmap/warm"]
+    ds = rows["main/deepspeed-zero3-offload/original/mmap/warm"]
+    for r in (streamed, resident, stock):
+        assert r["status"] == "ok", (r["key"], r["status"], suite["stderr"][-2000:])
+        assert r["tokens"] == NEW_TOKENS and len(r["tokens_out"]) == NEW_TOKENS
+        assert r["tokens_match"] is True
+        assert 0 < r["load_s"] < 120 and 0 < r["ttft_s"] < 60
+        assert 0 < r["decode_s_per_token_median"] < 10 and r["tokens_per_s"] > 0.1
+        assert 0.05 < r["rss_base_gb"] < r["peak_rss_gb"] < 8
+        assert r["peak_rss_gb"] - r["rss_base_gb"] == pytest.approx(r["peak_rss_over_base_gb"])
+        assert r["ru_maxrss_gb"] >= r["peak_rss_gb"] - 0.01  # the kernel's VmHWM record agrees
+        assert r["child"]["status"] == "ok" and r["child"]["cgroup"] is None
+    model_gb = streamed["model_gb"]
+    assert streamed["resident_units"] == 0 and streamed["units"] >= 6
+    # every pass streams the whole model; the cyclic lookahead may also have read the next pass's first units
+    assert model_gb * 0.95 < streamed["streamed_gb_per_token"] < model_gb * 1.5
+    assert streamed["read_gbps"] > 0 and streamed["decode_gbps"] > 0
+    assert resident["resident_units"] == resident["units"] and resident["streamed_gb_per_token"] == 0
+    assert resident["opts"]["ring_gb"] * (1 << 30) > model_gb * 1e9
+    assert stock["streamed_gb_per_token"] == 0
+    assert ds["status"].startswith("not run")
+
+
+def test_report_without_matplotlib(suite: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    made, note = report.plots(suite["res"], tmp_path / "x")
+    assert made == [] and "matplotlib" in note
+    assert "| tiered streamed |" in report.markdown(suite["res"])
+
+
+def _fake_cgroup_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    return root
+
+
+def test_cgroup_oom_reported(tmp_path: Path) -> None:
+    """A child that the 'kernel' OOM-kills (simulated: memory.events says oom_kill 1, then SIGKILL)."""
+    root = _fake_cgroup_tree(tmp_path)
+    code = ("import glob, os, signal\n"
+            f"g = glob.glob({str(root)!r} + '/tiered-bench-*')[0]\n"
+            "open(g + '/memory.events', 'w').write('low 0\\nhigh 0\\nmax 3\\noom 1\\noom_kill 1\\n')\n"
+            "open(g + '/memory.peak', 'w').write(str(256 << 20))\n"
+            "x = bytearray(64 << 20)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = cgroup.run_child([sys.executable, "-c", code], timeout_s=60, mem_limit_bytes=256 << 20, cgroup_parent=root)
+    assert r.status == "OOM-killed at limit 0.25 GiB" and r.oom_killed and r.returncode == -9
+    assert r.ru_maxrss_bytes > 64 << 20
+    assert r.cgroup["memory_peak"] == 256 << 20 and r.cgroup["events"]["oom_kill"] == 1
+    (group,) = root.glob("tiered-bench-*")  # a fake tree keeps its files; a real one is removed
+    assert (group / "memory.max").read_text() == str(256 << 20)
+    assert (group / "cgroup.procs").read_text() == "0"  # the child moved itself in before exec
+    assert (root / "cgroup.subtree_control").read_text() == "+memory"
+
+
+def test_cgroup_unavailable_and_timeout(tmp_path: Path) -> None:
+    root = tmp_path / "v1"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu pids\n")
+    r = cgroup.run_child(["true"], timeout_s=10, mem_limit_bytes=1 << 30, cgroup_parent=root)
+    assert r.status.startswith("not run: cgroup v2 memory limit unavailable") and r.returncode is None
+    r = cgroup.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
+    assert r.timed_out and r.status == "timeout after 0.5 s" and r.returncode == -9
+    assert r.wall_s < 10
+
+
+def test_full_plan_lists_without_cuda() -> None:
+    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--list"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    keys = [line.split()[1] for line in r.stdout.splitlines()]
+    for k in ("main/tiered-streamed/original/mmap/warm", "main/tiered-resident/original/mmap/warm",
+              "main/transformers-cuda/original/mmap/warm", "main/accelerate-disk-offload/original/mmap/warm",
+              "main/tiered-streamed/original/mmap/cold/limit", "main/accelerate-disk-offload/original/mmap/cold/limit",
+              "main/tiered-streamed/resharded/mmap/warm", "main/deepspeed-zero3-offload/original/mmap/warm"):
+        assert k in keys, k
+    assert "'ring_gb': 1.0, 'gpu_gb': 2.0" in r.stdout
