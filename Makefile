@@ -22,6 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+bench-quick: $(STAMP)
+	$(PY) benchmarks/run.py --suite quick
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tiered tools benchmarks tests
 
