@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 import struct
@@ -47,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+from tiered.format import parse_size  # noqa: E402  (one size parser for the project)
 
 __all__ = [
     "ARCHS",
@@ -489,39 +491,6 @@ def generate_state_dict(
 # --------------------------------------------------------------------------------------------
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(size: int | str) -> int:
-    """Parse a size in bytes: an int, or a number and a unit such as ``"5GB"`` (decimal,
-    10**9 bytes, as transformers), ``"500MB"``, ``"2GiB"`` (binary, 2**30), ``"1.5GB"``.
-    Units (case-insensitive): B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
-
-    Raises:
-        ValueError: unparsable, or not > 0.
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(size))
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _SIZE_UNITS:
-            raise ValueError(f"invalid size {size!r}; use a number and a unit, e.g. 5GB, 500MB, 2GiB")
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be > 0 bytes, got {size!r}")
-    return value
 
 
 def _plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,34 +25,11 @@ sys.path.insert(0, str(ROOT))
 import tiered  # noqa: E402
 from tiered.stats import proc_status  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from systems import Clock as _Clock  # noqa: E402
+from systems import _drop_caches as drop_caches  # noqa: E402
+
 GiB = 1 << 30
-
-
-class _Clock:
-    """A generate() streamer that timestamps each new token (generate moves them to the CPU first)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.first = True
-
-    def put(self, value) -> None:
-        if self.first:  # the prompt
-            self.first = False
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
     "read_header",
     "open_checkpoint",
     "dtype_name",
+    "parse_size",
 ]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
@@ -66,6 +68,30 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a number and a unit (case-insensitive): ``"5GB"`` = 5e9 (decimal, as
+    transformers' ``max_shard_size``), ``"2GiB"`` = 2 * 2**30, ``"500MB"``, ``"1.5GB"``.
+
+    Raises:
+        ValueError: unparsable, or not > 0.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"invalid size {size!r}; use a number and a unit, e.g. 5GB, 500MB, 2GiB")
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {size!r}")
+    return value
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -73,6 +73,7 @@ import torch
 
 from .errors import DuplicateTensorError, HeaderError, ShardNotFoundError, TieredError
 from .format import INDEX_NAME, Checkpoint, TensorInfo, dtype_name, open_checkpoint, read_header
+from .format import parse_size as _parse_size
 from .reader import ShardMap
 
 __all__ = [
@@ -141,24 +142,12 @@ class VerifyError(ReshardError):
 # ---------------------------------------------------------------------------------------------- sizes
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a number and a unit (``"2GB"`` = 2e9, decimal as transformers;
-    ``"2GiB"`` = 2 * 2**30; ``"500MB"``). Raises ReshardError when unparsable or not > 0."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(size))
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _SIZE_UNITS:
-            raise ReshardError(f"max_shard_size {size!r} is not a size; use e.g. 2GB, 500MB or 4GiB")
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ReshardError(f"max_shard_size must be > 0 bytes, got {size!r}")
-    return value
+    """Bytes in ``size`` (see :func:`tiered.format.parse_size`). Raises ReshardError when unparsable or not > 0."""
+    try:
+        return _parse_size(size)
+    except ValueError as e:
+        raise ReshardError(f"max_shard_size: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- low-level I/O
