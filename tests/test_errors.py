@@ -252,3 +252,68 @@ def test_shard_truncated_after_load_direct_io(ckpts: Checkpoints, tmp_path: Path
         with pytest.raises(TruncatedShardError, match="truncated"):
             with torch.no_grad():
                 m(torch.tensor([[1, 2, 3]]))
+
+
+# ---------------------------------------------------------------------------------------------- found by a new user
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"threads": 0}, {"threads": -2}, {"prefetch": -1}, {"gpu_gb": -1}, {"ring_gb": float("nan")}, {"ring_gb": "1"},
+     {"dtype": torch.int8}],
+    ids=["threads0", "threads-2", "prefetch-1", "gpu_gb-1", "ring-nan", "ring-str", "dtype-int8"],
+)
+def test_bad_option_values(kw: dict, ckpts: Checkpoints) -> None:
+    with pytest.raises(ConfigError):
+        _load(ckpts["llama"], **kw)
+
+
+def test_use_after_close_raises(ckpts: Checkpoints) -> None:
+    m = _load(ckpts["llama"])
+    m.close()
+    with pytest.raises(tiered.StreamerError, match="closed"):
+        m(torch.tensor([[1, 2, 3]]))
+
+
+def test_unused_checkpoint_tensors_warn(ckpts: Checkpoints, tmp_path: Path) -> None:
+    d = ckpts.copy("llama", tmp_path / "m")
+    _edit_config(d, num_hidden_layers=2)  # the checkpoint has 4
+    with pytest.warns(UserWarning, match="not used by the model"):
+        _load(d).close()
+
+
+def test_ring_capped_at_model_size(ckpts: Checkpoints) -> None:
+    with _load(ckpts["llama"], ring_gb=4.0) as m:
+        s = tiered.stats(m)
+        assert s.ring_bytes <= s.model_bytes + 4096 * s.units
+        assert s.resident_units == s.units
+
+
+def test_attach_module_built_under_torch_meta_device(minilm_dir: Path) -> None:
+    """A transformers model built with ``torch.device("meta")`` has meta buffers: they are computed as
+    from_pretrained computes them, and the output is bitwise equal to stock."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(minilm_dir)
+    with torch.device("meta"):
+        m = transformers.BertModel(cfg)
+    ref = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    ids = torch.tensor([[101, 2023, 2003, 1037, 3231, 102]])
+    with tiered.attach(m, minilm_dir, ring_gb=0.05, device="cpu") as m, torch.no_grad():
+        m.eval()
+        assert torch.equal(m(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+
+
+def test_attach_plain_module_with_meta_buffer_is_refused(tmp_path: Path) -> None:
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4), persistent=False)
+
+    src = WithBuffer()
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        m = WithBuffer()
+    with pytest.raises(ConfigError, match="scale"):
+        tiered.attach(m, tmp_path, ring_gb=0.01, device="cpu")

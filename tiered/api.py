@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, RingTooSmallError
+from .errors import ConfigError, RingTooSmallError, StreamerError
 from .format import Checkpoint, open_checkpoint
 from .plan import Plan, build_plan
 from .reader import Reader
@@ -70,6 +72,12 @@ class _Handle:
             self.reader.close()
         if self.ring is not None:
             self.ring.close()
+        # The weights are gone: make any later call fail loudly instead of computing on meta tensors.
+        self.module.register_forward_pre_hook(_closed)
+
+
+def _closed(module: nn.Module, args: object) -> None:
+    raise StreamerError(f"this tiered {type(module).__name__} is closed (its ring was released): load it again")
 
 
 class _TieredMixin:
@@ -145,6 +153,26 @@ def build_meta_model(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb: object, io: object) -> None:
+    """Reject option values a user could mistype, before anything is allocated (ConfigError / RingTooSmallError)."""
+    if not _is_number(ring_gb):
+        raise ConfigError(f"ring_gb must be a number of GiB (e.g. 1 or 0.5), got {ring_gb!r}")
+    if ring_gb <= 0:  # type: ignore[operator]
+        raise RingTooSmallError(f"ring_gb must be > 0, got {ring_gb}")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ConfigError(f"prefetch must be an integer >= 0 (units of lookahead), got {prefetch!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ConfigError(f"threads must be an integer >= 1 (reader threads), got {threads!r}")
+    if gpu_gb is not None and (not _is_number(gpu_gb) or gpu_gb < 0):  # type: ignore[operator]
+        raise ConfigError(f"gpu_gb must be a number of GiB >= 0 or None (all that fits), got {gpu_gb!r}")
+    if io not in ("mmap", "direct"):
+        raise ConfigError(f"io={io!r}: use 'mmap' (page cache, default) or 'direct' (O_DIRECT, bypasses the page cache)")
+
+
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,7 +191,11 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _dtype(d: torch.dtype | str | None) -> torch.dtype | None:
-    if d is None or isinstance(d, torch.dtype):
+    if d is None:
+        return d
+    if isinstance(d, torch.dtype):
+        if not d.is_floating_point:
+            raise ConfigError(f"dtype {d} is not a floating-point dtype; use torch.bfloat16, torch.float16 or torch.float32")
         return d
     names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
              "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -177,6 +209,51 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, b in m._buffers.items():
             if b is not None and b.device.type != "meta" and b.device != device:
                 m._buffers[name] = b.to(device)
+
+
+def _materialize_meta_buffers(module: nn.Module, plan: Plan) -> None:
+    """Give buffers left on ``meta`` (a module built under ``torch.device("meta")``) real values.
+
+    Buffers the checkpoint holds are bound like parameters. Others are computed the way
+    ``from_pretrained`` computes them (``initialize_weights``) for ``transformers`` models.
+
+    Raises:
+        ConfigError: a plain module has a ``meta`` buffer the checkpoint does not provide.
+    """
+    bound = {t.key for u in plan.units for t in u.targets}
+    missing = [
+        (f"{name}.{b}" if name else b, m, b)
+        for name, m in module.named_modules()
+        for b, v in m._buffers.items()
+        if v is not None and v.device.type == "meta" and (f"{name}.{b}" if name else b) not in bound
+    ]
+    if not missing:
+        return
+    init = getattr(module, "initialize_weights", None)
+    if not callable(init):
+        raise ConfigError(
+            f"buffer {missing[0][0]!r} is on meta and not in the checkpoint; build the module under "
+            "tiered.api.params_on_meta() (parameters on meta, buffers real) instead of torch.device('meta')"
+        )
+    for _, m, b in missing:
+        m._buffers[b] = torch.empty_like(m._buffers[b], device="cpu")
+        m._is_hf_initialized = False
+    init()
+
+
+def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
+    """Warn about checkpoint tensors nothing reads (config.json with fewer layers than the checkpoint...)."""
+    import re
+
+    ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    buffers = {n.rpartition(".")[2] for n, _ in module.named_buffers()}
+    unused = [k for k in plan.unused if not any(p.search(k) for p in ignore) and k.rpartition(".")[2] not in buffers]
+    if unused:
+        warnings.warn(
+            f"{ckpt.root}: {len(unused)} checkpoint tensors are not used by the model built from config.json "
+            f"(e.g. {unused[:3]}); check that config.json matches the checkpoint",
+            stacklevel=3,
+        )
 
 
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int) -> set[int]:
@@ -233,28 +310,35 @@ def attach(
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
         ConfigError: an unknown device or io backend.
     """
-    if io not in ("mmap", "direct"):
-        raise ConfigError(f"io={io!r}: use 'mmap' (page cache, default) or 'direct' (O_DIRECT, bypasses the page cache)")
-    if ring_gb <= 0:
-        raise RingTooSmallError(f"ring_gb must be > 0, got {ring_gb}")
+    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io)
     dev = _resolve_device(device)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
-    ring_bytes = int(ring_gb * GiB)
+    # A ring larger than the whole model (page-aligned units) would only cost RSS: cap it.
+    whole = sum((u.nbytes + 4095) // 4096 * 4096 for u in plan.units)
+    ring_bytes = min(int(ring_gb * GiB), whole)
     big = plan.max_unit
     if big.nbytes > ring_bytes:
         raise RingTooSmallError(
             f"unit {big.name!r} needs {gib_up(big.nbytes)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
             f"{gib_up(big.nbytes)} (>= {gib_up(2 * big.nbytes)} lets the next unit load while one runs)"
         )
+    _materialize_meta_buffers(module, plan)
+    _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
     h.stats.rss_before_load = rss0
     try:
-        h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
+        try:
+            h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
+        except (OSError, MemoryError) as e:
+            raise ConfigError(
+                f"cannot allocate a {ring_bytes / GiB:.3f} GiB ring ({e}); lower ring_gb "
+                f"(>= {gib_up(big.nbytes)} GiB is enough to run)"
+            ) from None
         h.stats.ring_bytes = h.ring.size
         h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
         resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch)

@@ -82,7 +82,18 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     }
 
 
+def _need_model_dir(path: str) -> Path | None:
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        what = "does not exist" if not d.exists() else "has no config.json"
+        print(f"tiered: error: {d} {what}; pass a local Hugging Face model directory", file=sys.stderr)
+        return None
+    return d
+
+
 def _cmd_inspect(a: argparse.Namespace) -> int:
+    if _need_model_dir(a.model_dir) is None:
+        return 2
     info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
     if a.json:
         print(json.dumps(info, indent=2))
@@ -114,6 +125,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     import tiered
 
+    if _need_model_dir(a.model_dir) is None:
+        return 2
     model_dir = Path(a.model_dir)
     tok = None
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
@@ -125,16 +138,26 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
     load_s = time.perf_counter() - t0
     with model:
+        if not callable(getattr(model, "generate", None)) or not model.can_generate():
+            print(f"tiered: error: {type(model).__name__} cannot generate text (not a causal LM); "
+                  "use the Python API for its forward", file=sys.stderr)
+            return 2
         if tok is not None and not a.ids:
             inputs = tok(a.prompt, return_tensors="pt").to(model.device)
         else:
             try:
                 ids = [int(x) for x in a.prompt.replace(",", " ").split()]
             except ValueError:
-                print("error: no tokenizer in MODEL_DIR: give --prompt as token ids, e.g. --prompt '1 2 3'",
-                      file=sys.stderr)
+                ids = None
+            vocab = getattr(model.config, "vocab_size", None)
+            if not ids or (vocab and not all(0 <= i < vocab for i in ids)):
+                print(f"tiered: error: --prompt must be token ids in [0, {vocab}) such as '1 2 3'"
+                      + ("" if tok is not None else " (no tokenizer in MODEL_DIR)"), file=sys.stderr)
                 return 2
             inputs = {"input_ids": torch.tensor([ids], device=model.device)}
+        if inputs["input_ids"].shape[1] == 0:
+            print("tiered: error: the prompt is empty", file=sys.stderr)
+            return 2
         n_in = inputs["input_ids"].shape[1]
         before = tiered.stats(model).read_bytes
         t1 = time.perf_counter()
@@ -153,6 +176,13 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="tiered",
@@ -165,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("model_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     g.add_argument("--prompt", default="Hello", help="text (needs a tokenizer in MODEL_DIR) or token ids '1 2 3'")
     g.add_argument("--ids", action="store_true", help="treat --prompt as token ids even if a tokenizer exists")
-    g.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=20, help="tokens to generate (default 20)")
     g.add_argument("--ring-gb", type=float, default=4.0,
                    help="host ring size in GiB; peak RSS ~ ring + runtime (default 4)")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
@@ -198,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("tiered: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
