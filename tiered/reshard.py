@@ -319,11 +319,14 @@ def _torch_load(path: Path) -> tuple[Mapping[str, torch.Tensor], bool, list[str]
     try:
         obj = torch.load(path, map_location="cpu", mmap=mapped, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # torch colours its message
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        what = f"it stores a {found.group(1)} object" if found else "it needs pickle beyond plain tensors"
         raise UnsafePickleError(
-            f"{path}: torch.load(weights_only=True) refused it: it needs pickle beyond plain tensors ({first}). "
-            "tiered never runs arbitrary pickle; if you trust the file, convert it yourself: "
-            "safetensors.torch.save_file(torch.load(path, weights_only=False), 'model.safetensors')"
+            f"{path}: torch.load(weights_only=True) refused it: {what}. tiered never runs arbitrary pickle; "
+            "if you trust the file, keep only its tensors yourself: sd = torch.load(path, weights_only=False); "
+            "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items() if isinstance(v, torch.Tensor)}, "
+            "'model.safetensors')"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         raise UnsupportedCheckpointError(f"{path}: torch.load failed ({e}); the file is damaged or not a "
@@ -1023,7 +1026,13 @@ def reshard(
     max_bytes = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
     _check_paths(src_p, dst_p, force)
-    dst_p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dst_p.parent.mkdir(parents=True, exist_ok=True)
+        probe = dst_p.parent / f".{dst_p.name}.tiered-probe-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise ReshardError(f"{dst_p.parent}: cannot write there ({e.strerror}); choose a writable DST") from None
     notes = [f"removed {p.name}, left by an interrupted run" for p in _remove_strays(dst_p)]
     source = _open_source(src_p)  # every header, index and pickle validated; no tensor data read
     try:
