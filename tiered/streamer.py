@@ -119,7 +119,6 @@ class Streamer:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._caller_waiting = False
-        self._fatal: BaseException | None = None
         self._lock = threading.Lock()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -167,9 +166,9 @@ class Streamer:
                 job.result = self._load(job)
             except BaseException as e:  # noqa: BLE001 - surfaced in the caller
                 job.error = e
-            with self._lock:
+            with self._lock:  # done and cancelled change together: _discard drops it, or we do
                 cancelled = job.cancelled
-            job.done.set()
+                job.done.set()
             if cancelled and job.result is not None:
                 self._drop(job.result)
 
@@ -276,8 +275,6 @@ class Streamer:
 
     def acquire(self, i: int) -> None:
         """Bind unit ``i``'s tensors into its modules (pre-hook; caller thread)."""
-        if self._fatal is not None:
-            raise self._fatal
         if i in self.held:
             ld, n = self.held[i]
             self.held[i] = (ld, n + 1)
