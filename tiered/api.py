@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -19,7 +20,7 @@ from .format import Checkpoint, open_checkpoint
 from .plan import Plan, build_plan
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
-from .stats import Stats, proc_status
+from .stats import Stats, page_cache_room, proc_status
 from .streamer import Streamer
 
 __all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta", "build_meta_model"]
@@ -37,7 +38,7 @@ class Options:
     dtype: torch.dtype | None = None  # cast on the fly (None: config.json's dtype, as from_pretrained)
     prefetch: int = 2  # units loaded ahead of the one running
     gpu_gb: float | None = None  # GPU budget for resident units (None: free memory - 4 GiB headroom)
-    io: str = "mmap"  # reader backend: "mmap" (page cache) or "direct" (O_DIRECT, bypasses the page cache)
+    io: str = "mmap"  # reader backend: "mmap" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
@@ -169,8 +170,27 @@ def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb
         raise ConfigError(f"threads must be an integer >= 1 (reader threads), got {threads!r}")
     if gpu_gb is not None and (not _is_number(gpu_gb) or gpu_gb < 0):  # type: ignore[operator]
         raise ConfigError(f"gpu_gb must be a number of GiB >= 0 or None (all that fits), got {gpu_gb!r}")
-    if io not in ("mmap", "direct"):
-        raise ConfigError(f"io={io!r}: use 'mmap' (page cache, default) or 'direct' (O_DIRECT, bypasses the page cache)")
+    if io not in ("mmap", "direct", "auto"):
+        raise ConfigError(
+            f"io={io!r}: use 'mmap' (page cache, default), 'direct' (O_DIRECT, bypasses the page cache) or "
+            "'auto' (direct when the model does not fit in the page cache room)"
+        )
+
+
+def _choose_io(io: str, ckpt: Checkpoint) -> str:
+    """Resolve ``io="auto"``; warn when ``mmap`` must re-read a model larger than the page-cache room."""
+    room, where = page_cache_room()
+    too_big = room is not None and ckpt.nbytes > room
+    if io == "auto":
+        return "direct" if too_big else "mmap"
+    if io == "mmap" and too_big and where.startswith("cgroup"):
+        warnings.warn(
+            f"{ckpt.root}: the checkpoint ({ckpt.nbytes / GiB:.2f} GiB) is larger than the page cache this "
+            f"{where} leaves ({room / GiB:.2f} GiB): io='mmap' re-reads it from disk through a thrashing "
+            "page cache on every pass; io='direct' (or 'auto') reads it without one",
+            stacklevel=3,
+        )
+    return io
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -316,6 +336,8 @@ def attach(
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
+    io = _choose_io(io, ckpt)
+    opts = dataclasses.replace(opts, io=io)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
     # A ring larger than the whole model (page-aligned units) would only cost RSS: cap it.
     whole = sum((u.nbytes + 4095) // 4096 * 4096 for u in plan.units)
@@ -389,7 +411,10 @@ def load(
         gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed). Default: free
             memory minus 4 GiB. When the whole model fits, it is loaded once through the ring and stays.
         io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
-            after each copy) or ``"direct"`` (``O_DIRECT`` reads: no page cache at all; cold-cache and cgroup use).
+            after each copy), ``"direct"`` (``O_DIRECT`` reads: no page cache at all; cold-cache and cgroup use)
+            or ``"auto"`` (``direct`` when the checkpoint is larger than the page cache can hold:
+            MemAvailable or the cgroup's ``memory.max``; measured on an H200 in a 3 GiB cgroup, GPT-J-6B:
+            6.0 s/token direct vs 10.7 s/token mmap).
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
 

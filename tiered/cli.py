@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
     g.add_argument("--prefetch", type=int, default=2, help="units loaded ahead of the running one (default 2)")
     g.add_argument("--threads", type=int, default=4, help="reader threads (default 4)")
-    g.add_argument("--io", choices=["mmap", "direct"], default="mmap",
-                   help="mmap: through the page cache (default); direct: O_DIRECT, bypasses the page cache")
+    g.add_argument("--io", choices=["mmap", "direct", "auto"], default="mmap",
+                   help="mmap: through the page cache (default); direct: O_DIRECT, bypasses the page cache; "
+                   "auto: direct when the model does not fit in the page cache (RAM or cgroup memory.max)")
     g.set_defaults(fn=_cmd_generate)
 
     i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs")

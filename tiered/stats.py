@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Stats", "proc_status"]
+__all__ = ["Stats", "proc_status", "page_cache_room"]
 
 
 def proc_status() -> dict[str, int]:
@@ -24,6 +24,41 @@ def proc_status() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def page_cache_room(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> tuple[int | None, str]:
+    """Bytes the page cache can grow by before it must evict: min(MemAvailable, cgroup v2 memory.max -
+    memory.current), and where the figure came from. (None, reason) when it cannot be read (not Linux).
+
+    A cgroup charges the page cache of the files its processes read (the cgroup v2 memory controller,
+    ``Documentation/admin-guide/cgroup-v2.rst``), so a model larger than this room is re-read from disk
+    on every pass through ``mmap``, and ``io="direct"`` (no page cache) serves it better.
+    """
+    room: int | None = None
+    where = "unknown"
+    try:
+        with open(f"{proc}/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room, where = int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            path = next((ln.strip()[3:] for ln in f if ln.startswith("0::")), None)
+        if path is not None:
+            base = f"{cgroup_root}{path.rstrip('/')}"
+            with open(f"{base}/memory.max") as f:
+                mx = f.read().strip()
+            if mx != "max":
+                with open(f"{base}/memory.current") as f:
+                    cur = int(f.read().strip())
+                left = max(0, int(mx) - cur)
+                if room is None or left < room:
+                    room, where = left, f"cgroup {path} memory.max={int(mx)}"
+    except (OSError, ValueError):
+        pass
+    return room, where
 
 
 @dataclass

@@ -1,0 +1,51 @@
+"""io="auto": O_DIRECT when the checkpoint cannot stay in the page cache (RAM or the cgroup's memory.max)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import Checkpoints
+
+import tiered
+import tiered.api
+from tiered.stats import page_cache_room
+
+
+def _fake_tree(tmp_path: Path, *, avail_kb: int, cg_max: str, cg_cur: int) -> tuple[str, str]:
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {avail_kb} kB\n")
+    (proc / "self" / "cgroup").write_text("0::/bench/run1\n")
+    d = cg / "bench" / "run1"
+    d.mkdir(parents=True)
+    (d / "memory.max").write_text(cg_max + "\n")
+    (d / "memory.current").write_text(f"{cg_cur}\n")
+    return str(proc), str(cg)
+
+
+def test_page_cache_room_reads_meminfo_and_cgroup(tmp_path: Path) -> None:
+    proc, cg = _fake_tree(tmp_path, avail_kb=8 << 20, cg_max=str(3 << 30), cg_cur=1 << 30)
+    room, where = page_cache_room(proc=proc, cgroup_root=cg)
+    assert room == 2 << 30 and "memory.max" in where  # the cgroup leaves 2 GiB, RAM 8 GiB
+    proc, cg = _fake_tree(tmp_path / "b", avail_kb=1 << 20, cg_max="max", cg_cur=0)
+    assert page_cache_room(proc=proc, cgroup_root=cg) == (1 << 30, "MemAvailable")
+
+
+@pytest.mark.parametrize(("room", "want"), [(1, "direct"), (1 << 50, "mmap")])
+def test_auto_picks_direct_when_the_model_does_not_fit(room: int, want: str, ckpts: Checkpoints,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (room, "cgroup /x memory.max=1"))
+    with tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01, io="auto") as m:
+        assert m._tiered.reader.io == want == m._tiered.opts.io
+
+
+def test_mmap_under_a_small_cgroup_warns(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))
+    with pytest.warns(UserWarning, match="io='direct'"):
+        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "MemAvailable"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # plain RAM pressure: no warning
+        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
