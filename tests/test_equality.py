@@ -337,3 +337,19 @@ def test_direct_io_matches_transformers(name: str, ckpts: Checkpoints, refs: Ref
             got, want = (out.logits, ref.logits) if causal else (out.last_hidden_state, ref.last_hidden_state)
             assert torch.equal(got, want), (got - want).abs().max()
         _check_mode(m, "streamed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unplaced_conversion_fallback_matches(mode: str, ckpts: Checkpoints, refs: References,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversions tiered cannot place in the ring run transformers' own operations at read time
+    (forced here for Mixtral's fused experts): still bitwise equal."""
+    import tiered.plan
+
+    monkeypatch.setattr(tiered.plan, "_place_converter", lambda *a, **k: None)
+    ref = refs.output("mixtral")
+    with _load("mixtral", mode, ckpts, refs) as m:
+        assert any(u.converts for u in m._tiered.plan.units)
+        with torch.no_grad():
+            out = m(**_inputs(True))
+        assert torch.equal(out.logits, ref.logits)
