@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -312,6 +313,7 @@ def attach(
     threads: int = 4,
     drop_pages: bool = True,
     drop_page_cache: bool = False,
+    progress: bool | None = None,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -369,7 +371,9 @@ def attach(
         h.stats.resident_units = len(resident)
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats)
-        h.streamer.load_resident()
+        if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
+            progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
+        h.streamer.load_resident(progress=progress)
         s = h.streamer
         for u in plan.units:
             if u.index in resident:
@@ -398,6 +402,7 @@ def load(
     model_class: type | str | None = None,
     drop_pages: bool = True,
     drop_page_cache: bool = False,
+    progress: bool | None = None,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -417,6 +422,7 @@ def load(
             6.0 s/token direct vs 10.7 s/token mmap).
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
+        progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -456,7 +462,8 @@ def load(
     if gen.is_file() and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
-                  threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, _rss_before=rss0)
+                  threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
+                  _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

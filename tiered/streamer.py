@@ -261,17 +261,31 @@ class Streamer:
         assert job.result is not None
         return job.result
 
-    def load_resident(self) -> None:
-        """Load every resident unit once (through the ring) and keep it. Caller thread; blocks."""
+    def load_resident(self, *, progress: bool = False) -> None:
+        """Load every resident unit once (through the ring) and keep it. Caller thread; blocks.
+
+        ``progress``: a tqdm bar on stderr (bytes read, GB/s, ETA).
+        """
         jobs = [self._submit(i, resident=True) for i in sorted(self.resident_ids)]
+        bar = None
+        if progress and jobs:
+            from tqdm import tqdm
+
+            total = sum(job.unit.src_bytes for job in jobs)
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="tiered: loading resident units",
+                       leave=False, dynamic_ncols=True)
         for job in jobs:
             ld = self._wait(job)
+            if bar is not None:
+                bar.update(job.unit.src_bytes)
             self.resident[job.unit.index] = ld
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(ld.ready)
             _bind(job.unit, ld.params)
         if self.cuda and jobs:
             torch.cuda.synchronize(self.device)
+        if bar is not None:
+            bar.close()
 
     def acquire(self, i: int) -> None:
         """Bind unit ``i``'s tensors into its modules (pre-hook; caller thread)."""
