@@ -37,7 +37,6 @@ import math
 import os
 import secrets
 import shutil
-import struct
 import sys
 import time
 from collections.abc import Iterator
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
-from tiered.format import parse_size  # noqa: E402  (one size parser for the project)
+from tiered.format import encode_header, parse_size  # noqa: E402  (the project's one header writer)
 
 __all__ = [
     "ARCHS",
@@ -511,23 +510,10 @@ def _plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[Tens
 
 
 def _header(specs: list[TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, list[TensorSpec]]:
-    """The safetensors header (8-byte length + JSON padded with spaces to a multiple of 8)
-    exactly as safetensors' Rust serializer writes it, and the tensors in file order."""
+    """The safetensors header exactly as safetensors' Rust serializer writes it (tensors ordered by
+    dtype alignment, then name; JSON padded to a multiple of 8), and the tensors in file order."""
     ordered = sorted(specs, key=lambda s: (-_ST_DTYPE_RANK[_ST_DTYPE_NAME[s.dtype]], s.name))
-    entries: dict[str, Any] = {}
-    if metadata is not None:
-        entries["__metadata__"] = metadata
-    offset = 0
-    for s in ordered:
-        entries[s.name] = {
-            "dtype": _ST_DTYPE_NAME[s.dtype],
-            "shape": list(s.shape),
-            "data_offsets": [offset, offset + s.nbytes],
-        }
-        offset += s.nbytes
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, ordered
+    return encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in ordered], metadata), ordered
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,24 +15,13 @@ GiB = 1 << 30
 
 
 def _plan_for(model_dir: Path, dtype: str | None, device: str):
-    import transformers
-
-    from .api import _dtype, build_meta_model
+    from .api import meta_model_from_dir
     from .format import open_checkpoint
     from .plan import build_plan
 
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    dt = _dtype(dtype) or getattr(config, "dtype", None) or torch_float32()
-    model = build_meta_model(cls, config, dt)
+    model = meta_model_from_dir(model_dir, dtype=dtype)
     ckpt = open_checkpoint(model_dir)
-    return config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
-
-
-def torch_float32():
-    import torch
-
-    return torch.float32
+    return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
 
 
 def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu") -> dict:

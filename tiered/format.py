@@ -44,6 +44,7 @@ __all__ = [
     "open_checkpoint",
     "dtype_name",
     "parse_size",
+    "encode_header",
 ]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
@@ -100,6 +101,30 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise HeaderError(f"dtype {dtype} has no safetensors name") from None
+
+
+def encode_header(
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...] | list[int], int]],
+    metadata: dict[str, str] | None = None,
+    *,
+    align: int = 8,
+) -> bytes:
+    """8-byte length + JSON header for ``(name, dtype, shape, nbytes)`` laid out contiguously in this order.
+
+    The JSON is padded with spaces (the spec allows it) so the data section starts at a multiple of
+    ``align`` bytes: 8 is what ``safetensors.torch.save_file`` writes (byte-identical for the same
+    tensor order); 4096 page-aligns the data for streaming and O_DIRECT.
+    """
+    doc: dict[str, object] = {}
+    if metadata is not None:
+        doc["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        doc[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % align)
+    return struct.pack("<Q", len(text)) + text
 
 
 @dataclass(frozen=True)

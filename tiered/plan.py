@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field
 
@@ -288,7 +288,6 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     conv: dict[str, tuple[object, dict[str, list[TensorInfo]]]] = {}
     unused: list[str] = []
 
-    keys: Iterable[str] = ckpt.tensors
     if tools is not None:
         renamings, converters, rename, natural = tools
         by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -303,9 +302,12 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
             else:
                 c, srcs = conv.setdefault(new, (deepcopy(by_pattern[pat]), {}))
                 srcs.setdefault(pat, []).append(ckpt.tensors[k])
-    else:
-        for k in keys:
-            (direct.__setitem__(k, ckpt.tensors[k]) if k in sd else unused.append(k))
+    else:  # a plain module: checkpoint names are state_dict names
+        for k, info in ckpt.tensors.items():
+            if k in sd:
+                direct[k] = info
+            else:
+                unused.append(k)
 
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     targets: dict[str, Target] = {}

@@ -51,6 +51,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import mmap
 import os
@@ -58,7 +59,6 @@ import pickle
 import re
 import shutil
 import signal
-import struct
 import sys
 import threading
 import time
@@ -71,8 +71,8 @@ from typing import Any
 
 import torch
 
-from .errors import DuplicateTensorError, HeaderError, ShardNotFoundError, TieredError
-from .format import INDEX_NAME, Checkpoint, TensorInfo, dtype_name, open_checkpoint, read_header
+from .errors import ConfigError, DuplicateTensorError, HeaderError, ShardNotFoundError, TieredError
+from .format import INDEX_NAME, Checkpoint, TensorInfo, dtype_name, encode_header, open_checkpoint, read_header
 from .format import parse_size as _parse_size
 from .reader import ShardMap
 
@@ -492,20 +492,13 @@ def _plan_units(source: _Source, notes: list[str]) -> tuple[list[_Unit], str | N
     if not cfg.is_file():
         return fallback(f"no config.json in {source.root}")
     try:
-        import transformers
-
-        from .api import params_on_meta
+        from .api import meta_model_from_dir
         from .plan import build_plan
 
-        config = transformers.AutoConfig.from_pretrained(source.root)
-        archs = getattr(config, "architectures", None) or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        if cls is None:
-            return fallback(f"architecture {archs[0]!r} unknown to transformers {transformers.__version__}"
-                            if archs else "config.json names no architecture")
-        with params_on_meta():
-            model = cls._from_config(config, dtype=torch.float32)
+        model = meta_model_from_dir(source.root, dtype=torch.float32)  # dtype does not change the order
         plan = build_plan(model, source.checkpoint())
+    except ConfigError as e:
+        return fallback(str(e))
     except TieredError as e:
         return fallback(f"config.json does not match the checkpoint ({e})")
     except Exception as e:  # the order is an optimisation: any failure to build the plan falls back
@@ -585,14 +578,9 @@ class _Shard:
 
 
 def _header(tensors: list[_Out], metadata: dict[str, str]) -> bytes:
-    """8-byte length + JSON header in write order, padded with spaces so the data starts at a DATA_ALIGN boundary."""
-    doc: dict[str, Any] = {"__metadata__": metadata}
-    for t in tensors:
-        doc[t.name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                       "data_offsets": [t.data_offset, t.data_offset + t.nbytes]}
-    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-(8 + len(text)) % DATA_ALIGN)
-    return struct.pack("<Q", len(text)) + text
+    """The header in write order, padded so the data starts at a DATA_ALIGN boundary."""
+    assert [t.data_offset for t in tensors] == list(itertools.accumulate((t.nbytes for t in tensors[:-1]), initial=0))
+    return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata, align=DATA_ALIGN)
 
 
 def _out_nbytes(info: TensorInfo, dtype: torch.dtype | None) -> int:
