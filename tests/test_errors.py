@@ -317,3 +317,4 @@ def test_attach_plain_module_with_meta_buffer_is_refused(tmp_path: Path) -> None
         m = WithBuffer()
     with pytest.raises(ConfigError, match="scale"):
         tiered.attach(m, tmp_path, ring_gb=0.01, device="cpu")
+

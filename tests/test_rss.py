@@ -70,11 +70,21 @@ def test_peak_rss_bounded_by_ring(tall_checkpoint: Path) -> None:
     assert r["resident"] == 0 and r["nonzero"]
     assert r["read"] >= 2 * r["model"]  # two passes, everything streamed
     growth = r["hwm"] - r["base"]
-    assert growth < RING_GB * GiB + SLACK, f"peak RSS grew {growth / MiB:.0f} MiB for a {RING_GB} GiB ring"
+    assert growth < RING_GB * GiB + SLACK, f"peak RSS grew {growth / MiB:.0f} MiB for a {RING_GB} GiB ring: {r}"
 
 
 @pytest.mark.slow
 def test_bound_breaks_without_madvise(tall_checkpoint: Path) -> None:
     r = _run(tall_checkpoint, drop=False)
     growth = r["hwm"] - r["base"]
-    assert growth > RING_GB * GiB + SLACK, f"without MADV_DONTNEED peak RSS grew only {growth / MiB:.0f} MiB"
+    assert growth > RING_GB * GiB + SLACK, f"without MADV_DONTNEED peak RSS grew only {growth / MiB:.0f} MiB: {r}"
+
+
+@pytest.mark.slow
+def test_exit_without_close_is_clean(tall_checkpoint: Path) -> None:
+    """The children above exit without close() while prefetches are in flight. Before tiered closed live
+    models at exit (atexit), about one run in three aborted with "terminate called without an active
+    exception" (a daemon loader thread inside torch during interpreter teardown)."""
+    for _ in range(3):
+        r = _run(tall_checkpoint, drop=False)  # asserts exit status 0
+        assert r["nonzero"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from .ring import GiB, Ring, gib_up
 from .stats import Stats, page_cache_room, proc_status
 from .streamer import Streamer
 
-__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta", "build_meta_model"]
+__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta", "build_meta_model", "meta_model_from_dir"]
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -80,6 +82,24 @@ class _Handle:
 
 def _closed(module: nn.Module, args: object) -> None:
     raise StreamerError(f"this tiered {type(module).__name__} is closed (its ring was released): load it again")
+
+
+_LIVE: weakref.WeakSet[_Handle] = weakref.WeakSet()
+_ATEXIT = False
+
+
+def _close_all() -> None:
+    """atexit: stop every live model's threads before the interpreter finalises.
+
+    A daemon loader thread still inside a torch copy when Python tears down aborts the process
+    ("terminate called without an active exception"); daemon threads are still running while
+    atexit handlers run, so closing here ends them cleanly.
+    """
+    for h in list(_LIVE):
+        try:
+            h.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 class _TieredMixin:
@@ -192,6 +212,45 @@ def _choose_io(io: str, ckpt: Checkpoint) -> str:
             stacklevel=3,
         )
     return io
+
+
+def meta_model_from_dir(
+    model_dir: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None, model_class: type | str | None = None
+) -> nn.Module:
+    """The ``transformers`` model ``model_dir/config.json`` describes, built on ``meta`` (no weight memory).
+
+    The class is ``config.architectures[0]`` unless ``model_class`` (a class or its name) overrides it;
+    the dtype is ``dtype`` or else the config's (as ``from_pretrained`` picks it), else float32.
+
+    Raises:
+        ConfigError: no ``config.json``, one ``transformers`` cannot read, or an unknown architecture.
+    """
+    import transformers
+
+    root = Path(model_dir)
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"{root}: no config.json; pass a Hugging Face model directory")
+    try:
+        config = transformers.AutoConfig.from_pretrained(root)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"{root / 'config.json'}: transformers cannot read it: {e}") from e
+    cls = model_class
+    if cls is None:
+        archs = getattr(config, "architectures", None) or []
+        if not archs:
+            raise ConfigError(f"{root / 'config.json'} has no 'architectures'; pass model_class=...")
+        cls = archs[0]
+    if isinstance(cls, str):
+        name = cls
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            raise ConfigError(f"{root / 'config.json'}: architecture {name!r} is not in transformers "
+                              f"{transformers.__version__}; pass model_class=...")
+    dt = _dtype(dtype)
+    if dt is None:
+        dt = getattr(config, "dtype", None) or torch.float32
+        dt = _dtype(dt.removeprefix("torch.")) if isinstance(dt, str) else dt
+    return build_meta_model(cls, config, dt)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -350,10 +409,15 @@ def attach(
             f"unit {big.name!r} needs {gib_up(big.nbytes)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
             f"{gib_up(big.nbytes)} (>= {gib_up(2 * big.nbytes)} lets the next unit load while one runs)"
         )
+    global _ATEXIT
+    if not _ATEXIT:  # once per process, on first use (import has no side effects)
+        atexit.register(_close_all)
+        _ATEXIT = True
     _materialize_meta_buffers(module, plan)
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
+    _LIVE.add(h)
     h.stats.rss_before_load = rss0
     try:
         try:
@@ -435,29 +499,7 @@ def load(
     import transformers
 
     root = Path(model_dir)
-    if not (root / "config.json").is_file():
-        raise ConfigError(f"{root}: no config.json; pass a Hugging Face model directory")
-    try:
-        config = transformers.AutoConfig.from_pretrained(root)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(f"{root / 'config.json'}: transformers cannot read it: {e}") from e
-    cls = model_class
-    if cls is None:
-        archs = getattr(config, "architectures", None) or []
-        if not archs:
-            raise ConfigError(f"{root / 'config.json'} has no 'architectures'; pass model_class=...")
-        cls = archs[0]
-    if isinstance(cls, str):
-        name = cls
-        cls = getattr(transformers, name, None)
-        if cls is None:
-            raise ConfigError(f"{root / 'config.json'}: architecture {name!r} is not in transformers "
-                              f"{transformers.__version__}; pass model_class=...")
-    dt = _dtype(dtype)
-    if dt is None:
-        dt = getattr(config, "dtype", None) or torch.float32
-        dt = _dtype(dt.removeprefix("torch.")) if isinstance(dt, str) else dt
-    model = build_meta_model(cls, config, dt)
+    model = meta_model_from_dir(root, dtype=dtype, model_class=model_class)
     gen = root / "generation_config.json"
     if gen.is_file() and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)

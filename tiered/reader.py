@@ -42,12 +42,13 @@ DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues bu
 class ShardMap:
     """One shard file, opened and mapped once (read-only)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, sequential: bool = True) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         size = os.fstat(self.fd).st_size
         self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
-        self.mm.madvise(mmap.MADV_SEQUENTIAL)
+        if sequential:  # aggressive readahead; the kernel also reclaims these pages first under pressure
+            self.mm.madvise(mmap.MADV_SEQUENTIAL)
         with warnings.catch_warnings():  # read-only buffer: we never write through it
             warnings.simplefilter("ignore", UserWarning)
             self.u8 = torch.frombuffer(self.mm, dtype=torch.uint8)  # (file_size,) uint8
@@ -104,7 +105,8 @@ class Reader:
         if io not in ("mmap", "direct"):
             raise ConfigError(f"io={io!r}: use 'mmap' (page cache) or 'direct' (O_DIRECT)")
         self.io = io
-        self.maps = {s.path: ShardMap(s.path) for s in ckpt.shards}
+        # drop_pages=False is the naive loader (plain mmap, no advice at all): the counter-proof of the RSS bound
+        self.maps = {s.path: ShardMap(s.path, sequential=drop_pages) for s in ckpt.shards}
         self.direct_fds: dict[Path, int] = {}
         if io == "direct":
             for s in ckpt.shards:
