@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import math
 import os
 import sys
+import threading
 import warnings
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, RingTooSmallError, StreamerError
+from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
 from .format import Checkpoint, open_checkpoint
+from .hostmem import host_memory_available, page_up
+from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
 from .plan import Plan, build_plan
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
 from .stats import Stats, page_cache_room, proc_status
 from .streamer import Streamer
 
-__all__ = ["Options", "load", "attach", "stats", "close", "params_on_meta", "build_meta_model", "meta_model_from_dir"]
+__all__ = ["Options", "load", "attach", "stats", "close", "build_meta_model", "meta_model_from_dir"]
+
+#: Host memory left to the process beyond the ring (Python, torch, CUDA runtime, activations) when
+#: checking ``ring_gb`` against what the host or cgroup has: a ring that leaves less is refused.
+HOST_HEADROOM_BYTES = 512 << 20
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -62,6 +67,8 @@ class _Handle:
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
         self.closed = False
+        self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
+        self.depth = 0  # nesting of the model's __call__ in the thread holding call_lock
 
     def close(self) -> None:
         if self.closed:
@@ -103,9 +110,25 @@ def _close_all() -> None:
 
 
 class _TieredMixin:
-    """Added to the returned model's class: the right ``device``, ``close()`` and a context manager."""
+    """Added to the returned model's class: the right ``device``, ``close()``, a context manager, and
+    the owner of each forward pass (``__call__``)."""
 
     _tiered: _Handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model, one call at a time: calls from several threads are serialised (each waits for
+        the one running), so concurrent use is correct, not parallel — load the model twice for that.
+        However the call ends (an exception, ``KeyboardInterrupt``), every unit it bound is given back,
+        so the next call starts from a clean ring."""
+        h = self._tiered
+        with h.call_lock:
+            h.depth += 1
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                h.depth -= 1
+                if h.depth == 0 and h.streamer is not None:
+                    h.streamer.release_all()
 
     @property
     def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes
@@ -130,49 +153,6 @@ def _wrap_class(module: nn.Module) -> None:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (_TieredMixin, cls), {"__module__": cls.__module__})
     module.__class__ = _CLASSES[cls]
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Build modules with parameters on ``meta`` and buffers real (rotary ``inv_freq`` etc.).
-
-    Parameters cost nothing; buffers that are computed at construction keep their values, as
-    ``from_pretrained`` would recompute them. Not thread-safe (patches ``nn.Module.register_parameter``).
-    """
-    old = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        old(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = old  # type: ignore[method-assign]
-
-
-def build_meta_model(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
-    """``cls`` built from ``config`` with parameters on ``meta`` in ``dtype`` and buffers computed as
-    ``from_pretrained`` computes them.
-
-    ``from_pretrained`` re-initialises non-persistent buffers (rotary ``inv_freq``, GPT-J's
-    ``embed_positions``) after construction, under the default dtype (float32); computing them
-    during construction under ``dtype`` instead gives different bits (fp16 sinusoids), so this
-    calls ``initialize_weights()`` likewise (a no-op on the meta parameters).
-    """
-    with params_on_meta():
-        model = cls._from_config(config, dtype=dtype)
-    init = getattr(model, "initialize_weights", None)
-    nonpersistent = getattr(model, "named_non_persistent_buffers", None)
-    if callable(init) and callable(nonpersistent):
-        for key, _ in nonpersistent():
-            owner = model.get_submodule(key.rpartition(".")[0]) if "." in key else model
-            owner._is_hf_initialized = False  # post_init marked it done; from_pretrained redoes it
-        init()
-    return model.eval()
 
 
 def _is_number(x: object) -> bool:
@@ -214,45 +194,6 @@ def _choose_io(io: str, ckpt: Checkpoint) -> str:
     return io
 
 
-def meta_model_from_dir(
-    model_dir: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None, model_class: type | str | None = None
-) -> nn.Module:
-    """The ``transformers`` model ``model_dir/config.json`` describes, built on ``meta`` (no weight memory).
-
-    The class is ``config.architectures[0]`` unless ``model_class`` (a class or its name) overrides it;
-    the dtype is ``dtype`` or else the config's (as ``from_pretrained`` picks it), else float32.
-
-    Raises:
-        ConfigError: no ``config.json``, one ``transformers`` cannot read, or an unknown architecture.
-    """
-    import transformers
-
-    root = Path(model_dir)
-    if not (root / "config.json").is_file():
-        raise ConfigError(f"{root}: no config.json; pass a Hugging Face model directory")
-    try:
-        config = transformers.AutoConfig.from_pretrained(root)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(f"{root / 'config.json'}: transformers cannot read it: {e}") from e
-    cls = model_class
-    if cls is None:
-        archs = getattr(config, "architectures", None) or []
-        if not archs:
-            raise ConfigError(f"{root / 'config.json'} has no 'architectures'; pass model_class=...")
-        cls = archs[0]
-    if isinstance(cls, str):
-        name = cls
-        cls = getattr(transformers, name, None)
-        if cls is None:
-            raise ConfigError(f"{root / 'config.json'}: architecture {name!r} is not in transformers "
-                              f"{transformers.__version__}; pass model_class=...")
-    dt = _dtype(dtype)
-    if dt is None:
-        dt = getattr(config, "dtype", None) or torch.float32
-        dt = _dtype(dt.removeprefix("torch.")) if isinstance(dt, str) else dt
-    return build_meta_model(cls, config, dt)
-
-
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,55 +211,11 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _dtype(d: torch.dtype | str | None) -> torch.dtype | None:
-    if d is None:
-        return d
-    if isinstance(d, torch.dtype):
-        if not d.is_floating_point:
-            raise ConfigError(f"dtype {d} is not a floating-point dtype; use torch.bfloat16, torch.float16 or torch.float32")
-        return d
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-    if d not in names:
-        raise ConfigError(f"dtype {d!r} is not one of {sorted(names)}")
-    return names[d]
-
-
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for m in module.modules():
         for name, b in m._buffers.items():
             if b is not None and b.device.type != "meta" and b.device != device:
                 m._buffers[name] = b.to(device)
-
-
-def _materialize_meta_buffers(module: nn.Module, plan: Plan) -> None:
-    """Give buffers left on ``meta`` (a module built under ``torch.device("meta")``) real values.
-
-    Buffers the checkpoint holds are bound like parameters. Others are computed the way
-    ``from_pretrained`` computes them (``initialize_weights``) for ``transformers`` models.
-
-    Raises:
-        ConfigError: a plain module has a ``meta`` buffer the checkpoint does not provide.
-    """
-    bound = {t.key for u in plan.units for t in u.targets}
-    missing = [
-        (f"{name}.{b}" if name else b, m, b)
-        for name, m in module.named_modules()
-        for b, v in m._buffers.items()
-        if v is not None and v.device.type == "meta" and (f"{name}.{b}" if name else b) not in bound
-    ]
-    if not missing:
-        return
-    init = getattr(module, "initialize_weights", None)
-    if not callable(init):
-        raise ConfigError(
-            f"buffer {missing[0][0]!r} is on meta and not in the checkpoint; build the module under "
-            "tiered.api.params_on_meta() (parameters on meta, buffers real) instead of torch.device('meta')"
-        )
-    for _, m, b in missing:
-        m._buffers[b] = torch.empty_like(m._buffers[b], device="cpu")
-        m._is_hf_initialized = False
-    init()
 
 
 def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
@@ -336,10 +233,23 @@ def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
         )
 
 
+def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:
+    """Refuse a ring the host or cgroup cannot give (HostMemoryError) rather than be OOM-killed filling it."""
+    avail, where = host_memory_available()
+    if avail is None or ring_bytes + HOST_HEADROOM_BYTES <= avail:
+        return
+    most = max(0, avail - HOST_HEADROOM_BYTES)
+    raise HostMemoryError(
+        f"ring_gb={ring_gb} needs {ring_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB is "
+        f"available ({where}) and {HOST_HEADROOM_BYTES >> 20} MiB is kept for the runtime; pass ring_gb <= "
+        f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(need)} GiB)"
+    )
+
+
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int) -> set[int]:
     if device.type == "cpu":
         # The ring is the only memory: keep everything there when it all fits, else stream everything.
-        need = sum((u.nbytes + 4095) // 4096 * 4096 for u in plan.units)
+        need = sum(page_up(u.nbytes) for u in plan.units)
         return {u.index for u in plan.units} if need <= ring else set()
     if gpu_gb is None:
         free, _ = torch.cuda.mem_get_info(device)
@@ -401,8 +311,8 @@ def attach(
     opts = dataclasses.replace(opts, io=io)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
     # A ring larger than the whole model (page-aligned units) would only cost RSS: cap it.
-    whole = sum((u.nbytes + 4095) // 4096 * 4096 for u in plan.units)
-    ring_bytes = min(int(ring_gb * GiB), whole)
+    whole = sum(page_up(u.nbytes) for u in plan.units)
+    ring_bytes = page_up(min(int(ring_gb * GiB), whole))
     big = plan.max_unit
     if big.nbytes > ring_bytes:
         raise RingTooSmallError(
@@ -413,13 +323,14 @@ def attach(
     if not _ATEXIT:  # once per process, on first use (import has no side effects)
         atexit.register(_close_all)
         _ATEXIT = True
-    _materialize_meta_buffers(module, plan)
+    materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets})
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
     _LIVE.add(h)
     h.stats.rss_before_load = rss0
     try:
+        _check_host_memory(ring_bytes, ring_gb, big.nbytes)
         try:
             h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
         except (OSError, MemoryError) as e:
@@ -443,7 +354,7 @@ def attach(
             if u.index in resident:
                 continue
             h.hooks.append(u.module.register_forward_pre_hook(lambda m, a, i=u.index: s.acquire(i)))
-            h.hooks.append(u.module.register_forward_hook(lambda m, a, o, i=u.index: s.release(i), always_call=True))
+            h.hooks.append(u.module.register_forward_hook(lambda m, a, o, i=u.index: s.release(i, o), always_call=True))
         h.stats.ring_high_water = h.ring.high_water
     except BaseException:
         h.close()

@@ -17,6 +17,8 @@ __all__ = [
     "RingTooSmallError",
     "ConfigError",
     "StreamerError",
+    "ShardChangedError",
+    "HostMemoryError",
 ]
 
 
@@ -61,3 +63,13 @@ class ConfigError(TieredError, ValueError):
 
 class StreamerError(TieredError, RuntimeError):
     """A reader or copy thread failed; the original exception is chained as ``__cause__``."""
+
+
+class ShardChangedError(TieredError, RuntimeError):
+    """A shard file was replaced, truncated or rewritten while a model streaming from it was loaded."""
+
+
+class HostMemoryError(TieredError, MemoryError):
+    """The ring (or a host buffer) is larger than the memory this process may still take
+    (``MemAvailable`` or a cgroup's ``memory.max``): refused before allocating, instead of an OOM kill."""
+

@@ -22,36 +22,62 @@ import errno
 import mmap
 import os
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, TruncatedShardError
+from . import faults
+from .errors import ConfigError, ShardChangedError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
+from .hostmem import PAGE_SIZE as _PAGE
+from .hostmem import anon_mapping, map_tensor, try_unmap
 from .plan import Unit
 
 __all__ = ["ShardMap", "Reader"]
-
-_PAGE = mmap.PAGESIZE
 _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough to spread over threads
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues busy; x threads = staging RSS
 
 
 class ShardMap:
-    """One shard file, opened and mapped once (read-only)."""
+    """One shard file, opened and mapped once (read-only).
+
+    The mapping is unmapped by its last reference (:func:`tiered.hostmem.map_tensor`), never under
+    a live tensor. :meth:`check` compares the file with what was opened (same inode at the path,
+    same size and mtime): a shard replaced, truncated or rewritten in place is an error before any
+    byte of it is read, instead of a SIGBUS (truncated) or silently different weights (rewritten).
+    """
 
     def __init__(self, path: Path, *, sequential: bool = True) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
-        if sequential:  # aggressive readahead; the kernel also reclaims these pages first under pressure
+        st = os.fstat(self.fd)
+        self._ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.mm = mmap.mmap(self.fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
+        if sequential and self.mm is not None:  # aggressive readahead; reclaimed first under pressure
             self.mm.madvise(mmap.MADV_SEQUENTIAL)
-        with warnings.catch_warnings():  # read-only buffer: we never write through it
-            warnings.simplefilter("ignore", UserWarning)
-            self.u8 = torch.frombuffer(self.mm, dtype=torch.uint8)  # (file_size,) uint8
+        self.u8 = map_tensor(self.mm) if self.mm is not None else torch.empty(0, dtype=torch.uint8)  # (file_size,)
+
+    def check(self) -> None:
+        """Raise :class:`~tiered.errors.ShardChangedError` if the file changed since it was opened."""
+        st = os.fstat(self.fd)
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        try:
+            at_path = os.stat(self.path)
+            replaced = (at_path.st_dev, at_path.st_ino) != now[:2]
+        except OSError:
+            replaced = True
+        if now != self._ident or replaced:
+            fix = "tiered.load it again (do not modify checkpoint files under a loaded model)"
+            if not replaced and st.st_size < self._ident[2]:
+                raise TruncatedShardError(
+                    f"{self.path}: the shard was truncated from {self._ident[2]} to {st.st_size} bytes while the "
+                    f"model was loaded; {fix}"
+                )
+            what = "replaced or deleted" if replaced else "rewritten (size or mtime changed)"
+            raise ShardChangedError(
+                f"{self.path}: the shard was {what} while the model was loaded; {fix}"
+            )
 
     def span(self, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of the file as a uint8 view (no copy)."""
@@ -59,10 +85,16 @@ class ShardMap:
 
     def tensor(self, t: TensorInfo) -> torch.Tensor:
         """``t`` as a typed view of the mapping (a copy only if its offset is misaligned)."""
-        raw = self.span(t.offset, t.nbytes)
-        if t.offset % t.dtype.itemsize:
+        return self.elements(t, 0, t.numel).view(t.shape)
+
+    def elements(self, t: TensorInfo, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``t`` (flattened) as a 1-D typed view; a copy of just those
+        elements when the file offset is not a multiple of the itemsize."""
+        isz = t.dtype.itemsize
+        raw = self.span(t.offset + lo * isz, (hi - lo) * isz)
+        if t.offset % isz:
             raw = raw.clone()
-        return raw.view(t.dtype).view(t.shape)
+        return raw.view(t.dtype)
 
     def drop(self, offset: int, nbytes: int, *, page_cache: bool = False) -> None:
         """Drop the pages of ``[offset, offset + nbytes)`` from this process (and the page cache)."""
@@ -74,11 +106,10 @@ class ShardMap:
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        """Close the file; unmap now unless a tensor still points into the mapping (then its last reference does)."""
         del self.u8
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        if self.mm is not None:
+            try_unmap(self.mm)
         os.close(self.fd)
 
 
@@ -129,8 +160,8 @@ class Reader:
     def _stage(self) -> tuple[mmap.mmap, torch.Tensor]:
         st = getattr(self._local, "stage", None)
         if st is None:
-            mm = mmap.mmap(-1, DIRECT_CHUNK + 2 * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            st = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            mm = anon_mapping(DIRECT_CHUNK + 2 * _PAGE)
+            st = (mm, map_tensor(mm))
             self._local.stage = st
             with self._stage_lock:
                 self._stages.append(mm)
@@ -155,8 +186,7 @@ class Reader:
             )
         src = stage[a - A : b - A]
         if dest.dtype == t.dtype and dest.is_contiguous():
-            d = dest.reshape(-1).view(torch.uint8) if dest.numel() else dest.view(torch.uint8)
-            d[lo * isz : hi * isz].copy_(src)
+            dest.reshape(-1).view(torch.uint8)[lo * isz : hi * isz].copy_(src)
         else:
             typed = (src if (a - A) % isz == 0 else src.clone()).view(t.dtype)
             dest.reshape(-1)[lo:hi].copy_(typed)
@@ -169,37 +199,51 @@ class Reader:
         m = self.maps[t.file]
         isz = t.dtype.itemsize
         if dest.dtype == t.dtype and dest.is_contiguous():
-            d = dest.reshape(-1).view(torch.uint8) if dest.numel() else dest.view(torch.uint8)
-            d[lo * isz : hi * isz].copy_(m.span(t.offset + lo * isz, (hi - lo) * isz))
+            dest.reshape(-1).view(torch.uint8)[lo * isz : hi * isz].copy_(m.span(t.offset + lo * isz, (hi - lo) * isz))
         elif lo == 0 and hi == t.numel:
             dest.copy_(m.tensor(t))
-        else:
-            src = m.tensor(t).reshape(-1)[lo:hi]
-            dest.reshape(-1)[lo:hi].copy_(src)
+        else:  # a chunk of a cast into a contiguous target: only this chunk's elements
+            dest.view(-1)[lo:hi].copy_(m.elements(t, lo, hi))
         if self.drop_pages:
             m.drop(t.offset + lo * isz, (hi - lo) * isz, page_cache=self.drop_page_cache)
+
+    def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int) -> None:
+        faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize)
+        self._copy(t, dest, lo, hi)
 
     def read_unit(self, unit: Unit, slot: torch.Tensor) -> int:
         """Fill ``slot`` (uint8, >= ``unit.nbytes``) with ``unit``'s tensors at their layout offsets.
 
-        Runs the copies on the reader threads and waits for all of them; returns bytes read.
-        The first exception of any copy is re-raised here.
+        Runs the copies on the reader threads and returns, bytes read, only once every copy has
+        finished — also when one fails, so the caller may free ``slot`` as soon as this returns or
+        raises. The first exception of any copy is re-raised here.
+
+        Raises:
+            ShardChangedError: a shard was replaced, truncated or rewritten since it was opened.
         """
+        for path in {c.src.file for tgt in unit.targets for c in tgt.copies} | {
+            s.file for conv in unit.converts for ss in conv.sources.values() for s in ss
+        }:
+            self.maps[path].check()
         jobs = []
-        for tgt in unit.targets:
-            whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
-            for c in tgt.copies:
-                dest = whole if c.place is None else c.place(whole)
-                n = c.src.numel
-                step = max(1, (DIRECT_CHUNK if self.io == "direct" else _CHUNK) // max(1, c.src.dtype.itemsize))
-                if dest.is_contiguous() or n <= step:
-                    for lo in range(0, max(n, 1), step):
-                        jobs.append(self.pool.submit(self._copy, c.src, dest, lo, min(n, lo + step)))
-                else:
-                    jobs.append(self.pool.submit(self._copy, c.src, dest, 0, n))
-        for conv in unit.converts:
-            self._convert(unit, conv, slot)
-        done, _ = wait(jobs)
+        try:
+            for tgt in unit.targets:
+                whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
+                for c in tgt.copies:
+                    n = c.src.numel
+                    if n == 0:
+                        continue
+                    dest = whole if c.place is None else c.place(whole)
+                    step = max(1, (DIRECT_CHUNK if self.io == "direct" else _CHUNK) // c.src.dtype.itemsize)
+                    if dest.is_contiguous() or n <= step:
+                        for lo in range(0, n, step):
+                            jobs.append(self.pool.submit(self._task, unit, c.src, dest, lo, min(n, lo + step)))
+                    else:
+                        jobs.append(self.pool.submit(self._task, unit, c.src, dest, 0, n))
+            for conv in unit.converts:
+                self._convert(unit, conv, slot)
+        finally:
+            done, _ = wait(jobs)  # never leave a copy writing into a slot the caller is about to free
         for f in done:
             f.result()
         return unit.src_bytes
@@ -233,8 +277,5 @@ class Reader:
         self.direct_fds.clear()
         self._local = threading.local()
         for mm in self._stages:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+            try_unmap(mm)
         self._stages.clear()

@@ -1,29 +1,32 @@
 """The ring: one host buffer of exactly ``ring_bytes``, allocated once, carved into FIFO slots.
 
-Memory: an anonymous private ``mmap`` (page-aligned, so it also serves O_DIRECT reads). With
-CUDA it is page-locked in place with ``cudaHostRegister`` — not ``torch.empty(pin_memory=True)``,
-whose caching host allocator rounds every block up to a power of two (a 2.1 GiB request takes
-4 GiB). Pages are touched once at creation so the ring's RSS is paid up front and stays flat.
+Memory: an anonymous private ``mmap`` (page-aligned, so it also serves O_DIRECT reads), wrapped by
+:func:`tiered.hostmem.map_tensor` so that it is unmapped by its last reference, never under a live
+tensor (a parameter taken from the model and read after ``close()`` keeps the mapping alive instead
+of crashing). With CUDA it is page-locked in place with ``cudaHostRegister`` — not
+``torch.empty(pin_memory=True)``, whose caching host allocator rounds every block up to a power of
+two (a 2.1 GiB request takes 4 GiB). Pages are not touched at creation: RSS grows as slots are first
+filled (registration pins, and so faults in, every page at once).
 
 Slots are allocated next-fit in allocation order (a circular buffer that tolerates out-of-order
-frees). A reader thread that finds no room waits (back-pressure) until the consumer frees a slot.
+frees). A thread that finds no room waits (back-pressure) until a slot is freed.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .errors import RingTooSmallError
+from .errors import RingTooSmallError, StreamerError
+from .hostmem import PAGE_SIZE, anon_mapping, map_tensor, page_up, try_unmap
 
 __all__ = ["Ring", "Slot", "GiB", "gib_up"]
 
 GiB = 1 << 30
-_PAGE = mmap.PAGESIZE
 
 
 def gib_up(nbytes: int | float) -> str:
@@ -31,7 +34,7 @@ def gib_up(nbytes: int | float) -> str:
     return f"{math.ceil(nbytes / GiB * 1000) / 1000:.3f}"
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """A region ``[start, start + size)`` of the ring (bytes); ``view`` is that region as uint8."""
 
@@ -45,25 +48,25 @@ class Ring:
     """A fixed host buffer of ``ring_bytes`` bytes and its slot allocator.
 
     Args:
-        ring_bytes: exact size in bytes (rounded up to a page).
+        ring_bytes: size in bytes (rounded up to a page; at least one page).
         pin: page-lock with ``cudaHostRegister`` (needs CUDA); unregistered on :meth:`close`.
 
     Thread safety: :meth:`alloc` and :meth:`free` may be called from any thread.
     """
 
     def __init__(self, ring_bytes: int, *, pin: bool = False) -> None:
-        if ring_bytes <= 0:
-            raise RingTooSmallError(f"ring size must be positive, got {ring_bytes} bytes")
-        self.size = (ring_bytes + _PAGE - 1) // _PAGE * _PAGE
-        self._mm = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)  # (size,) uint8, zero copy
-        self.buf.zero_()  # fault every page in now: RSS is paid once, up front
+        if ring_bytes < 0:
+            raise RingTooSmallError(f"ring size must be >= 0 bytes, got {ring_bytes}")
+        self.size = max(PAGE_SIZE, page_up(ring_bytes))
+        self._mm = anon_mapping(self.size)
+        self.buf = map_tensor(self._mm)  # (size,) uint8, zero copy; pages untouched until written
         self.pinned = False
         if pin:
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.buf.data_ptr(), self.size, 0)
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.size, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of a {self.size / GiB:.2f} GiB ring failed (error {int(err)})")
+                del self.buf
+                try_unmap(self._mm)
+                raise MemoryError(f"cudaHostRegister of a {self.size / GiB:.2f} GiB ring failed (CUDA error {int(err)})")
             self.pinned = True
         self._live: list[Slot] = []  # sorted by start
         self._next = 0  # next-fit cursor
@@ -74,8 +77,13 @@ class Ring:
 
     @property
     def used(self) -> int:
-        """Bytes currently allocated."""
+        """Bytes currently allocated (page-rounded slot sizes)."""
         return self._used
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is this ring's memory (a view of some slot)."""
+        buf = getattr(self, "buf", None)
+        return buf is not None and t.device.type == "cpu" and t.untyped_storage().data_ptr() == buf.data_ptr()
 
     def _find(self, n: int) -> int | None:
         gaps: list[tuple[int, int]] = []
@@ -93,61 +101,77 @@ class Ring:
                 return lo
         return None
 
-    def alloc(self, n: int, owner: str = "", *, wait: bool = True, abort=None) -> Slot:
+    def alloc(
+        self,
+        n: int,
+        owner: str = "",
+        *,
+        wait: bool = True,
+        abort: Callable[[], BaseException | None] | None = None,
+        reclaim: Callable[[], bool] | None = None,
+    ) -> Slot:
         """A slot of ``n`` bytes (rounded up to a page), blocking while the ring is full.
 
-        ``abort`` (a callable) is polled while waiting: if it returns an exception, that is raised.
+        While there is no room: ``reclaim()`` (if given) is called first and, when it freed
+        something, the search is retried at once; else ``abort()`` is polled every 50 ms and the
+        exception it returns is raised.
 
         Raises:
-            RingTooSmallError: ``n`` exceeds the whole ring.
+            RingTooSmallError: ``n`` exceeds the whole ring, or no room and ``wait`` is False.
+            StreamerError: the ring was closed.
         """
-        n = max(_PAGE, (n + _PAGE - 1) // _PAGE * _PAGE)
+        n = max(PAGE_SIZE, page_up(n))
         if n > self.size:
             raise RingTooSmallError(
                 f"unit {owner!r} needs {gib_up(n)} GiB but the ring is {self.size / GiB:.3f} GiB; "
                 f"pass ring_gb >= {gib_up(n)} (>= {gib_up(2 * n)} lets the next unit load while one runs)"
             )
-        with self._cv:
-            while True:
+        while True:
+            with self._cv:
                 if self._closed:
-                    raise RuntimeError("ring closed")
+                    raise StreamerError("the ring was closed")
                 start = self._find(n)
                 if start is not None:
-                    break
+                    slot = Slot(start, n, self.buf[start : start + n], owner)
+                    self._live.append(slot)
+                    self._live.sort(key=lambda s: s.start)
+                    self._next = start + n if start + n < self.size else 0
+                    self._used += n
+                    self.high_water = max(self.high_water, self._used)
+                    return slot
                 if not wait:
-                    raise RingTooSmallError(f"no room for {owner!r} ({n} bytes)")
-                if abort is not None and (err := abort()) is not None:
-                    raise err
-                self._cv.wait(timeout=0.05)
-            slot = Slot(start, n, self.buf[start : start + n], owner)
-            self._live.append(slot)
-            self._live.sort(key=lambda s: s.start)
-            self._next = start + n if start + n < self.size else 0
-            self._used += n
-            self.high_water = max(self.high_water, self._used)
-            return slot
+                    raise RingTooSmallError(f"no room in the ring for {owner!r} ({n} bytes)")
+            if reclaim is not None and reclaim():
+                continue
+            if abort is not None and (err := abort()) is not None:
+                raise err
+            with self._cv:
+                if self._find(n) is None and not self._closed:
+                    self._cv.wait(timeout=0.05)
 
     def free(self, slot: Slot) -> None:
-        """Return ``slot`` to the ring and wake a waiting reader."""
+        """Return ``slot`` to the ring and wake a waiting thread. Freeing a slot twice is a no-op."""
         with self._cv:
             for i, s in enumerate(self._live):
                 if s is slot:
                     del self._live[i]
                     self._used -= s.size
-                    break
-            self._cv.notify_all()
+                    self._cv.notify_all()
+                    return
 
     def close(self) -> None:
-        """Unpin and unmap. Views of the ring must not be used afterwards."""
+        """Unpin, and unmap unless a tensor still points into the ring (then its last reference unmaps it).
+
+        The caller guarantees no copy into or out of the ring is still in flight.
+        """
         with self._cv:
+            if self._closed:
+                return
             self._closed = True
             self._cv.notify_all()
+            self._live.clear()
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
             self.pinned = False
-        self._live.clear()
         del self.buf
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere; the GC unmaps it later
-            pass
+        try_unmap(self._mm)

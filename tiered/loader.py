@@ -1,0 +1,159 @@
+"""The loader: one thread that turns load jobs into :class:`~tiered.stage.Loaded` units, in FIFO order.
+
+Every job is a :class:`concurrent.futures.Future` with exactly one owner from submission to release:
+
+* the loader thread runs it (``set_running_or_notify_cancel``): allocate a ring slot (back-pressure
+  while the ring is full; on CUDA it first retires finished H2D copies), read the unit into it on
+  the reader threads, hand the slot to the device stage; any exception — the slot is freed first —
+  becomes the future's exception, re-raised in the caller's ``forward``;
+* the caller takes the result (``result()``) and from then on owns what it holds;
+* or the caller gives the job up with :meth:`Loader.discard`: a job not started yet is cancelled;
+  one running or done gets a done-callback that gives its result back (``Future`` runs it exactly
+  once, at once if the job is already done) — a stale prefetch can never leak a slot or buffer.
+
+The thread never dies of a job's error; if it stops (``close()``), jobs still queued are cancelled
+and a caller waiting on one gets an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from . import faults
+from .errors import StreamerError
+from .plan import Unit
+from .reader import Reader
+from .ring import Ring
+from .stage import CpuStage, CudaStage, Loaded
+from .stats import Stats
+
+__all__ = ["Loader"]
+
+
+class Loader:
+    """One loader thread feeding ``stage`` from ``reader`` through ``ring``.
+
+    Args:
+        abort: polled while the loader waits for room (ring slot or device buffer); returns the
+            exception to fail the job with (closed, or a deadlock the caller can never resolve).
+    """
+
+    def __init__(
+        self,
+        reader: Reader,
+        ring: Ring,
+        stage: CpuStage | CudaStage,
+        stats: Stats,
+        *,
+        device: torch.device,
+        abort: Callable[[], BaseException | None],
+    ) -> None:
+        self.reader = reader
+        self.ring = ring
+        self.stage = stage
+        self.stats = stats
+        self.device = device
+        self._abort_check = abort
+        self._q: queue.Queue[tuple[Future[Loaded], Unit, bool] | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiered-load", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, unit: Unit, *, resident: bool = False) -> Future[Loaded]:
+        fut: Future[Loaded] = Future()
+        if self._closed:
+            fut.set_exception(StreamerError("the model was closed"))
+        else:
+            self._q.put((fut, unit, resident))
+        return fut
+
+    def discard(self, fut: Future[Loaded]) -> None:
+        """Give up a job: cancel it, or give its result back when it finishes (exactly once)."""
+        if not fut.cancel():
+            fut.add_done_callback(self._give_back)
+
+    def _give_back(self, fut: Future[Loaded]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.stage.drop(fut.result())
+
+    def wait(self, fut: Future[Loaded]) -> Loaded:
+        """The job's result; polls so a closed model or a dead thread is an error, never a hang."""
+        while True:
+            try:
+                return fut.result(timeout=0.1)
+            except FutureTimeout:
+                if self._closed:
+                    raise StreamerError("the model was closed while waiting for a unit") from None
+                if not self._thread.is_alive():
+                    raise StreamerError("the tiered loader thread stopped") from None
+            except CancelledError:
+                raise StreamerError("the load was cancelled (the model was closed)") from None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread; jobs still queued are cancelled. Idempotent; callable from any thread."""
+        self._closed = True
+        self._q.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._cancel_queued()
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].cancel()
+
+    # ------------------------------------------------------------------ loader thread
+    def _abort(self) -> BaseException | None:
+        if self._closed:
+            return StreamerError("the model was closed")
+        return self._abort_check()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            while True:
+                self.stage.retire(block=False)
+                item = self._q.get()
+                if item is None:
+                    return
+                fut, unit, resident = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    ld = self._load(unit, resident)
+                except BaseException as e:  # noqa: BLE001 - the job's owner re-raises it
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(ld)
+        finally:
+            self._closed = True
+            self._cancel_queued()
+
+    def _load(self, u: Unit, resident: bool) -> Loaded:
+        slot = self.ring.alloc(u.nbytes, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
+        try:
+            t0 = time.perf_counter()
+            self.reader.read_unit(u, slot.view)
+            self.stats.add_read(u.src_bytes, time.perf_counter() - t0)
+            faults.hit("stage", unit=u.name)
+            return self.stage.stage(u, slot, resident=resident, abort=self._abort)
+        except BaseException:
+            self.ring.free(slot)
+            raise

@@ -1,0 +1,203 @@
+"""Device stages: make a unit that was read into a ring slot usable by its modules.
+
+* :class:`CpuStage` — zero copy: the modules use views of the ring slot itself; the slot is the
+  unit's memory until the caller releases it.
+* :class:`CudaStage` — an H2D copy on a dedicated **copy stream** into one of a small pool of
+  device buffers (``prefetch + 1`` of the largest streamed unit), after the event that says the
+  compute stream is done with that buffer; a *ready* event is recorded after the copy and the
+  compute stream waits on it, never the host. The ring slot is freed once its copy has finished:
+  :meth:`CudaStage.retire`, called by the loader thread (no thread of its own that could die).
+
+Ownership: :meth:`stage` takes the slot; the returned :class:`Loaded` owns the device buffer (or,
+on CPU, the slot) until :meth:`release` (the unit ran) or :meth:`drop` (it was never used) gives it
+back. Both are idempotent, so a cleanup path that runs twice cannot hand a buffer out twice.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .plan import Unit
+from .ring import Ring, Slot
+from .stats import Stats
+
+__all__ = ["Loaded", "CpuStage", "CudaStage", "views"]
+
+
+def views(unit: Unit, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each target of ``unit`` as a typed view of ``base`` (uint8) at its layout offset."""
+    out: dict[str, torch.Tensor] = {}
+    for t in unit.targets:
+        v = base[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
+        out[t.key] = nn.Parameter(v, requires_grad=False) if t.is_param and v.is_floating_point() else v
+    return out
+
+
+@dataclass(eq=False)
+class DevBuf:
+    t: torch.Tensor  # (nbytes,) uint8 on the device
+    free: torch.cuda.Event | None = None  # recorded on the compute stream when compute is done with it
+
+
+@dataclass(eq=False)
+class Loaded:
+    """A unit whose bytes are ready (on CUDA: once ``ready`` has fired on the copy stream)."""
+
+    unit: Unit
+    params: dict[str, torch.Tensor]  # target key -> view (nn.Parameter for floating parameters)
+    slot: Slot | None = None  # CPU: the ring slot the views live in
+    dev: DevBuf | None = None  # CUDA: the device buffer the views live in
+    ready: torch.cuda.Event | None = None
+    given_back: bool = False
+
+
+class CpuStage:
+    """The CPU no-op stage: modules compute on views of the ring slot."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+
+    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None]) -> Loaded:
+        return Loaded(unit, views(unit, slot.view), slot=slot)
+
+    def before_compute(self, ld: Loaded) -> None:
+        pass
+
+    def release(self, ld: Loaded) -> None:
+        if not ld.given_back:
+            ld.given_back = True
+            if ld.slot is not None:
+                self.ring.free(ld.slot)
+
+    drop = release
+
+    def retire(self, *, block: bool) -> bool:
+        return False
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.ring.owns(t)
+
+    def held_bufs(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class CudaStage:
+    """H2D on a copy stream into a pool of device buffers; ring slots retired when their copy is done.
+
+    Threads: :meth:`stage` and :meth:`retire` run on the loader thread; :meth:`before_compute`,
+    :meth:`release` on the caller's; :meth:`drop` on either.
+    """
+
+    def __init__(self, ring: Ring, device: torch.device, *, n_bufs: int, buf_bytes: int, stats: Stats) -> None:
+        self.ring = ring
+        self.device = device
+        self.stats = stats
+        self.copy_stream = torch.cuda.Stream(device)
+        self.n_bufs = n_bufs
+        self._pool: queue.Queue[DevBuf] = queue.Queue()
+        self._ptrs: set[int] = set()
+        for _ in range(n_bufs):
+            b = DevBuf(torch.empty(buf_bytes, dtype=torch.uint8, device=device))
+            self._ptrs.add(b.t.data_ptr())
+            self._pool.put(b)
+        self._inflight: deque[tuple[torch.cuda.Event, torch.cuda.Event, Slot, int]] = deque()
+        self._lock = threading.Lock()  # _inflight: the loader retires, close() drains
+
+    def held_bufs(self) -> int:
+        """Device buffers not in the pool (bound, or loaded ahead and not yet used)."""
+        return self.n_bufs - self._pool.qsize()
+
+    def _get_buf(self, abort: Callable[[], BaseException | None]) -> DevBuf:
+        while True:
+            try:
+                return self._pool.get(timeout=0.05)
+            except queue.Empty:
+                if (err := abort()) is not None:
+                    raise err from None
+
+    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None]) -> Loaded:
+        """Issue ``slot`` -> device copy; the slot is retired when it completes. Loader thread.
+
+        Raises (before taking ``slot``; the caller frees it): whatever ``abort`` returns.
+        """
+        buf = DevBuf(torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
+        start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            if buf.free is not None:
+                self.copy_stream.wait_event(buf.free)
+            start.record(self.copy_stream)
+            buf.t[: unit.nbytes].copy_(slot.view[: unit.nbytes], non_blocking=True)
+            ready.record(self.copy_stream)
+        with self._lock:
+            self._inflight.append((start, ready, slot, unit.nbytes))
+        return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready)
+
+    def retire(self, *, block: bool) -> bool:
+        """Free the ring slots of finished H2D copies (oldest first; with ``block``, wait for the oldest
+        when none has finished). True if a slot was freed."""
+        freed = False
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    return freed
+                start, ready, slot, nbytes = self._inflight[0]
+            if not ready.query():
+                if not block or freed:
+                    return freed
+                ready.synchronize()  # releases the GIL
+            with self._lock:
+                if self._inflight and self._inflight[0][2] is slot:
+                    self._inflight.popleft()
+                else:
+                    continue
+            self.ring.free(slot)
+            self.stats.add_h2d(nbytes, start.elapsed_time(ready) / 1e3)
+            freed = True
+
+    def before_compute(self, ld: Loaded) -> None:
+        """Make the caller's current stream wait for ``ld``'s H2D copy (no host sync)."""
+        if ld.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ld.ready)
+
+    def release(self, ld: Loaded) -> None:
+        """The unit ran: its buffer is reusable once the compute stream is past this point."""
+        if ld.given_back or ld.dev is None:
+            return
+        ld.given_back = True
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        ld.dev.free = ev
+        self._pool.put(ld.dev)
+
+    def drop(self, ld: Loaded) -> None:
+        """The unit was never used: its buffer is reusable once its own H2D copy is done."""
+        if ld.given_back or ld.dev is None:
+            return
+        ld.given_back = True
+        ld.dev.free = ld.ready
+        self._pool.put(ld.dev)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" and t.untyped_storage().data_ptr() in self._ptrs
+
+    def close(self) -> None:
+        """Wait for every copy, free their slots and let go of the device buffer pool."""
+        self.copy_stream.synchronize()
+        while self.retire(block=True):
+            pass
+        while True:
+            try:
+                self._pool.get_nowait()
+            except queue.Empty:
+                break
+        self._ptrs.clear()
