@@ -43,7 +43,7 @@ class Checkpoints:
 
     def __getitem__(self, name: str) -> Path:
         if name not in self.dirs:
-            builder, kwargs, _, _ = models.BUILDERS[name]
+            builder, kwargs = (models.BUILDERS.get(name) or models.EXTRA_BUILDERS[name])[:2]
             self.dirs[name] = builder(self.factory.mktemp(name) / "model", **kwargs)
         return self.dirs[name]
 

@@ -244,6 +244,40 @@ BUILDERS: dict[str, tuple[Callable[..., Path], dict, type, bool]] = {
 }
 
 
+def t5(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = "60KB", seed: int = 8) -> Path:
+    """T5 keeps ``wo`` in float32 when loaded in fp16 (``_keep_in_fp32_modules``)."""
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    return save_model(transformers.T5ForConditionalGeneration(cfg), path, seed=seed, dtype=dtype,
+                      max_shard_size=max_shard_size)
+
+
+def deepseek_v3(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = "60KB",
+                seed: int = 9) -> Path:
+    """DeepSeek-V3 keeps the router's ``e_score_correction_bias`` in float32 at fp16 and bf16
+    (``_keep_in_fp32_modules_strict``)."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128,
+    )
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # a buffer save_model does not randomise: make it matter
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape,
+                                                            generator=torch.Generator().manual_seed(seed)) * 0.1)
+    return save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+#: Checkpoints outside the equality sweep (not plain causal LMs or encoders): name -> (builder, kwargs, auto class)
+EXTRA_BUILDERS: dict[str, tuple[Callable[..., Path], dict, type]] = {
+    "t5": (t5, {}, transformers.AutoModelForSeq2SeqLM),
+    "deepseek_v3": (deepseek_v3, {}, transformers.AutoModelForCausalLM),
+}
+
+
 # ---------------------------------------------------------------------------------------------- plain module
 
 

@@ -52,6 +52,10 @@ class Options:
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
 
 
+#: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
+CLOSE_WAIT_S = 30.0
+
+
 class _Handle:
     """What a tiered model owns: ring, reader, streamer, hooks."""
 
@@ -71,20 +75,30 @@ class _Handle:
         self.depth = 0  # nesting of the model's __call__ in the thread holding call_lock
 
     def close(self) -> None:
+        """Idempotent; callable from any thread. A forward running in another thread is stopped first (its
+        next unit raises StreamerError) and its pass ends before hooks and memory go, so it never computes on
+        half-released weights; memory a live tensor points into goes with its last reference."""
         if self.closed:
             return
         self.closed = True
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
         if self.streamer is not None:
-            self.streamer.close()
-        if self.reader is not None:
-            self.reader.close()
-        if self.ring is not None:
-            self.ring.close()
-        # The weights are gone: make any later call fail loudly instead of computing on meta tensors.
-        self.module.register_forward_pre_hook(_closed)
+            self.streamer.stop()
+        got = self.call_lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            for h in self.hooks:
+                h.remove()
+            self.hooks.clear()
+            if self.streamer is not None:
+                self.streamer.close()
+            if self.reader is not None:
+                self.reader.close()
+            if self.ring is not None:
+                self.ring.close()
+            # The weights are gone: make any later call fail loudly instead of computing on meta tensors.
+            self.module.register_forward_pre_hook(_closed)
+        finally:
+            if got:
+                self.call_lock.release()
 
 
 def _closed(module: nn.Module, args: object) -> None:

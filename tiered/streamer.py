@@ -250,16 +250,21 @@ class Streamer:
             for i in list(self.held):
                 self._give_back(i)
 
+    def stop(self) -> None:
+        """Refuse new units and stop the loader: a forward running in another thread fails at its next unit
+        (StreamerError) instead of hanging. Idempotent; callable from any thread."""
+        self._closed = True
+        self.loader.close()
+
     def close(self) -> None:
-        """Stop the loader, wait for copies, unbind everything. Idempotent; callable from any thread.
+        """Stop, wait for copies, unbind everything. Idempotent; callable from any thread.
 
         Memory a live tensor still points into (a parameter the user kept) is not unmapped here: the
         ring's mapping goes with its last reference (see :mod:`tiered.hostmem`).
         """
-        if self._closed:
+        if self._closed and not self.loader.alive and not self.held and not self.resident and not self.pending:
             return
-        self._closed = True
-        self.loader.close()
+        self.stop()
         self.stage.close()
         got = self._lock.acquire(timeout=10)  # a forward in another thread fails fast once closed
         try:
