@@ -19,7 +19,7 @@ from tiered.errors import (
     TieredError,
     TruncatedShardError,
 )
-from tiered.format import DTYPES, MAX_HEADER_SIZE, open_checkpoint, read_header
+from tiered.format import DTYPES, MAX_HEADER_SIZE, SPEC_DTYPE_BITS, SkippedTensor, open_checkpoint, read_header
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -173,10 +173,12 @@ def test_offsets_not_matching_shape(offsets, tmp_path: Path) -> None:
 
 
 def test_entry_with_extra_or_missing_fields(tmp_path: Path) -> None:
+    # Extra per-tensor fields: safetensors ignores them (serde without deny_unknown_fields), so tiered does too.
     e1 = entry("F32", [2], 0, 8) | {"extra": 1}
     p = raw_file(tmp_path / "x.safetensors", {"w": e1}, bytes(8))
-    with pytest.raises(HeaderError, match="'w'"):
-        read_header(p)
+    with safe_open(p, "pt") as f:
+        assert list(f.keys()) == ["w"]
+    assert read_header(p).tensors["w"].shape == (2,)
     p = raw_file(tmp_path / "y.safetensors", {"w": {"dtype": "F32", "shape": [2]}}, bytes(8))
     with pytest.raises(HeaderError, match="'w'"):
         read_header(p)
@@ -368,17 +370,42 @@ def test_duplicate_tensor_without_index(tmp_path: Path) -> None:
 
 
 def test_index_disagrees_with_shards(tmp_path: Path) -> None:
+    """The index is a list of shards to read, not an authority on where each tensor is.
+
+    transformers 5 loads every key of every shard the index lists (``safe_open(...).keys()``), so a
+    tensor the index puts in the wrong (listed) shard loads from where it is, and a name no shard
+    holds is reported in ``index_missing`` for the loader to judge (it used to raise HeaderError).
+    """
     shards = two_shards()
     wm = {k: f for f, ts in shards.items() for k in ts}
     wm["a.weight"] = "model-00002-of-00002.safetensors"  # it is really in shard 1
     root = write_sharded(tmp_path / "m", shards, wm)
-    with pytest.raises(HeaderError) as e:
-        open_checkpoint(root)
-    assert_names_file(e, root / "model.safetensors.index.json", "'a.weight'")
-    wm = {k: f for f, ts in shards.items() for k in ts} | {"ghost": "model-00001-of-00002.safetensors"}
+    ck = open_checkpoint(root)
+    assert ck.tensors["a.weight"].file.name == "model-00001-of-00002.safetensors"
+    assert ck.index_missing == []
+    assert set(ck.tensors) == set(sample_tensors())
+    wm = {k: f for f, ts in shards.items() for k in ts} | {
+        "ghost": "model-00001-of-00002.safetensors",
+        "another.ghost": "model-00002-of-00002.safetensors",
+    }
     root = write_sharded(tmp_path / "m2", shards, wm)
-    with pytest.raises(HeaderError, match="'ghost'"):
-        open_checkpoint(root)
+    ck = open_checkpoint(root)
+    assert ck.index_missing == ["another.ghost", "ghost"]
+    assert set(ck.tensors) == set(sample_tensors()) and ck.skipped == {}
+
+
+def test_index_omits_a_tensor_of_a_listed_shard(tmp_path: Path) -> None:
+    shards = two_shards()
+    wm = {k: f for f, ts in shards.items() for k in ts}
+    del wm["a.weight"]  # still in shard 1, which the index lists: transformers loads it, so does tiered
+    root = write_sharded(tmp_path / "m", shards, wm)
+    ck = open_checkpoint(root)
+    assert "a.weight" in ck.tensors and ck.index_missing == []
+
+
+def test_no_index_means_no_index_missing(tmp_path: Path) -> None:
+    save_file(sample_tensors(), tmp_path / "model.safetensors")
+    assert open_checkpoint(tmp_path).index_missing == []
 
 
 @pytest.mark.parametrize("doc", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": [1]}'])
@@ -408,3 +435,267 @@ def test_bad_shard_inside_checkpoint_names_it(tmp_path: Path) -> None:
     with pytest.raises(TruncatedShardError) as e:
         open_checkpoint(root)
     assert_names_file(e, bad)
+
+
+# ---------------------------------------------------------------------------------------------- spec dtypes, skipped
+
+
+def safe_open_accepts(path: Path) -> bool:
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+        return True
+    except Exception:
+        return False
+
+
+def test_spec_dtype_list_is_safetensors_own() -> None:
+    """SPEC_DTYPE_BITS names exactly the dtypes the installed safetensors knows (its error lists them)."""
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = raw_file(Path(d) / "x.safetensors", {"t": entry("NOPE", [0], 0, 0)})
+        with pytest.raises(Exception) as e, safe_open(p, "pt"):
+            pass
+    known = re.findall(r"`([A-Z0-9_]+)`", str(e.value).split("expected one of", 1)[1])
+    assert known == list(SPEC_DTYPE_BITS)
+
+
+@pytest.mark.parametrize("name", list(SPEC_DTYPE_BITS))
+def test_every_spec_dtype_is_accepted(name: str, tmp_path: Path) -> None:
+    bits = SPEC_DTYPE_BITS[name]
+    n = bits  # 8 elements: a whole number of bytes for every dtype
+    p = raw_file(tmp_path / "d.safetensors", {"t": entry(name, [8], 0, n)}, bytes(range(n)))
+    assert safe_open_accepts(p)
+    shard = read_header(p)
+    if name in DTYPES:
+        t = shard.tensors["t"]
+        assert t.dtype == DTYPES[name] and t.nbytes == n and t.offset == shard.data_start and not shard.skipped
+        with safe_open(p, "pt") as f:
+            assert f.get_tensor("t").dtype == t.dtype
+    else:
+        s = shard.skipped["t"]
+        assert s == SkippedTensor("t", name, (8,), p, shard.data_start, n) and not shard.tensors
+        assert name in s.reason
+
+
+def test_dtypes_torch_has_are_normal_tensors() -> None:
+    assert DTYPES["C64"] is torch.complex64
+    for name, attr in [("F8_E8M0", "float8_e8m0fnu"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")]:
+        if hasattr(torch, attr):
+            assert DTYPES[name] is getattr(torch, attr)
+    # sub-byte dtypes are never torch tensors here: torch.float4_e2m1fn_x2 packs two per byte (another shape)
+    assert not {"F4", "F6_E2M3", "F6_E3M2"} & set(DTYPES)
+    assert set(DTYPES) <= set(SPEC_DTYPE_BITS)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "nbytes", "ok"),
+    [
+        ("F4", [4], 2, True),
+        ("F4", [2, 3], 3, True),
+        ("F4", [3], 2, False),  # 12 bits: not a whole number of bytes
+        ("F4", [1], 0, False),
+        ("F6_E2M3", [4], 3, True),
+        ("F6_E3M2", [2, 2], 3, True),
+        ("F6_E3M2", [2], 2, False),  # 12 bits
+        ("F6_E2M3", [0, 3], 0, True),
+    ],
+)
+def test_sub_byte_dtypes(dtype: str, shape: list, nbytes: int, ok: bool, tmp_path: Path) -> None:
+    p = raw_file(tmp_path / "s.safetensors", {"q": entry(dtype, shape, 0, nbytes)}, bytes(nbytes))
+    assert safe_open_accepts(p) is ok
+    if ok:
+        shard = read_header(p)
+        assert shard.skipped["q"] == SkippedTensor("q", dtype, tuple(shape), p, shard.data_start, nbytes)
+        assert "packs" in shard.skipped["q"].reason
+    else:
+        with pytest.raises(HeaderError) as e:
+            read_header(p)
+        assert_names_file(e, p, "'q'", "whole number of bytes", "offset")
+
+
+def test_skipped_tensors_count_in_the_cover(tmp_path: Path) -> None:
+    h = {"a": entry("F32", [2], 0, 8), "q": entry("F4", [6], 8, 11), "r": entry("F6_E2M3", [4], 11, 14),
+         "b": entry("F8_E8M0", [2], 14, 16)}
+    p = raw_file(tmp_path / "mx.safetensors", h, bytes(range(16)))
+    assert safe_open_accepts(p)
+    shard = read_header(p)
+    assert list(shard.tensors) == ["a", "b"] and list(shard.skipped) == ["q", "r"]
+    assert shard.skipped["q"].offset == shard.data_start + 8 and shard.skipped["q"].nbytes == 3
+    assert shard.skipped["r"].offset == shard.data_start + 11 and shard.skipped["r"].file == p
+    del h["q"]  # its bytes become a hole
+    p = raw_file(tmp_path / "mx2.safetensors", h, bytes(range(16)))
+    assert not safe_open_accepts(p)
+    with pytest.raises(HeaderError, match="hole") as e:
+        read_header(p)
+    assert_names_file(e, p, "'r'")
+
+
+# ---------------------------------------------------------------------------------------------- degenerate shapes
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "nbytes", "where"),
+    [
+        ("F32", [], 4, "tensors"),  # scalar
+        ("F32", [0], 0, "tensors"),
+        ("F32", [0, 4], 0, "tensors"),
+        ("BF16", [3, 0, 5], 0, "tensors"),
+        ("F32", [0, 2**63 - 1], 0, "tensors"),
+        ("U8", [0, 2**33, 2**33], 0, "tensors"),  # 0 first: the product never overflows
+        ("U8", [2**32, 2**31, 0], 0, "tensors"),  # 2**63 fits 64 bits
+        ("F64", [2**61, 0], 0, "tensors"),
+        ("F32", [0, 2**63], 0, "skipped"),  # torch sizes are int64: an empty tensor torch cannot shape
+        ("F32", [0, 2**64 - 1], 0, "skipped"),
+        ("F32", [0, 2**64], 0, "refused"),  # not a usize
+        ("U8", [2**33, 2**33, 0], 0, "refused"),  # overflows before the 0
+        ("U8", [2**60, 2**4, 0], 0, "refused"),
+        ("F64", [2**61], 2**64 - 8, "refused"),  # numel * 64 bits overflows
+        ("F32", [1] * 64, 4, "tensors"),
+    ],
+)
+def test_degenerate_shapes_as_safetensors(dtype: str, shape: list, nbytes: int, where: str, tmp_path: Path) -> None:
+    data = bytes(nbytes) if nbytes < 2**20 else b""
+    p = raw_file(tmp_path / "z.safetensors", {"t": entry(dtype, shape, 0, nbytes)}, data)
+    assert safe_open_accepts(p) is (where != "refused")
+    if where == "refused":
+        with pytest.raises(HeaderError) as e:
+            read_header(p)
+        assert_names_file(e, p, "'t'")
+        return
+    shard = read_header(p)
+    got = shard.tensors if where == "tensors" else shard.skipped
+    assert got["t"].shape == tuple(shape) and got["t"].nbytes == nbytes and got["t"].offset == shard.data_start
+    if where == "tensors":
+        with safe_open(p, "pt") as f:
+            ref = f.get_tensor("t")
+        assert tuple(ref.shape) == shard.tensors["t"].shape and ref.dtype == shard.tensors["t"].dtype
+    else:
+        assert "2**63" in shard.skipped["t"].reason
+
+
+# ---------------------------------------------------------------------------------------------- serde_json's rules
+
+_OK = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]%s}}'
+_EXTRA = lambda v: _OK % (', "x": ' + v)  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        # numbers: shape dims and offsets are usize; -0 is a float to serde_json
+        ('{"t": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}', False),
+        ('{"t": {"dtype": "F32", "shape": [0], "data_offsets": [-0, 0]}}', False),
+        ('{"t": {"dtype": "F32", "shape": [1e0], "data_offsets": [0, 4]}}', False),
+        (_EXTRA("-0"), True),
+        (_EXTRA("1e-400"), True),
+        (_EXTRA("NaN"), False),
+        (_EXTRA("-Infinity"), False),
+        (_EXTRA("1e400"), False),
+        (_EXTRA("1.7976931348623157e308"), True),
+        (_EXTRA("1.7976931348623158e308"), False),  # serde_json's rounding, not Python's
+        (_EXTRA("17976931348623158e292"), False),
+        (_EXTRA("9" * 308), True),
+        (_EXTRA("9" * 309), False),
+        (_EXTRA("9" * 5000), False),  # beyond Python's int() digit limit
+        (_EXTRA("18446744073709551616.5"), True),
+        (_EXTRA("1e2147483648"), False),
+        (_EXTRA("0e2147483648"), True),
+        (_EXTRA("-18446744073709551616"), True),
+        # strings
+        (_EXTRA('"\\ud800"'), False),
+        (_EXTRA('"\\udc00\\ud800"'), False),
+        (_EXTRA('"\\ud83d\\ude00"'), True),
+        ('{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', False),
+        (_EXTRA('"a\\u0000b"'), True),
+        (_EXTRA('"a\tb"'), False),  # raw control character
+        # nesting: serde_json's limit is 128 levels, the top-level object included
+        (_EXTRA("[" * 125 + "]" * 125), True),
+        (_EXTRA("[" * 126 + "]" * 126), False),
+        (_EXTRA("[" * 5000 + "]" * 5000), False),  # beyond Python's recursion limit
+        # duplicate keys
+        ('{"t": {"dtype": "F32", "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', False),
+        (_EXTRA('1, "x": 2'), True),
+        ('{"__metadata__": {}, "__metadata__": {}}', False),
+        ('{"__metadata__": {"a": "b", "a": "c"}}', True),
+        ('{"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+         '"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', True),  # the last one wins
+        ('{"t": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}, '
+         '"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', False),  # ... each is type-checked
+        # serde's other spellings of a TensorInfo and of a dtype
+        ('{"t": ["F32", [1], [0, 4]]}', True),
+        ('{"t": ["F32", [1], [0, 4], 0]}', False),
+        ('{"t": {"dtype": {"F32": null}, "shape": [1], "data_offsets": [0, 4]}}', True),
+        ('{"t": {"dtype": {"F32": null, "F32": null}, "shape": [1], "data_offsets": [0, 4]}}', False),
+        ('{"t": {"dtype": {"F32": 0}, "shape": [1], "data_offsets": [0, 4]}}', False),
+        ('{"t": {"dtype": "\\u0046\\u0033\\u0032", "shape": [1], "data_offsets": [0, 4]}}', True),
+        # metadata
+        ('{"__metadata__": null, "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', True),
+        ('{"__metadata__": {"a": null}}', False),
+        ('{"__metadata__": []}', False),
+        # whitespace: JSON's four only
+        (' \t\r\n{}\n ', True),
+        ('{}\x0c', False),
+        ('\ufeff{}', False),
+    ],
+)
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_serde_json_rules(header: str, accepted: bool, exact: bool, tmp_path: Path, monkeypatch) -> None:
+    """Each case is checked against safe_open too, so a change in safetensors shows up here."""
+    import tiered.format as fmt
+
+    if exact:  # the fallback decoder must agree with the fast one
+        monkeypatch.setattr(fmt, "_decode", fmt._EXACT.decode)
+    h = header.encode("utf-8", "surrogatepass")
+    data = bytes(4) if '"t"' in header and "[0, 4]" in header else b""
+    p = raw_file(tmp_path / "j.safetensors", h, data)
+    assert safe_open_accepts(p) is accepted, "safetensors changed its rules"
+    if accepted:
+        read_header(p)
+    else:
+        with pytest.raises(HeaderError) as e:
+            read_header(p)
+        assert_names_file(e, p)
+
+
+def test_new_messages_name_file_tensor_offset(tmp_path: Path) -> None:
+    cases = {
+        "F4 odd": ({"a": entry("F32", [1], 0, 4), "w": entry("F4", [3], 4, 6)}, 6, ["'w'", "offset", "whole number of bytes"]),
+        "overflow": ({"w": entry("U8", [2**33, 2**33, 0], 0, 0)}, 0, ["'w'", "offset", "overflows"]),
+        "span": ({"w": entry("F32", [2], 0, 4)}, 4, ["'w'", "offset", "needs 8"]),
+        "dup field": ('{"w": {"dtype": "F32", "shape": [1], "shape": [1], "data_offsets": [0, 4]}}', 4, ["'w'", "8..", "twice"]),
+        "dtype": ({"w": entry("F7", [1], 0, 4)}, 4, ["'w'", "8..", "F7", "F8_E8M0"]),
+    }
+    for label, (h, n, words) in cases.items():
+        p = raw_file(tmp_path / f"{label}.safetensors", h if isinstance(h, dict) else h.encode(), bytes(n))
+        with pytest.raises(HeaderError) as e:
+            read_header(p)
+        assert_names_file(e, p, *words)
+        assert ";" in str(e.value)  # "...; how to fix it"
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints: skipped
+
+
+def test_checkpoint_collects_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "m"
+    root.mkdir()
+    save_file({"a": torch.ones(2)}, root / "model-1.safetensors")
+    raw_file(root / "model-2.safetensors", {"q": entry("F4", [4], 0, 2), "c": entry("C64", [1], 0 + 2, 10)}, bytes(10))
+    wm = {"a": "model-1.safetensors", "q": "model-2.safetensors", "c": "model-2.safetensors", "gone": "model-2.safetensors"}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    ck = open_checkpoint(root)
+    assert set(ck.tensors) == {"a", "c"} and ck.tensors["c"].dtype == torch.complex64
+    assert set(ck.skipped) == {"q"} and ck.skipped["q"].file == root / "model-2.safetensors"
+    assert ck.index_missing == ["gone"]
+    assert ck.nbytes == 8 + 8
+
+
+def test_duplicate_between_tensor_and_skipped(tmp_path: Path) -> None:
+    save_file({"q": torch.ones(2)}, tmp_path / "one.safetensors")
+    raw_file(tmp_path / "two.safetensors", {"q": entry("F4", [4], 0, 2)}, bytes(2))
+    with pytest.raises(DuplicateTensorError, match="'q'") as e:
+        open_checkpoint(tmp_path)
+    assert "offset" in str(e.value)
