@@ -6,13 +6,16 @@ test instead of killing pytest.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,14 @@ from torch import nn
 
 import tiered
 from tiered import faults
-from tiered.errors import HostMemoryError, ShardChangedError, StreamerError, TieredError
+from tiered.errors import (
+    HostMemoryError,
+    MissingTensorError,
+    ShardChangedError,
+    StreamerError,
+    TieredError,
+    UnsupportedDtypeError,
+)
 from tiered.format import encode_header
 from tiered.hostmem import PAGE_SIZE, host_memory_available
 
@@ -565,3 +575,111 @@ def test_page_size_has_one_definition() -> None:
     assert PAGE_SIZE == mmap.PAGESIZE
     src = "\n".join((ROOT / "tiered" / f).read_text() for f in os.listdir(ROOT / "tiered") if f.endswith(".py"))
     assert "4095" not in src and "// 4096" not in src and "mmap.PAGESIZE" in (ROOT / "tiered/hostmem.py").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- 8. checkpoints stock loads
+
+
+def _rewrite(f: Path, edit) -> None:
+    """Rewrite shard ``f``: ``edit(header: dict, data: bytearray)`` changes the JSON header and data section."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = bytearray(raw[8 + n :])
+    edit(header, data)
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    f.write_bytes(len(text).to_bytes(8, "little") + text + bytes(data))
+
+
+def _append(name: str, dtype: str, shape: list[int], payload: bytes):
+    def edit(header: dict, data: bytearray) -> None:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(payload)]}
+        data.extend(payload)
+
+    return edit
+
+
+def _index_add(d: Path, name: str, shard: str) -> None:
+    idx = d / "model.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    doc["weight_map"][name] = shard
+    idx.write_text(json.dumps(doc))
+
+
+def _shard_of(d: Path, key: str) -> Path:
+    return d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+@pytest.mark.parametrize("odd", ["index-names-absent", "extra-fields", "F4", "F6_E2M3", "C64", "F8_E8M0"])
+def test_checkpoint_extras_the_model_does_not_need_warn_and_load(odd: str, llama_ref, tmp_path: Path) -> None:
+    d0, want = llama_ref
+    d = Path(shutil.copytree(d0, tmp_path / "m"))
+    shard = sorted(d.glob("*.safetensors"))[0]
+    if odd == "index-names-absent":  # multi-token-prediction weights some hub checkpoints list but do not ship
+        _index_add(d, "mtp.layers.0.eh_proj.weight", shard.name)
+        match = "no shard holds"
+    elif odd == "extra-fields":
+        _rewrite(shard, lambda h, data: [v.update({"quant": "none", "group": 1}) for k, v in h.items()
+                                         if k != "__metadata__"])
+        match = None
+    else:
+        size = {"F4": 16, "F6_E2M3": 24, "C64": 256, "F8_E8M0": 32}[odd]
+        _rewrite(shard, _append(f"mtp.{odd}.scale", odd, [32], bytes(i % 251 + 1 for i in range(size))))
+        _index_add(d, f"mtp.{odd}.scale", shard.name)
+        match = "skipped" if odd.startswith(("F4", "F6")) else "not used"
+    assert safetensors_accepts(shard)
+    if match is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m = tiered.load(d, device="cpu", ring_gb=1.0)
+    else:
+        with pytest.warns(UserWarning, match=match):
+            m = tiered.load(d, device="cpu", ring_gb=1.0)
+    with m, torch.no_grad():
+        assert torch.equal(m(_ids()).logits, want)
+
+
+def safetensors_accepts(f: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(f, "pt") as st:
+        return len(list(st.keys())) > 0
+
+
+def test_needed_tensor_the_index_names_but_no_shard_holds(ckpts: Checkpoints, tmp_path: Path) -> None:
+    d = ckpts.copy("llama", tmp_path / "m")
+    key = "model.layers.1.mlp.up_proj.weight"
+    shard = _shard_of(d, key)
+    _rewrite(shard, lambda h, data: h.pop(key) and _fix_cover(h, data))
+    with pytest.raises(MissingTensorError, match=r"index.json names tensor 'model.layers.1.mlp.up_proj.weight'"):
+        tiered.load(d, device="cpu", ring_gb=1.0)
+
+
+def _fix_cover(header: dict, data: bytearray) -> None:
+    """Re-pack the data section after an entry was removed (offsets cover it exactly again)."""
+    entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"])
+    out = bytearray()
+    for _, v in entries:
+        a, b = v["data_offsets"]
+        chunk = data[a:b]
+        v["data_offsets"] = [len(out), len(out) + len(chunk)]
+        out.extend(chunk)
+    data[:] = out
+
+
+@pytest.mark.parametrize(("dtype", "shape", "nbytes"), [("F4", [64], 32), ("C64", [64], 512)])
+def test_needed_tensor_with_a_dtype_torch_cannot_use_names_it(dtype: str, shape: list[int], nbytes: int,
+                                                              ckpts: Checkpoints, tmp_path: Path) -> None:
+    d = ckpts.copy("llama", tmp_path / "m")
+    key = "model.norm.weight"  # (64,) bf16
+    shard = _shard_of(d, key)
+
+    def edit(h: dict, data: bytearray) -> None:
+        h.pop(key)
+        _fix_cover(h, data)
+        _append(key, dtype, shape, bytes(i % 251 + 1 for i in range(nbytes)))(h, data)
+
+    _rewrite(shard, edit)
+    with pytest.raises(UnsupportedDtypeError, match=rf"model.norm.weight.*{dtype if dtype == 'F4' else 'complex'}"):
+        tiered.load(d, device="cpu", ring_gb=1.0)

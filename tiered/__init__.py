@@ -15,13 +15,16 @@ from .errors import (
     ConfigError,
     DuplicateTensorError,
     HeaderError,
+    HostMemoryError,
     MissingTensorError,
     RingTooSmallError,
     ShapeMismatchError,
+    ShardChangedError,
     ShardNotFoundError,
     StreamerError,
     TieredError,
     TruncatedShardError,
+    UnsupportedDtypeError,
 )
 from .reshard import (
     DestinationExistsError,
@@ -62,4 +65,7 @@ __all__ = [
     "RingTooSmallError",
     "ConfigError",
     "StreamerError",
+    "HostMemoryError",
+    "ShardChangedError",
+    "UnsupportedDtypeError",
 ]

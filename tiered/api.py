@@ -245,6 +245,19 @@ def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
             f"(e.g. {unused[:3]}); check that config.json matches the checkpoint",
             stacklevel=3,
         )
+    if plan.unused_skipped:
+        s = ckpt.skipped[plan.unused_skipped[0]]
+        warnings.warn(
+            f"{ckpt.root}: {len(plan.unused_skipped)} checkpoint tensors torch cannot hold are skipped; the model does "
+            f"not use them (e.g. {s.name!r} in {s.file.name}: {s.reason})",
+            stacklevel=3,
+        )
+    if plan.unused_index_missing:
+        warnings.warn(
+            f"{ckpt.root}: model.safetensors.index.json names {len(plan.unused_index_missing)} tensors no shard holds; "
+            f"the model does not need them (e.g. {plan.unused_index_missing[:3]})",
+            stacklevel=3,
+        )
 
 
 def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:

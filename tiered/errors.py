@@ -19,6 +19,7 @@ __all__ = [
     "StreamerError",
     "ShardChangedError",
     "HostMemoryError",
+    "UnsupportedDtypeError",
 ]
 
 
@@ -73,3 +74,8 @@ class HostMemoryError(TieredError, MemoryError):
     """The ring (or a host buffer) is larger than the memory this process may still take
     (``MemAvailable`` or a cgroup's ``memory.max``): refused before allocating, instead of an OOM kill."""
 
+
+
+class UnsupportedDtypeError(TieredError, TypeError):
+    """The model needs a checkpoint tensor whose dtype torch cannot compute with here (``F4``, ``F6_*``, or
+    complex data for a real parameter)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import MissingTensorError, ShapeMismatchError
+from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
 
 __all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots"]
@@ -93,11 +93,18 @@ class Unit:
 
 @dataclass
 class Plan:
-    """Units in predicted execution order, plus checkpoint keys nothing uses."""
+    """Units in predicted execution order, plus checkpoint keys nothing uses.
+
+    ``unused``: checkpoint tensors the model does not need; ``unused_skipped``: those of them torch
+    cannot hold (``Checkpoint.skipped``); ``unused_index_missing``: names the index lists, no shard
+    holds, and the model does not need.
+    """
 
     units: list[Unit]
     unused: list[str]
     align: int
+    unused_skipped: list[str] = field(default_factory=list)
+    unused_index_missing: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -287,9 +294,28 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     direct: dict[str, TensorInfo] = {}
     conv: dict[str, tuple[object, dict[str, list[TensorInfo]]]] = {}
     unused: list[str] = []
+    # model key -> the error to raise if the model needs it: a tensor torch cannot hold, or one the index
+    # names and no shard holds. Unneeded ones are only listed (the loader warns), as from_pretrained ignores them.
+    unavailable: dict[str, Exception] = {}
+    unused_skipped: list[str] = []
+    unused_missing: list[str] = []
+    index = f"{ckpt.root}/model.safetensors.index.json"
+    odd: list[tuple[str, Exception, list[str]]] = [
+        (k, UnsupportedDtypeError(f"{s.file}: tensor {k!r} at offset {s.offset}: {s.reason}, and the model needs "
+                                  "it; convert the checkpoint to a dtype torch supports (F16, BF16, F32...)"),
+         unused_skipped) for k, s in ckpt.skipped.items()]
+    odd += [(k, MissingTensorError(f"{index} names tensor {k!r} but no shard holds it, and the model needs it; "
+                                   "a shard is incomplete or the index is stale: re-download the checkpoint"),
+             unused_missing) for k in ckpt.index_missing]
 
     if tools is not None:
         renamings, converters, rename, natural = tools
+        for k, why, bucket in odd:
+            new, _ = rename(k, renamings, converters, prefix or None, sd)
+            if new in sd or k in sd:
+                unavailable[new if new in sd else k] = why
+            else:
+                bucket.append(k)
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         for k in sorted(ckpt.tensors, key=natural):
             new, pat = rename(k, renamings, converters, prefix or None, sd)
@@ -308,6 +334,11 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
                 direct[k] = info
             else:
                 unused.append(k)
+        for k, why, bucket in odd:
+            if k in sd:
+                unavailable[k] = why
+            else:
+                bucket.append(k)
 
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     targets: dict[str, Target] = {}
@@ -316,6 +347,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
         mod, attr, is_param = _owner(model, key)
         if not is_param and key not in direct and key not in conv:
             continue  # buffer not in the checkpoint: keep its initialised value
+        if key in unavailable and key not in direct:
+            raise unavailable[key]
         tgt = Target(key, mod, attr, is_param, tuple(ref.shape), ref.dtype)
         src_key = key
         if key not in direct and key not in conv:
@@ -335,6 +368,11 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
                     f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but the model "
                     f"built from config.json expects {list(tgt.shape)} for {key!r}; the config does not match "
                     "the checkpoint: use the checkpoint's own config.json"
+                )
+            if s.dtype.is_complex != tgt.dtype.is_complex:
+                raise UnsupportedDtypeError(
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has dtype {s.dtype} but {key!r} is {tgt.dtype}: "
+                    "complex and real data do not convert; the checkpoint does not match config.json"
                 )
             tgt.copies.append(Copy(s))
         else:
@@ -377,7 +415,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     rest = [k for k in targets if k not in claimed]
     if rest:  # pragma: no cover - find_unit_roots covers every parameter
         raise MissingTensorError(f"internal: targets without a unit: {rest[:5]}")
-    return Plan(units=units, unused=unused, align=align)
+    return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped,
+                unused_index_missing=unused_missing)
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
