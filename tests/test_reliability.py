@@ -683,3 +683,31 @@ def test_needed_tensor_with_a_dtype_torch_cannot_use_names_it(dtype: str, shape:
     _rewrite(shard, edit)
     with pytest.raises(UnsupportedDtypeError, match=rf"model.norm.weight.*{dtype if dtype == 'F4' else 'complex'}"):
         tiered.load(d, device="cpu", ring_gb=1.0)
+
+
+def test_failed_conversion_waits_for_the_units_copies(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit whose conversion fails must not free its slot while its copies still write into it:
+    read_unit returns (raises) only after every copy of the unit has finished."""
+    import tiered.plan
+
+    monkeypatch.setattr(tiered.plan, "_place_converter", lambda *a, **k: None)  # experts: converted at read time
+    d = ckpts["mixtral"]
+    copies_done: list[tuple[str, float]] = []
+    failed: list[str] = []
+
+    def fault(**info) -> None:
+        if threading.current_thread().name.startswith("tiered-read"):
+            time.sleep(0.2)  # a slow copy of the unit's dense weights
+            copies_done.append((info["unit"], time.perf_counter()))
+        else:
+            failed.append(info["unit"])
+            raise OSError(5, "conversion source unreadable (injected)")
+
+    with tiered.load(d, device="cpu", ring_gb=1.0, prefetch=0) as probe:
+        ring = streaming_ring_gb(probe)
+    with tiered.load(d, device="cpu", ring_gb=ring, prefetch=0) as m, torch.no_grad():
+        with faults.inject("read", fault), pytest.raises(StreamerError, match="conversion source"):
+            m(_ids())
+        raised = time.perf_counter()
+        mine = [t for u, t in copies_done if u == failed[0]]
+        assert mine and max(mine) <= raised, "the failed unit's slot was freed under a running copy"

@@ -256,6 +256,7 @@ class Reader:
         c.collected_tensors.clear()
         for pat, infos in conv.sources.items():
             for info in infos:
+                faults.hit("read", unit=unit.name, tensor=info.name, offset=info.offset)
                 c.collected_tensors[pat].append(self.maps[info.file].tensor(info).to(first.dtype))
         out = c.convert(conv.layer_name)
         for key, value in out.items():
