@@ -711,3 +711,41 @@ def test_failed_conversion_waits_for_the_units_copies(ckpts: Checkpoints, monkey
         raised = time.perf_counter()
         mine = [t for u, t in copies_done if u == failed[0]]
         assert mine and max(mine) <= raised, "the failed unit's slot was freed under a running copy"
+
+
+class _Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64, bias=False, dtype=torch.bfloat16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_cast_from_a_misaligned_source_is_exact(io: str, tmp_path: Path) -> None:
+    """fp32 tensors at file offsets that are not a multiple of 4 (a 3-byte tensor first), cast to bf16 on the fly."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"a_pad": torch.arange(3, dtype=torch.uint8)}
+    sd.update({f"blocks.{i}.weight": torch.randn(64, 64, generator=g) for i in range(3)})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # in this order (save_file would align them)
+        f.write(encode_header([(k, v.dtype, tuple(v.shape), v.numel() * v.element_size()) for k, v in sd.items()]))
+        for v in sd.values():
+            f.write(v.numpy().tobytes())
+    from tiered.format import read_header
+
+    offs = [t.offset for n, t in read_header(tmp_path / "model.safetensors").tensors.items() if n != "a_pad"]
+    assert any(o % 4 for o in offs), offs
+    with torch.device("meta"):
+        mod = _Lin()
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    ref = _Lin()
+    ref.load_state_dict({k: v.to(torch.bfloat16) for k, v in sd.items() if k != "a_pad"})
+    with torch.no_grad():
+        want = ref(x)
+    with pytest.warns(UserWarning, match="not used"):
+        m = tiered.attach(mod, tmp_path, ring_gb=2 * 64 * 64 * 2 / GiB, device="cpu", io=io)
+    with m, torch.no_grad():
+        assert torch.equal(m(x), want)
