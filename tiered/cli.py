@@ -15,8 +15,8 @@ GiB = 1 << 30
 
 
 def _plan_for(model_dir: Path, dtype: str | None, device: str):
-    from .api import meta_model_from_dir
     from .format import open_checkpoint
+    from .meta import meta_model_from_dir
     from .plan import build_plan
 
     model = meta_model_from_dir(model_dir, dtype=dtype)
@@ -68,6 +68,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
         "unused_checkpoint_tensors": plan.unused,
+        "skipped_tensors": {n: f"{t.dtype_name} {list(t.shape)}: {t.reason}" for n, t in ckpt.skipped.items()},
+        "index_names_missing_from_shards": ckpt.index_missing,
     }
 
 
@@ -106,6 +108,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
              else " (`tiered reshard` writes a layout that streams each unit as one span)"))
     if info["unused_checkpoint_tensors"]:
         print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
+    for name, why in list(info["skipped_tensors"].items())[:5]:
+        print(f"skipped (torch cannot hold it; the model does not use it): {name} {why}")
+    if info["index_names_missing_from_shards"]:
+        print(f"the index names tensors no shard holds: {info['index_names_missing_from_shards'][:5]}")
     return 0
 
 
