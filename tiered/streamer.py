@@ -93,7 +93,8 @@ class Streamer:
         self._owned = 0  # ring bytes of slots held by bound and resident units (CPU)
         self._bound_bufs = 0  # device buffers held by bound units (CUDA)
         self._waiting = False
-        self._closed = False
+        self._closed = False  # no new units (stop)
+        self._released = False  # everything given back (close)
         self._lock = threading.RLock()
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=self._deadlock)
 
@@ -262,8 +263,9 @@ class Streamer:
         Memory a live tensor still points into (a parameter the user kept) is not unmapped here: the
         ring's mapping goes with its last reference (see :mod:`tiered.hostmem`).
         """
-        if self._closed and not self.loader.alive and not self.held and not self.resident and not self.pending:
+        if self._released:
             return
+        self._released = True
         self.stop()
         self.stage.close()
         got = self._lock.acquire(timeout=10)  # a forward in another thread fails fast once closed
