@@ -84,9 +84,6 @@ class CpuStage:
     def owns(self, t: torch.Tensor) -> bool:
         return self.ring.owns(t)
 
-    def held_bufs(self) -> int:
-        return 0
-
     def close(self) -> None:
         pass
 
@@ -112,10 +109,6 @@ class CudaStage:
             self._pool.put(b)
         self._inflight: deque[tuple[torch.cuda.Event, torch.cuda.Event, Slot, int]] = deque()
         self._lock = threading.Lock()  # _inflight: the loader retires, close() drains
-
-    def held_bufs(self) -> int:
-        """Device buffers not in the pool (bound, or loaded ahead and not yet used)."""
-        return self.n_bufs - self._pool.qsize()
 
     def _get_buf(self, abort: Callable[[], BaseException | None]) -> DevBuf:
         while True:
