@@ -749,3 +749,193 @@ def test_cast_from_a_misaligned_source_is_exact(io: str, tmp_path: Path) -> None
         m = tiered.attach(mod, tmp_path, ring_gb=2 * 64 * 64 * 2 / GiB, device="cpu", io=io)
     with m, torch.no_grad():
         assert torch.equal(m(x), want)
+
+
+# ---------------------------------------------------------------------------------------------- found by a hostile tester
+
+KI_AT = """
+import gc, signal, sys, threading, time, torch, tiered
+d, ring, target = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+ids = torch.randint(0, 256, (2, 12))
+m = tiered.load(d, device="cpu", ring_gb=ring)
+with torch.no_grad():
+    want = m(ids).logits
+main = threading.main_thread().ident
+for k in range(8):  # a real SIGINT, delivered the moment the main thread enters `target`
+    armed = [True]
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == target and armed[0]:
+            armed[0] = False
+            signal.pthread_kill(main, signal.SIGINT)
+    sys.settrace(tracer)
+    try:
+        with torch.no_grad():
+            m(ids)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+with torch.no_grad():
+    ok = torch.equal(m(ids).logits, want)
+s = m._tiered.streamer
+s.stop()
+for f in list(s.pending.values()):
+    s.loader.discard(f)
+s.pending.clear()
+time.sleep(0.2)
+print("equal", ok, "held", len(s.held), "ring_used", m._tiered.ring.used)
+"""
+
+
+@pytest.mark.parametrize("target", ["_prefetch_after", "_take", "unbind", "_wait", "wait", "release_all", "reconcile"])
+def test_ctrl_c_between_any_two_steps_leaks_nothing(target: str, ckpts: Checkpoints) -> None:
+    d = ckpts["llama"]
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        ring = streaming_ring_gb(probe)
+    r = _run_child(KI_AT, str(d), str(ring), target, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "equal True held 0 ring_used 0" in r.stdout, r.stdout + r.stderr[-1500:]
+
+
+def test_submodule_of_a_streamed_unit_called_directly(llama_ref, ckpts: Checkpoints) -> None:
+    d, _ = llama_ref
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with _stream(d) as m, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m.model.layers[2].mlp(x), ref.model.layers[2].mlp(x))
+            assert torch.equal(m.model.layers[1].self_attn.q_proj(x), ref.model.layers[1].self_attn.q_proj(x))
+            assert torch.equal(m.lm_head(x), ref.lm_head(x))
+        assert all(p.device.type == "meta" for p in m.model.layers[2].parameters())  # given back after each call
+        assert not m._tiered.streamer.held
+
+
+def test_unit_called_in_one_thread_while_the_model_runs_in_another(llama_ref) -> None:
+    d, want = llama_ref
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    h = torch.randn(256, 12, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        want_head = ref.lm_head(h)
+    bad: list[str] = []
+    stop = threading.Event()
+    with _stream(d) as m, torch.no_grad():
+        def full() -> None:
+            while not stop.is_set():
+                if not torch.equal(m(_ids()).logits, want):
+                    bad.append("full")
+
+        def head() -> None:
+            for _ in range(30):
+                o = m.lm_head(h)
+                if not torch.equal(o, want_head):
+                    bad.append(f"head {(o.float() - want_head.float()).abs().max().item()}")
+            stop.set()
+
+        ts = [threading.Thread(target=full), threading.Thread(target=head)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not any(t.is_alive() for t in ts)
+    assert not bad, bad[:5]
+
+
+def test_layers_called_directly_from_threads_with_a_small_ring(ckpts: Checkpoints) -> None:
+    """Three threads each drive a different layer with a ring of two layers: they wait for each other,
+    no spurious RingTooSmallError (the waiting caller holds no lock another thread needs)."""
+    d = ckpts["llama"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        plan = probe._tiered.plan
+    big = max(u.nbytes for u in plan.units)
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    errors: list[BaseException] = []
+    with tiered.load(d, device="cpu", ring_gb=2 * (big + PAGE_SIZE) / GiB) as m, torch.no_grad():
+        assert tiered.stats(m).resident_units == 0
+        want = {i: ref.model.layers[i].mlp(x) for i in range(3)}
+
+        def run(i: int) -> None:
+            try:
+                for _ in range(10):
+                    assert torch.equal(m.model.layers[i].mlp(x), want[i])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not any(t.is_alive() for t in ts), "hang"
+    assert not errors, errors[:3]
+
+
+KI_IN_CLOSE = """
+import signal, sys, threading, time, torch, tiered
+d, ring, target = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+base = threading.active_count()
+m = tiered.load(d, device="cpu", ring_gb=ring)
+with torch.no_grad():
+    m(torch.tensor([[1, 2, 3]]))
+main = threading.main_thread().ident
+armed = [True]
+def tracer(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == target and armed[0]:
+        armed[0] = False
+        signal.pthread_kill(main, signal.SIGINT)
+sys.settrace(tracer)
+try:
+    m.close()
+except KeyboardInterrupt:
+    pass
+finally:
+    sys.settrace(None)
+m.close()  # the user retries
+time.sleep(0.3)
+try:
+    with torch.no_grad():
+        m(torch.tensor([[1, 2, 3]]))
+    refused = False
+except tiered.StreamerError:
+    refused = True
+print("threads", threading.active_count() - base, "mapped", not m._tiered.ring._mm.closed, "refused", refused)
+"""
+
+
+@pytest.mark.parametrize("target", ["stop", "close", "shutdown", "try_unmap", "_release_resources"])
+def test_ctrl_c_inside_close_then_close_again_finishes(target: str, ckpts: Checkpoints) -> None:
+    d = ckpts["llama"]
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        ring = streaming_ring_gb(probe)
+    r = _run_child(KI_IN_CLOSE, str(d), str(ring), target, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "threads 0 mapped False refused True" in r.stdout, r.stdout + r.stderr[-1500:]
+
+
+def test_units_refuse_to_run_after_close(llama_ref) -> None:
+    d, _ = llama_ref
+    m = _stream(d)
+    m.close()
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    for call in (lambda: m.lm_head(x), lambda: m.model(_ids()), lambda: m.model.layers[1].mlp(x)):
+        with pytest.raises(StreamerError, match="closed"):
+            call()
+
+
+def test_model_dropped_without_close_is_collected_and_its_threads_end(llama_ref) -> None:
+    import gc
+
+    d, _ = llama_ref
+    gc.collect()
+    base = threading.active_count()
+    for _ in range(3):
+        m = _stream(d)
+        with torch.no_grad():
+            m(_ids())  # prefetches in flight when it is dropped
+        del m
+        gc.collect()
+    deadline = time.time() + 30
+    while threading.active_count() > base and time.time() < deadline:
+        time.sleep(0.1)
+    assert threading.active_count() == base, [t.name for t in threading.enumerate()]

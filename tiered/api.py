@@ -71,34 +71,45 @@ class _Handle:
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
         self.closed = False
+        self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
         self.depth = 0  # nesting of the model's __call__ in the thread holding call_lock
 
     def close(self) -> None:
         """Idempotent; callable from any thread. A forward running in another thread is stopped first (its
         next unit raises StreamerError) and its pass ends before hooks and memory go, so it never computes on
-        half-released weights; memory a live tensor points into goes with its last reference."""
+        half-released weights; memory a live tensor points into goes with its last reference. Every step is
+        idempotent and ``closed`` is set last, so a close() interrupted by Ctrl-C is finished by the next."""
         if self.closed:
             return
-        self.closed = True
         if self.streamer is not None:
             self.streamer.stop()
         got = self.call_lock.acquire(timeout=CLOSE_WAIT_S)
         try:
-            for h in self.hooks:
-                h.remove()
-            self.hooks.clear()
+            if not self.closed_hooks:  # from here on the model and its units refuse to run
+                mods = [self.module, *(m for u in self.plan.units for m in (u.module, *(t.module for t in u.targets)))]
+                self.closed_hooks = [m.register_forward_pre_hook(_closed) for m in _unique(mods)]
+            while self.hooks:
+                self.hooks.pop().remove()
             if self.streamer is not None:
                 self.streamer.close()
-            if self.reader is not None:
-                self.reader.close()
-            if self.ring is not None:
-                self.ring.close()
-            # The weights are gone: make any later call fail loudly instead of computing on meta tensors.
-            self.module.register_forward_pre_hook(_closed)
+            _release_resources(None, None, self.reader, self.ring)
+            self.closed = True
         finally:
             if got:
                 self.call_lock.release()
+
+
+def _unique(mods: list[nn.Module]) -> list[nn.Module]:
+    return list({id(m): m for m in mods}.values())
+
+
+def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Ring | None) -> None:
+    """Stop the loader, wait for copies, stop the readers, unmap the ring (each idempotent). Holds no module:
+    also the finaliser of a model dropped without close()."""
+    for part in (loader, stage, reader, ring):
+        if part is not None:
+            part.close()
 
 
 def _closed(module: nn.Module, args: object) -> None:
@@ -136,12 +147,15 @@ class _TieredMixin:
         so the next call starts from a clean ring."""
         h = self._tiered
         with h.call_lock:
-            h.depth += 1
+            depth = h.depth  # restored, not decremented: right wherever an interrupt lands
+            if depth == 0 and h.streamer is not None:
+                h.streamer.release_all()  # what an interrupted earlier call may have left
             try:
+                h.depth = depth + 1
                 return super().__call__(*args, **kwargs)
             finally:
-                h.depth -= 1
-                if h.depth == 0 and h.streamer is not None:
+                h.depth = depth
+                if depth == 0 and h.streamer is not None:
                     h.streamer.release_all()
 
     @property
@@ -380,9 +394,16 @@ def attach(
         for u in plan.units:
             if u.index in resident:
                 continue
-            h.hooks.append(u.module.register_forward_pre_hook(lambda m, a, i=u.index: s.acquire(i)))
-            h.hooks.append(u.module.register_forward_hook(lambda m, a, o, i=u.index: s.release(i, o), always_call=True))
+            # The unit's root, and every module inside it that owns one of its tensors: calling such a
+            # module directly (model.model.layers[2].mlp(x)) binds the unit too, instead of computing on
+            # meta placeholders; inside the unit's own forward it is a reference count.
+            for mod in _unique([u.module, *(t.module for t in u.targets)]):
+                h.hooks.append(mod.register_forward_pre_hook(lambda m, a, i=u.index: s.acquire(i)))
+                h.hooks.append(mod.register_forward_hook(lambda m, a, o, i=u.index: s.release(i, o), always_call=True))
         h.stats.ring_high_water = h.ring.high_water
+        # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
+        # collected, and this gives back the threads, the device pool and the ring.
+        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring)
     except BaseException:
         h.close()
         raise

@@ -11,6 +11,10 @@ Every job is a :class:`concurrent.futures.Future` with exactly one owner from su
   one running or done gets a done-callback that gives its result back (``Future`` runs it exactly
   once, at once if the job is already done) — a stale prefetch can never leak a slot or buffer.
 
+Every job stays in :attr:`Loader.live` (with the thread that owns it) until it is forgotten, so an
+owner interrupted between two statements (a ``KeyboardInterrupt`` lands between any two bytecodes)
+cannot orphan it: the streamer reconciles ``live`` against what it still holds and gives back the rest.
+
 The thread never dies of a job's error; if it stops (``close()``), jobs still queued are cancelled
 and a caller waiting on one gets an error, never a hang.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -62,13 +67,16 @@ class Loader:
         self.device = device
         self._abort_check = abort
         self._q: queue.Queue[tuple[Future[Loaded], Unit, bool] | None] = queue.Queue()
+        self.live: dict[Future[Loaded], int] = {}  # job -> owning thread id, until forgotten
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiered-load", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
     def submit(self, unit: Unit, *, resident: bool = False) -> Future[Loaded]:
+        """Queue ``unit``; the calling thread owns the job (see :attr:`live`)."""
         fut: Future[Loaded] = Future()
+        self.live[fut] = threading.get_ident()
         if self._closed:
             fut.set_exception(StreamerError("the model was closed"))
         else:
@@ -79,6 +87,11 @@ class Loader:
         """Give up a job: cancel it, or give its result back when it finishes (exactly once)."""
         if not fut.cancel():
             fut.add_done_callback(self._give_back)
+        self.live.pop(fut, None)
+
+    def forget(self, fut: Future[Loaded]) -> None:
+        """The job's result is now held elsewhere (bound to its modules): stop tracking it."""
+        self.live.pop(fut, None)
 
     def _give_back(self, fut: Future[Loaded]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -141,7 +154,9 @@ class Loader:
                 except BaseException as e:  # noqa: BLE001 - the job's owner re-raises it
                     fut.set_exception(e)
                 else:
+                    ld.job_ref = weakref.ref(fut)
                     fut.set_result(ld)
+                item = fut = unit = ld = None  # hold nothing while idle
         finally:
             self._closed = True
             self._cancel_queued()

@@ -106,11 +106,14 @@ class ShardMap:
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        """Close the file; unmap now unless a tensor still points into the mapping (then its last reference does)."""
-        del self.u8
+        """Close the file; unmap now unless a tensor still points into the mapping (then its last reference
+        does). Idempotent."""
+        self.__dict__.pop("u8", None)
         if self.mm is not None:
             try_unmap(self.mm)
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Reader:
@@ -269,14 +272,12 @@ class Reader:
                     self.maps[info.file].drop(info.offset, info.nbytes, page_cache=self.drop_page_cache)
 
     def close(self) -> None:
+        """Stop the reader threads, close the shards. Idempotent: an interrupted close is finished by the next."""
         self.pool.shutdown(wait=True)
-        for m in self.maps.values():
-            m.close()
-        self.maps.clear()
-        for fd in self.direct_fds.values():
-            os.close(fd)
-        self.direct_fds.clear()
+        while self.maps:
+            self.maps.popitem()[1].close()
+        while self.direct_fds:
+            os.close(self.direct_fds.popitem()[1])
         self._local = threading.local()
-        for mm in self._stages:
-            try_unmap(mm)
-        self._stages.clear()
+        while self._stages:
+            try_unmap(self._stages.pop())

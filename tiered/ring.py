@@ -162,16 +162,15 @@ class Ring:
     def close(self) -> None:
         """Unpin, and unmap unless a tensor still points into the ring (then its last reference unmaps it).
 
-        The caller guarantees no copy into or out of the ring is still in flight.
+        The caller guarantees no copy into or out of the ring is still in flight. Idempotent, step by
+        step: a close interrupted half way is finished by the next.
         """
         with self._cv:
-            if self._closed:
-                return
             self._closed = True
             self._cv.notify_all()
             self._live.clear()
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
             self.pinned = False
-        del self.buf
+        self.__dict__.pop("buf", None)
         try_unmap(self._mm)

@@ -56,6 +56,11 @@ class Loaded:
     dev: DevBuf | None = None  # CUDA: the device buffer the views live in
     ready: torch.cuda.Event | None = None
     given_back: bool = False
+    job_ref: Callable[[], object] = lambda: None  # weakref to the loader's Future that produced it (no cycle)
+
+    @property
+    def job(self) -> object:
+        return self.job_ref()
 
 
 class CpuStage:

@@ -25,10 +25,13 @@ are given back. Any exception in a worker thread is re-raised in the caller's ``
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -36,13 +39,26 @@ from .binding import bind, copy_out_aliases, remember_placeholders, unbind
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
-from .plan import Plan
+from .plan import Plan, Unit
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
 from .stage import CpuStage, CudaStage, Loaded
 from .stats import Stats
 
 __all__ = ["Streamer"]
+
+
+def _detached(u: Unit) -> Unit:
+    """``u`` with no reference to a module (targets keep keys, offsets, dtypes, shapes, copies)."""
+    return dataclasses.replace(u, module=None, targets=[dataclasses.replace(t, module=None) for t in u.targets])
+
+
+@dataclass(eq=False)
+class _Held:
+    """A bound unit and how many times each thread has it acquired (nested and concurrent use)."""
+
+    ld: Loaded
+    counts: dict[int, int]
 
 
 class Streamer:
@@ -87,30 +103,47 @@ class Streamer:
             self.stage = CpuStage(ring)
         for u in self.units:
             remember_placeholders(u)
+        # What the loader, reader and stage see: the units without their modules, so that no worker
+        # thread keeps the model alive (a model dropped without close() is collected and finalised).
+        self._io = [_detached(u) for u in self.units]
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
-        self.held: dict[int, list] = {}  # unit -> [Loaded, refcount]
+        self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
-        self._owned = 0  # ring bytes of slots held by bound and resident units (CPU)
-        self._bound_bufs = 0  # device buffers held by bound units (CUDA)
-        self._waiting = False
+        self._waiting: set[int] = set()  # ids of threads blocked in _wait
         self._closed = False  # no new units (stop)
         self._released = False  # everything given back (close)
         self._lock = threading.RLock()
-        self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=self._deadlock)
+        wself = weakref.WeakMethod(self._deadlock)  # the loader thread must not keep the model alive
+
+        def abort() -> BaseException | None:
+            m = wself()
+            return m() if m is not None else StreamerError("the model was garbage-collected")
+
+        self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort)
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
-        """While the caller waits: an error if what the loader waits for can never be freed."""
-        if not self._waiting:
+        """While callers wait: an error if what the loader waits for can never be freed — every thread that
+        holds a unit is itself waiting, and the ring (CPU) or device pool (CUDA) is all held."""
+        try:
+            waiting = set(self._waiting)
+            if not waiting:
+                return None
+            held = [h for h in list(self.held.values()) if not h.ld.given_back]
+        except RuntimeError:  # a dict changed under us: someone is making progress
             return None
+        if not {t for h in held for t, n in h.counts.items() if n > 0} <= waiting:
+            return None  # a holder is running and will give back
         if isinstance(self.stage, CudaStage):
-            if self._bound_bufs >= self.stage.n_bufs:
+            bound = sum(1 for h in held if h.ld.dev is not None)
+            if bound >= self.stage.n_bufs:
                 return RingTooSmallError(
-                    f"{self._bound_bufs} units are bound at once but only {self.stage.n_bufs} device buffers exist; "
-                    "raise prefetch"
+                    f"{bound} units are bound at once but only {self.stage.n_bufs} device buffers exist; raise prefetch"
                 )
             return None
-        if self.ring.used <= self._owned:
+        owned = sum(h.ld.slot.size for h in held if h.ld.slot is not None)
+        owned += sum(ld.slot.size for ld in list(self.resident.values()) if ld.slot is not None)
+        if self.ring.used <= owned:
             need = max(u.nbytes for u in self.units)
             return RingTooSmallError(
                 f"the ring ({self.ring.size / GiB:.3f} GiB) is full of units held at once and cannot load the "
@@ -124,9 +157,7 @@ class Streamer:
             raise StreamerError("this tiered model is closed (its ring was released): load it again")
 
     def _wait(self, fut: Future[Loaded], name: str) -> Loaded:
-        """The job's result, owned by the caller from here on; on any exit without it (an error,
-        ``KeyboardInterrupt``) the job is given back."""
-        self._waiting = True
+        """The job's result; on an error it is given back. Called without the lock."""
         try:
             return self.loader.wait(fut)
         except TieredError:
@@ -135,29 +166,32 @@ class Streamer:
         except Exception as e:
             self.loader.discard(fut)
             raise StreamerError(f"loading unit {name!r} failed: {e!r}") from e
-        except BaseException:
-            self.loader.discard(fut)
-            raise
-        finally:
-            self._waiting = False
 
-    def _take(self, i: int, ld: Loaded) -> None:
-        self.held[i] = [ld, 1]
-        if ld.slot is not None:
-            self._owned += ld.slot.size
-        if ld.dev is not None:
-            self._bound_bufs += 1
+    def _take(self, i: int, ld: Loaded, tid: int) -> None:
+        self.held[i] = _Held(ld, {tid: 1})
+        self.loader.forget(ld.job)  # type: ignore[arg-type]
         self.stage.before_compute(ld)
-        bind(ld.unit, ld.params)
+        bind(self.units[i], ld.params)
 
     def _give_back(self, i: int) -> None:
-        ld, _ = self.held.pop(i)
-        unbind(ld.unit)
-        if ld.slot is not None:
-            self._owned -= ld.slot.size
-        if ld.dev is not None:
-            self._bound_bufs -= 1
-        self.stage.release(ld)
+        """Unbind unit ``i`` and give its memory back; each step idempotent, ``held`` left last, so an
+        interrupted call is finished by the next one."""
+        h = self.held[i]
+        unbind(self.units[i])
+        self.stage.release(h.ld)
+        del self.held[i]
+
+    def reconcile(self, tid: int | None = None) -> None:
+        """Give back jobs thread ``tid`` (default: this one) owns but no longer tracks — orphaned by an
+        interrupt between two statements. Safe only while that thread is at a boundary (holds no unit
+        and waits for none): the start and end of the model's outermost call, or a unit acquired from
+        nothing."""
+        tid = threading.get_ident() if tid is None else tid
+        with self._lock:
+            keep = set(self.pending.values()) | {h.ld.job for h in self.held.values()}
+            for fut, owner in list(self.loader.live.items()):
+                if owner == tid and fut not in keep:
+                    self.loader.discard(fut)
 
     def load_resident(self, *, progress: bool = False) -> None:
         """Load every resident unit once (through the ring) and keep it. Caller thread; blocks.
@@ -165,7 +199,7 @@ class Streamer:
         ``progress``: a tqdm bar on stderr (bytes read, GB/s, ETA).
         """
         ids = sorted(self.resident_ids)
-        futs = [self.loader.submit(self.units[i], resident=True) for i in ids]
+        futs = [self.loader.submit(self._io[i], resident=True) for i in ids]
         bar = None
         if progress and futs:
             from tqdm import tqdm
@@ -182,10 +216,9 @@ class Streamer:
                         self.loader.discard(f)
                     raise
                 self.resident[i] = ld
-                if ld.slot is not None:
-                    self._owned += ld.slot.size
+                self.loader.forget(fut)
                 self.stage.before_compute(ld)
-                bind(ld.unit, ld.params)
+                bind(self.units[i], ld.params)
                 if bar is not None:
                     bar.update(self.units[i].src_bytes)
         finally:
@@ -195,13 +228,20 @@ class Streamer:
             torch.cuda.synchronize(self.device)
 
     def acquire(self, i: int) -> None:
-        """Bind unit ``i``'s tensors into its modules (pre-hook; caller thread)."""
+        """Bind unit ``i``'s tensors into its modules (pre-hook; any caller thread).
+
+        Waits for the unit without holding the streamer's lock, so threads driving different units at
+        once make progress; a thread that holds nothing first reconciles its orphaned jobs.
+        """
+        tid = threading.get_ident()
         with self._lock:
             self._check_open()
-            entry = self.held.get(i)
-            if entry is not None:  # nested or concurrent use of a bound unit
-                entry[1] += 1
+            h = self.held.get(i)
+            if h is not None:  # nested use, or another thread's use, of a bound unit
+                h.counts[tid] = h.counts.get(tid, 0) + 1
                 return
+            if not any(h.counts.get(tid) for h in self.held.values()):
+                self.reconcile(tid)
             self.order.record(i)
             if i in self.pending:
                 self.stats.hits += 1
@@ -210,46 +250,67 @@ class Streamer:
                         break
                     self.loader.discard(self.pending.pop(j))
                 fut = self.pending.pop(i)
+                self.loader.live[fut] = tid  # this thread owns it now
             else:
                 self.stats.misses += 1
                 for j in list(self.pending):
                     self.loader.discard(self.pending.pop(j))
-                fut = self.loader.submit(self.units[i])
+                fut = self.loader.submit(self._io[i])
             self._prefetch_after(i)
-            t0 = time.perf_counter()
+            self._waiting.add(tid)
+        t0 = time.perf_counter()
+        try:
             ld = self._wait(fut, self.units[i].name)
+        finally:
+            self._waiting.discard(tid)
+        with self._lock:
             self.stats.stall_s += time.perf_counter() - t0
-            self._take(i, ld)
+            if self._closed:
+                self.loader.discard(fut)
+                self._check_open()
+            h = self.held.get(i)
+            if h is not None:  # another thread bound it while this one waited: use theirs
+                self.loader.discard(fut)
+                h.counts[tid] = h.counts.get(tid, 0) + 1
+                return
+            self._take(i, ld, tid)
             self.stats.units_streamed += 1
 
     def _prefetch_after(self, i: int) -> None:
         for j in self.order.ahead(i, self.prefetch):
             if j in self.pending or j in self.held or j in self.resident_ids:
                 continue
-            self.pending[j] = self.loader.submit(self.units[j])
+            self.pending[j] = self.loader.submit(self._io[j])
 
     def release(self, i: int, output: object = None) -> object:
-        """Unbind unit ``i`` and give its memory back (forward hook; caller thread).
+        """Unbind unit ``i`` and give its memory back (forward hook; the thread that acquired it).
 
         Returns ``output`` with any tensor that aliases streamed memory replaced by a copy (a module
         returning a view of its own weight), so the caller never sees a refilled buffer.
         """
+        tid = threading.get_ident()
         with self._lock:
-            entry = self.held.get(i)
-            if entry is None:
+            h = self.held.get(i)
+            if h is None or not h.counts.get(tid):
                 return output
             if output is not None:
                 output = copy_out_aliases(output, self.stage.owns)
-            entry[1] -= 1
-            if entry[1] <= 0:
+            h.counts[tid] -= 1
+            if not any(h.counts.values()):
                 self._give_back(i)
             return output
 
     def release_all(self) -> None:
-        """Give back every bound unit: the end of the model's outermost call (normally a no-op)."""
+        """The end (or start) of this thread's outermost model call: give back every unit it still holds
+        (an interrupted unit's forward hook never ran) and reconcile its orphaned jobs. Units other
+        threads hold stay bound."""
+        tid = threading.get_ident()
         with self._lock:
-            for i in list(self.held):
-                self._give_back(i)
+            for i, h in list(self.held.items()):
+                h.counts.pop(tid, None)
+                if not any(h.counts.values()):
+                    self._give_back(i)
+            self.reconcile(tid)
 
     def stop(self) -> None:
         """Refuse new units and stop the loader: a forward running in another thread fails at its next unit
@@ -265,20 +326,21 @@ class Streamer:
         """
         if self._released:
             return
-        self._released = True
         self.stop()
         self.stage.close()
         got = self._lock.acquire(timeout=10)  # a forward in another thread fails fast once closed
-        try:
-            for f in self.pending.values():
-                self.loader.discard(f)
-            self.pending.clear()
-            for ld, _ in self.held.values():
-                unbind(ld.unit)
-            self.held.clear()
-            for ld in self.resident.values():
-                unbind(ld.unit)
-            self.resident.clear()
+        try:  # every step idempotent: a close() interrupted here is finished by the next close()
+            for j in list(self.pending):
+                self.loader.discard(self.pending.pop(j))
+            for fut in list(self.loader.live):
+                self.loader.discard(fut)
+            for i in list(self.held):
+                unbind(self.units[i])
+                del self.held[i]
+            for i in list(self.resident):
+                unbind(self.units[i])
+                del self.resident[i]
+            self._released = True
         finally:
             if got:
                 self._lock.release()
