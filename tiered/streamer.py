@@ -326,12 +326,11 @@ class Streamer:
         """
         if self._released:
             return
-        self.stop()
-        self.stage.close()
+        self.stop()  # the loader thread has ended: every job is done or cancelled
         got = self._lock.acquire(timeout=10)  # a forward in another thread fails fast once closed
         try:  # every step idempotent: a close() interrupted here is finished by the next close()
             for j in list(self.pending):
-                self.loader.discard(self.pending.pop(j))
+                self.loader.discard(self.pending.pop(j))  # gives finished prefetches back to the pool
             for fut in list(self.loader.live):
                 self.loader.discard(fut)
             for i in list(self.held):
@@ -340,6 +339,7 @@ class Streamer:
             for i in list(self.resident):
                 unbind(self.units[i])
                 del self.resident[i]
+            self.stage.close()  # last: wait for copies, then let go of the whole pool
             self._released = True
         finally:
             if got:
