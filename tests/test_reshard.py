@@ -27,10 +27,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import tiered
-from tiered.api import params_on_meta
 from tiered.cli import inspect_dir
 from tiered.errors import DuplicateTensorError, ShardNotFoundError, TieredError
 from tiered.format import open_checkpoint, read_header
+from tiered.meta import build_meta_model
 from tiered.plan import build_plan
 
 # `tiered.reshard` may be re-exported as the function by tiered/__init__: take the module from sys.modules.
@@ -94,8 +94,7 @@ def _header_order(path: Path) -> list[str]:
 def _plan(d: Path):
     config = transformers.AutoConfig.from_pretrained(d)
     cls = getattr(transformers, config.architectures[0])
-    with params_on_meta():
-        model = cls._from_config(config, dtype=torch.float32)
+    model = build_meta_model(cls, config, torch.float32)
     ckpt = open_checkpoint(d)
     return ckpt, build_plan(model, ckpt)
 
@@ -403,6 +402,7 @@ KILL_CHILD = textwrap.dedent(
     from pathlib import Path
     rs = importlib.import_module("tiered.reshard")
     src, dst, marker, cli = sys.argv[1:5]
+    force = sys.argv[5:] == ["force"]
     calls = [0]
 
     def stall(real):
@@ -418,14 +418,15 @@ KILL_CHILD = textwrap.dedent(
     rs._pwrite = stall(rs._pwrite)
     rs._copy_range = stall(rs._copy_range)
     if cli == "1":
-        sys.exit(rs.main([src, dst, "--quiet"]))
-    rs.reshard(src, dst, quiet=True)
+        sys.exit(rs.main([src, dst, "--quiet"] + ["--force"] * force))
+    rs.reshard(src, dst, quiet=True, force=force)
     """
 )
 
 
-def _start_and_wait(src: Path, dst: Path, marker: Path, cli: bool) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(src), str(dst), str(marker), "1" if cli else "0"],
+def _start_and_wait(src: Path, dst: Path, marker: Path, cli: bool, force: bool = False) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(src), str(dst), str(marker), "1" if cli else "0",
+                          *(["force"] if force else [])],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -478,6 +479,193 @@ def test_live_temp_dirs_are_left_alone(ckpts, tmp_path: Path) -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# ---------------------------------------------------------------------------------------------- a kill inside the install
+# A real child process runs `reshard --force` and SIGKILLs itself at one step of the install: the
+# stdlib call of that step (os.rename onto DST, shutil.rmtree of the old DST) is wrapped, nothing of
+# tiered is patched. TIERED_RESHARD_NO_RENAMEAT2=1 picks the portable two-rename install.
+
+KILL_INSTALL_CHILD = textwrap.dedent(
+    """
+    import importlib, os, shutil, signal, sys
+    rs = importlib.import_module("tiered.reshard")
+    src, dst, at, portable = sys.argv[1:5]
+    if portable == "1":
+        os.environ["TIERED_RESHARD_NO_RENAMEAT2"] = "1"
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if at == "second-rename":  # DST moved aside, the new output not yet renamed to DST
+        rename = os.rename
+
+        def os_rename(a, b, *args, **kw):
+            if os.fspath(b) == dst:
+                die()
+            return rename(a, b, *args, **kw)
+
+        os.rename = os_rename
+    else:  # "old-removal": the new output holds DST's name, the old DST is about to be deleted
+        rmtree = shutil.rmtree
+
+        def shutil_rmtree(path, *args, **kw):
+            if os.path.isdir(path):
+                die()
+            return rmtree(path, *args, **kw)
+
+        shutil.rmtree = shutil_rmtree
+    rs.reshard(src, dst, force=True, quiet=True)
+    sys.exit(3)  # not reached: the kill point was never passed
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def llama_ref(ckpts, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh, unkilled conversion of ``ckpts["llama"]``: what every recovered DST must equal."""
+    return _reshard(ckpts["llama"], tmp_path_factory.mktemp("ref") / "out").dst
+
+
+def _tree_hashes(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.blake2b(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(d.rglob("*"))}
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tiered-" in p.name)
+
+
+def _assert_same_output(dst: Path, ref: Path) -> None:
+    """``dst`` is complete and equal to the fresh conversion ``ref``: every tensor (safetensors' reader) and file."""
+    _assert_bit_equal(_tensors(dst), _tensors(ref))
+    assert _tree_hashes(dst) == _tree_hashes(ref)
+
+
+def _old_dst(dst: Path) -> None:
+    dst.mkdir()
+    (dst / "junk").write_text("old")
+
+
+def _kill_install(src: Path, dst: Path, at: str, portable: bool) -> int:
+    """Run ``reshard(src, dst, force=True)`` in a child that SIGKILLs itself at ``at``; returns its pid."""
+    p = subprocess.Popen([sys.executable, "-c", KILL_INSTALL_CHILD, str(src), str(dst), at, "1" if portable else "0"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, err[-3000:])
+    return p.pid
+
+
+def test_force_killed_between_the_two_renames_next_run_completes_the_install(ckpts, llama_ref, tmp_path: Path) -> None:
+    src, dst = ckpts["llama"], tmp_path / "out"
+    before = _tree_hashes(src)
+    _old_dst(dst)
+    pid = _kill_install(src, dst, "second-rename", portable=True)
+    # The window: the old DST moved aside, the complete new output not yet renamed to DST.
+    assert not dst.exists()
+    assert (tmp_path / f".out.tiered-old-{pid}" / "junk").is_file()
+    assert (tmp_path / f".out.tiered-tmp-{pid}" / rs.INDEX_NAME).is_file()
+    # A plain rerun first completes the killed install, so DST exists (as it did before the kill) and it refuses.
+    with pytest.raises(rs.DestinationExistsError, match=f"completed the install of an interrupted run \\(pid {pid}\\)"):
+        _reshard(src, dst)
+    _assert_same_output(dst, llama_ref)
+    assert _leftovers(tmp_path) == [] and _tree_hashes(src) == before
+    s = _reshard(src, dst, force=True)
+    _assert_same_output(dst, llama_ref)
+    assert _leftovers(tmp_path) == [] and _tree_hashes(src) == before and s.notes == ()
+
+
+def test_force_killed_between_the_two_renames_then_next_force_run_killed_too(ckpts, llama_ref, tmp_path: Path) -> None:
+    """The next run must finish the install before anything else: killed mid-write itself, DST is still whole."""
+    src, dst = ckpts["llama"], tmp_path / "out"
+    before = _tree_hashes(src)
+    _old_dst(dst)
+    _kill_install(src, dst, "second-rename", portable=True)
+    assert not dst.exists()
+    p = _start_and_wait(src, dst, tmp_path / "marker", cli=True, force=True)  # `reshard --force`, mid-write
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    _assert_same_output(dst, llama_ref)  # the first run's output, installed by the second before it wrote
+    assert _leftovers(tmp_path) == [f".out.tiered-tmp-{p.pid}"] and _tree_hashes(src) == before
+    s = _reshard(src, dst, force=True)
+    _assert_same_output(dst, llama_ref)
+    assert _leftovers(tmp_path) == [] and _tree_hashes(src) == before
+    assert s.notes == (f"removed .out.tiered-tmp-{p.pid}, left by an interrupted run",)
+
+
+def test_force_killed_between_the_two_renames_without_its_output_rolls_back(ckpts, tmp_path: Path) -> None:
+    src, dst = ckpts["llama"], tmp_path / "out"
+    _old_dst(dst)
+    pid = _kill_install(src, dst, "second-rename", portable=True)
+    shutil.rmtree(tmp_path / f".out.tiered-tmp-{pid}")  # the new output is gone: only the old DST is left
+    with pytest.raises(rs.DestinationExistsError, match="rolled back"):
+        _reshard(src, dst)
+    assert (dst / "junk").read_text() == "old" and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["renameat2", "two-renames"])
+def test_force_killed_before_deleting_the_old_dst(ckpts, llama_ref, tmp_path: Path, portable: bool) -> None:
+    src, dst = ckpts["llama"], tmp_path / "out"
+    before = _tree_hashes(src)
+    _old_dst(dst)
+    pid = _kill_install(src, dst, "old-removal", portable)
+    _assert_same_output(dst, llama_ref)  # installed; the old DST still beside it under a temporary name
+    kind = "old" if portable else "tmp"
+    assert _leftovers(tmp_path) == sorted([f".out.tiered-{kind}-{pid}"] + [f".out.tiered-install-{pid}"] * portable)
+    with pytest.raises(rs.DestinationExistsError, match="--force"):
+        _reshard(src, dst)
+    _assert_same_output(dst, llama_ref)
+    assert _leftovers(tmp_path) == [] and _tree_hashes(src) == before
+
+
+def test_force_install_replaces_an_existing_dst(ckpts, llama_ref, tmp_path: Path, monkeypatch) -> None:
+    for portable in ("0", "1"):
+        monkeypatch.setenv("TIERED_RESHARD_NO_RENAMEAT2", portable)
+        dst = tmp_path / f"out{portable}"
+        _old_dst(dst)
+        _reshard(ckpts["llama"], dst, force=True)
+        _assert_same_output(dst, llama_ref)
+        assert _leftovers(tmp_path) == []
+
+
+def test_live_install_is_left_alone(ckpts, llama_ref, tmp_path: Path) -> None:
+    """A journal whose run is alive (pid live, lock held) and that run's tmp and old DST are not touched."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        dst = tmp_path / "out"
+        journal = tmp_path / f".out.tiered-install-{sleeper.pid}"
+        fd = os.open(journal, os.O_CREAT | os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        live = [journal, tmp_path / f".out.tiered-tmp-{sleeper.pid}", tmp_path / f".out.tiered-old-{sleeper.pid}"]
+        for d in live[1:]:
+            d.mkdir()
+            (d / "junk").write_text(d.name)
+        _reshard(ckpts["llama"], dst)  # DST is absent "between the renames" of that run: this one writes it
+        assert all(p.exists() for p in live)
+        _assert_same_output(dst, llama_ref)
+        os.close(fd)
+        sleeper.kill()
+        sleeper.wait()
+        s = _reshard(ckpts["llama"], dst, force=True)  # that run is dead now: DST (newer) is kept, the rest goes
+        assert any("written again" in n for n in s.notes), s.notes
+        assert _leftovers(tmp_path) == []
+        _assert_same_output(dst, llama_ref)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.slow
+def test_kill_loop_script(tmp_path: Path) -> None:
+    """benchmarks/kill_reshard.py: `tiered reshard` SIGKILLed at random points, checked, rerun (small N).
+
+    The fork launcher (runs forked from one interpreter that imported everything) keeps it ~30-60 s on 2 cores.
+    """
+    script = ROOT / "benchmarks" / "kill_reshard.py"
+    r = subprocess.run([sys.executable, str(script), "--n", "10", "--launcher", "fork", "--layers", "2", "--seed", "1",
+                        "--workdir", str(tmp_path / "work")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "failures: 0" in r.stdout and "10 runs" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -35,10 +35,31 @@ With ``verify``, each chunk is hashed on one helper thread while the calling thr
 
 Safety: everything is written into ``.DST.tiered-tmp-<pid>`` beside ``DST``, each file fsynced, the
 directory fsynced, optionally every tensor re-read from disk and compared by BLAKE2b hash, and only
-then renamed to ``DST``. A killed run leaves no ``DST``; its temporary directory is removed by the
-next run (a live run holds an ``flock`` on it). ``SRC`` is only ever opened read-only. An existing
-``DST`` is refused unless ``force``. A full disk raises :class:`DiskFullError` and removes the partial
-output.
+then installed as ``DST``. A killed run leaves no partial ``DST``; its temporary directory is removed
+by the next run (a live run holds an ``flock`` on it). ``SRC`` is only ever opened read-only. An
+existing ``DST`` is refused unless ``force``. A full disk raises :class:`DiskFullError` and removes the
+partial output.
+
+Install, and what a kill (SIGKILL) at any point of it leaves:
+
+* no ``DST`` yet: one rename, tmp -> ``DST`` (``renameat2(RENAME_NOREPLACE)`` where the kernel has it,
+  so a ``DST`` that appeared meanwhile is never replaced). Killed before it: no ``DST``, a stray tmp.
+* ``force`` and a ``DST``: ``renameat2(RENAME_EXCHANGE)`` (Linux >= 3.15; ext4, xfs, btrfs, tmpfs...)
+  swaps the two atomically; then the old one, now under the tmp name, is deleted. Killed before the
+  swap: the old ``DST`` and a stray tmp; after it: the new ``DST`` and the old one under a stray name.
+  ``DST`` is never absent.
+* ``force`` where the swap is unsupported (or ``TIERED_RESHARD_NO_RENAMEAT2=1``, for tests): a journal
+  ``.DST.tiered-install-<pid>`` is created, locked and fsynced — the commit point, reached only once
+  tmp is complete and fsynced — then ``DST`` -> ``.DST.tiered-old-<pid>``, tmp -> ``DST``, the old one
+  deleted, the journal removed. Killed in between: possibly no ``DST`` for now, but the complete new
+  output and the old one beside it, and the journal that says so.
+
+Every run first recovers, before it checks ``DST`` or removes anything: a journal whose run is dead
+(its pid gone and its lock free) is *rolled forward* (the complete tmp becomes ``DST``, then the old
+one is deleted), or *rolled back* (the old one is renamed back to ``DST``) if the new output is gone;
+only then are stray temporary directories of dead runs removed. So ``DST`` is never partial, an old
+``DST`` is deleted only once the new one holds its name, and a finished output is never deleted as a
+stray. A plain rerun after a killed ``force`` run finds ``DST`` (old or new) and refuses, as before it.
 
 Python: ``tiered.reshard(src, dst, max_shard_size="2GB", dtype="bf16")``.
 Command line: ``tiered reshard SRC DST ...`` or ``python tools/reshard.py SRC DST ...``.
@@ -56,6 +77,7 @@ import json
 import mmap
 import os
 import pickle
+import platform
 import re
 import shutil
 import signal
@@ -102,6 +124,7 @@ WRITEBACK_BYTES = 256 << 20
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 _TMP_TAG = ".tiered-tmp-"
 _OLD_TAG = ".tiered-old-"
+_JOURNAL_TAG = ".tiered-install-"
 _LOCK_NAME = ".tiered-lock"
 # Files that describe the *source* weights; never copied (their content would be stale).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -171,16 +194,52 @@ def _copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, nbytes: in
 _libc: Any = None
 
 
-def _libc_call(name: str, *args: Any) -> int | None:
-    """Call a libc function by name (None when there is none); errors are ignored (advice only)."""
+def _libc_fn(name: str) -> Any:
+    """The libc function ``name`` (errno kept for :func:`ctypes.get_errno`), or None when there is none."""
     global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(None, use_errno=True)
         except OSError:  # pragma: no cover - not glibc/musl
             _libc = False
-    fn = getattr(_libc, name, None) if _libc else None
+    return getattr(_libc, name, None) if _libc else None
+
+
+def _libc_call(name: str, *args: Any) -> int | None:
+    """Call a libc function by name (None when there is none); errors are ignored (advice only)."""
+    fn = _libc_fn(name)
     return None if fn is None else fn(*args)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276}  # for a libc without the wrapper (glibc < 2.28)
+
+
+def _renameat2(old: Path, new: Path, flags: int) -> bool:
+    """``renameat2(old, new, flags)``: True once done, False where the kernel, the filesystem or libc lacks it.
+
+    Any other failure raises OSError (``FileExistsError`` for RENAME_NOREPLACE onto an existing ``new``).
+    ``TIERED_RESHARD_NO_RENAMEAT2=1`` makes it always return False (the portable path, for tests).
+    """
+    if os.environ.get("TIERED_RESHARD_NO_RENAMEAT2", "") not in ("", "0"):
+        return False
+    args = (ctypes.c_int(_AT_FDCWD), os.fsencode(old), ctypes.c_int(_AT_FDCWD), os.fsencode(new), ctypes.c_uint(flags))
+    fn = _libc_fn("renameat2")
+    if fn is not None:
+        rc = fn(*args)
+    else:
+        nr, syscall = _SYS_RENAMEAT2.get(platform.machine()), _libc_fn("syscall")
+        if nr is None or syscall is None:
+            return False
+        rc = syscall(ctypes.c_long(nr), *args)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(old), None, str(new))
 
 
 def _madvise_dontneed(addr: int, nbytes: int) -> None:
@@ -840,47 +899,154 @@ def _stale(path: Path, kind: str, pid: int) -> bool:
 
 
 def _remove_strays(dst: Path) -> list[Path]:
-    """Remove ``.DST.tiered-tmp-<pid>`` / ``.DST.tiered-old-<pid>`` directories left by killed runs."""
-    pat = re.compile(re.escape(f".{dst.name}") + r"\.tiered-(tmp|old)-(\d+)")
+    """Remove ``.DST.tiered-tmp-<pid>`` / ``-old-<pid>`` / ``-probe-<pid>`` left by killed runs (after :func:`_recover`)."""
+    pat = re.compile(re.escape(f".{dst.name}") + r"\.tiered-(tmp|old|probe)-(\d+)")
     removed = []
     if not dst.parent.is_dir():
         return removed
     for p in dst.parent.iterdir():
         m = pat.fullmatch(p.name)
+        if m and _lexists(dst.parent / f".{dst.name}{_JOURNAL_TAG}{m[2]}"):
+            continue  # its run's install journal is there: that tmp or old DST is _recover's to finish
         if m and _stale(p, m[1], int(m[2])):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            _remove_tree(p)
             removed.append(p)
     return removed
 
 
-def _check_paths(src: Path, dst: Path, force: bool) -> None:
+def _remove_tree(p: Path) -> None:
+    """Delete a directory tree, or a file or symlink (never what a symlink points to)."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _lexists(p: Path) -> bool:
+    return os.path.lexists(p)
+
+
+def _check_paths(src: Path, dst: Path) -> None:
     if not src.exists():
         raise ShardNotFoundError(f"{src}: no such file or directory; pass a model directory or a weight file")
     rs, rd = src.resolve(), dst.resolve()
     if rd == rs or rd in rs.parents or (src.is_dir() and rs in rd.parents):
         raise ReshardError(f"DST {dst} is SRC, inside it or contains it; SRC is never modified: choose another DST")
-    if (dst.exists() or dst.is_symlink()) and not force:
-        raise DestinationExistsError(f"{dst} exists; pass --force (force=True) to replace it")
+
+
+def _check_dst(dst: Path, force: bool, recovered: list[str]) -> None:
+    if _lexists(dst) and not force:
+        why = f" ({'; '.join(recovered)})" if recovered else ""
+        raise DestinationExistsError(f"{dst} exists{why}; pass --force (force=True) to replace it")
 
 
 def _install(tmp: Path, dst: Path, force: bool) -> None:
-    """Rename the finished ``tmp`` to ``dst`` (an existing ``dst`` is moved aside first, with ``force``)."""
-    old = None
-    if dst.exists() or dst.is_symlink():
-        if not force:
-            raise DestinationExistsError(f"{dst} appeared while resharding; pass --force to replace it")
-        old = dst.parent / f".{dst.name}{_OLD_TAG}{os.getpid()}"
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    _fsync_path(dst.parent)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+    """Make the finished, fsynced ``tmp`` the ``dst`` (an existing ``dst`` is replaced, with ``force``).
+
+    Crash-safe at every step (see "Install" in the module docstring): one rename when there is no
+    ``dst``; with one, an atomic ``RENAME_EXCHANGE`` swap, or else the journaled two-rename scheme
+    that :func:`_recover` finishes or undoes after a kill.
+    """
+    parent = dst.parent
+    if not _lexists(dst):
+        try:
+            done = _renameat2(tmp, dst, _RENAME_NOREPLACE)
+        except FileExistsError:
+            done = False  # it appeared just now: the checks below refuse or replace it
+        if not done and not _lexists(dst):
+            os.rename(tmp, dst)
+            done = True
+        if done:
+            _fsync_path(parent)
+            return
+    if not force:
+        raise DestinationExistsError(f"{dst} appeared while resharding; pass --force to replace it")
+    if _renameat2(tmp, dst, _RENAME_EXCHANGE):  # atomic: dst is the new output, tmp now holds the old one
+        _fsync_path(parent)
+        _remove_tree(tmp)  # killed before this: the next run removes it as a stray
+        return
+    old = parent / f".{dst.name}{_OLD_TAG}{os.getpid()}"
+    journal = parent / f".{dst.name}{_JOURNAL_TAG}{os.getpid()}"
+    fd = os.open(journal, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while this run lives: _recover of other runs leaves it alone
+        os.write(fd, (json.dumps({"complete": tmp.name, "old": old.name, "dst": dst.name}) + "\n").encode())
+        os.fsync(fd)
+        _fsync_path(parent)  # the commit point: from here a kill is rolled forward by the next run
+        try:
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+        except BaseException:
+            if _lexists(old) and not _lexists(dst):
+                os.rename(old, dst)  # roll back: the old DST as it was, the new output stays in tmp
+            _fsync_path(parent)
+            journal.unlink()
+            raise
+        _fsync_path(parent)
+        _remove_tree(old)
+        journal.unlink()
+        _fsync_path(parent)
+    finally:
+        os.close(fd)
+
+
+def _recover(dst: Path) -> list[str]:
+    """Finish or undo the install of every run killed inside it (its journal beside ``dst``); returns notes.
+
+    Run first by every run, before ``dst`` is checked and strays are removed. A journal is stale when
+    its pid is gone and its lock is free (a live run, or another run recovering it, holds the lock).
+    With a stale journal: the complete new output (tmp) becomes ``dst`` — if the old ``dst`` was
+    not yet moved aside, it is first (roll forward); if the new output is gone, a moved-aside old
+    ``dst`` is renamed back (roll back); then the old one is deleted and the journal last. A kill
+    during recovery leaves the journal, and the next run resumes from whatever state it finds.
+    Raises OSError when the directory cannot be changed.
+    """
+    parent = dst.parent
+    if not parent.is_dir():
+        return []
+    pat = re.compile(re.escape(f".{dst.name}{_JOURNAL_TAG}") + r"(\d+)")
+    notes = []
+    for journal in sorted(parent.iterdir()):
+        m = pat.fullmatch(journal.name)
+        if not m:
+            continue
+        pid = int(m[1])
+        if pid != os.getpid() and _alive(pid):
+            continue
+        try:
+            fd = os.open(journal, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            if os.fstat(fd).st_nlink == 0:  # recovered (and unlinked) by another run meanwhile
+                continue
+            tmp = parent / f".{dst.name}{_TMP_TAG}{pid}"
+            old = parent / f".{dst.name}{_OLD_TAG}{pid}"
+            complete = _lexists(tmp) and not _lexists(tmp / _LOCK_NAME)  # a locked tmp is another run's
+            if complete and not (_lexists(dst) and _lexists(old)):
+                # Two renames, not a swap: each step leaves a state this function resumes correctly.
+                if _lexists(dst):
+                    os.rename(dst, old)  # killed before it moved the old DST aside: do it now
+                    _fsync_path(parent)
+                os.rename(tmp, dst)
+                notes.append(f"completed the install of an interrupted run (pid {pid}): {dst.name} is its output")
+            elif complete:
+                notes.append(f"{dst.name} was written again after run {pid} was interrupted; kept it")
+            elif _lexists(old) and not _lexists(dst):
+                os.rename(old, dst)
+                notes.append(f"rolled back the install of an interrupted run (pid {pid}): restored the old {dst.name}")
+            _fsync_path(parent)
+            if _lexists(old) and _lexists(dst):
+                _remove_tree(old)
+            journal.unlink()
+            _fsync_path(parent)
+        finally:
+            os.close(fd)
+    return notes
 
 
 def _disk_full(e: OSError, dst: Path, where: str) -> DiskFullError:
@@ -1013,7 +1179,14 @@ def reshard(
     src_p, dst_p = Path(src).absolute(), Path(dst).absolute()
     max_bytes = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
-    _check_paths(src_p, dst_p, force)
+    _check_paths(src_p, dst_p)
+    try:  # first of all: finish or undo an install that a kill interrupted (it may have left no DST) ...
+        notes = _recover(dst_p)
+        removed = _remove_strays(dst_p)  # ... only then remove what dead runs left
+    except OSError as e:
+        raise ReshardError(f"{dst_p}: could not clean up after an interrupted run ({e}); "
+                           "check the permissions of its directory") from None
+    _check_dst(dst_p, force, notes)
     try:
         dst_p.parent.mkdir(parents=True, exist_ok=True)
         probe = dst_p.parent / f".{dst_p.name}.tiered-probe-{os.getpid()}"
@@ -1021,7 +1194,7 @@ def reshard(
         probe.rmdir()
     except OSError as e:
         raise ReshardError(f"{dst_p.parent}: cannot write there ({e.strerror}); choose a writable DST") from None
-    notes = [f"removed {p.name}, left by an interrupted run" for p in _remove_strays(dst_p)]
+    notes += [f"removed {p.name}, left by an interrupted run" for p in removed]
     source = _open_source(src_p)  # every header, index and pickle validated; no tensor data read
     try:
         return _reshard(source, src_p, dst_p, t0, max_bytes, out_dtype, verify, force, quiet, notes)
@@ -1134,7 +1307,8 @@ SRC is a Hugging Face model directory (safetensors, one file or sharded; pytorch
 .bin with index, or .pt/.pth) or one weight file. PyTorch files are read with
 torch.load(mmap=True, weights_only=True) only. Memory stays bounded (64 MiB chunks) whatever the
 checkpoint size. The output is written to .DST.tiered-tmp-<pid> beside DST and renamed into place
-only when complete: an interrupted run leaves no DST.
+only when complete: an interrupted run leaves no partial DST (with --force: the old DST or the new
+one), and the next run first completes or rolls back an install that was interrupted.
 """
 _EPILOG = """\
 examples:
