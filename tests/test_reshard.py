@@ -845,3 +845,39 @@ def test_rss_bound_breaks_without_dropping_pages(big_single_shard: Path, tmp_pat
     """The bound above is a real test: keep the pages read through the mapping and it fails."""
     _, growth, largest = _rss_run(big_single_shard, tmp_path / "out", {"verify": True, "no_drop": True})
     assert growth > 256 * MiB + largest, f"without MADV_DONTNEED peak RSS grew only {growth / MiB:.0f} MiB"
+
+
+def test_dtype_keeps_what_the_model_keeps_in_fp32(ckpts, tmp_path: Path) -> None:
+    """``--dtype fp16`` on T5 (fp32) leaves ``wo`` uncast, as from_pretrained keeps it in float32 at fp16:
+    the converted checkpoint loads to the same logits as the original, with transformers and with tiered."""
+    src = ckpts["t5"]
+    dst = tmp_path / "t5-fp16"
+    s = tiered.reshard(src, dst, dtype="fp16", quiet=True)
+    assert any("kept in their dtype" in n for n in s.notes), s.notes
+    stored = {k: v for f in dst.glob("*.safetensors") for k, v in load_file(f).items()}
+    wo = [k for k in stored if k.endswith("DenseReluDense.wo.weight")]
+    assert wo and all(stored[k].dtype == torch.float32 for k in wo)
+    assert stored["shared.weight"].dtype == torch.float16
+    ids = torch.randint(0, models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    kw = {"input_ids": ids, "decoder_input_ids": ids[:, :3]}
+    auto = transformers.AutoModelForSeq2SeqLM
+    with torch.no_grad():
+        want = auto.from_pretrained(src, dtype=torch.float16).eval()(**kw).logits
+        assert torch.equal(auto.from_pretrained(dst, dtype=torch.float16).eval()(**kw).logits, want)
+        with tiered.load(dst, device="cpu", ring_gb=1.0, dtype=torch.float16) as m:
+            assert torch.equal(m(**kw).logits, want)
+
+
+def test_tensors_torch_cannot_hold_are_refused_not_dropped(ckpts, tmp_path: Path) -> None:
+    src = ckpts.copy("llama_tied_single", tmp_path / "src")
+    f = src / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    header["mtp.scale"] = {"dtype": "F4", "shape": [8], "data_offsets": [len(data), len(data) + 4]}
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data + b"\x12\x34\x56\x78")
+    with pytest.raises(TieredError, match=r"mtp.scale.*F4"):
+        tiered.reshard(src, tmp_path / "dst", quiet=True)
+    assert not (tmp_path / "dst").exists()

@@ -308,6 +308,7 @@ class _Source:
         self.kind = kind  # "safetensors" | "torch"
         self.files = files
         self.infos = infos
+        self.keep_dtype: set[str] = set()  # not cast with --dtype: the model's dtype plan keeps them (float32)
         self.tensors = tensors or {}
         self.mapped = mapped or set()  # torch files whose tensors are unmodified views of a file mapping
         self.notes = notes or []
@@ -469,6 +470,14 @@ def _open_source(src: Path) -> _Source:
             ckpt = Checkpoint(root=root, shards=[shard], tensors=dict(shard.tensors))
         else:
             ckpt = open_checkpoint(src)  # index, missing shards, duplicates, every header
+        skipped = [t for sh in ckpt.shards for t in sh.skipped.values()]
+        if skipped:  # copying them raw is possible but not written yet: refuse rather than drop them
+            t = skipped[0]
+            raise UnsupportedCheckpointError(
+                f"{t.file}: tensor {t.name!r} at offset {t.offset} has dtype {t.dtype_name} ({t.reason}); "
+                f"tiered reshard cannot convert such tensors yet ({len(skipped)} in all): keep the checkpoint as "
+                "it is (tiered.load reads it and skips them when the model does not use them)"
+            )
         return _Source(root, kind, [s.path for s in ckpt.shards], dict(ckpt.tensors))
 
     infos: dict[str, TensorInfo] = {}
@@ -535,11 +544,14 @@ def _units_by_layer(names: list[str]) -> list[_Unit]:
     return list(head.values()) + [u for _, u in ordered] + list(tail.values())
 
 
-def _plan_units(source: _Source, notes: list[str]) -> tuple[list[_Unit], str | None, dict[str, str]]:
+def _plan_units(source: _Source, notes: list[str],
+                dtype: torch.dtype | None = None) -> tuple[list[_Unit], str | None, dict[str, str]]:
     """(units in execution order, architecture or None, tied pairs {checkpoint name: name it duplicates}).
 
     Uses the loader's own plan (:func:`~tiered.plan.build_plan` on a model built on ``meta`` from
-    ``config.json``); falls back to :func:`_units_by_layer` and says why in ``notes``.
+    ``config.json``, at ``dtype``); falls back to :func:`_units_by_layer` and says why in ``notes``.
+    Sets ``source.keep_dtype``: checkpoint tensors that ``from_pretrained`` keeps in float32 at ``dtype``
+    (``_keep_in_fp32_modules``; T5's ``wo`` in fp16), which are therefore not cast.
     """
     names = list(source.infos)
     cfg = source.root / "config.json"
@@ -551,10 +563,10 @@ def _plan_units(source: _Source, notes: list[str]) -> tuple[list[_Unit], str | N
     if not cfg.is_file():
         return fallback(f"no config.json in {source.root}")
     try:
-        from .api import meta_model_from_dir
+        from .meta import meta_model_from_dir
         from .plan import build_plan
 
-        model = meta_model_from_dir(source.root, dtype=torch.float32)  # dtype does not change the order
+        model = meta_model_from_dir(source.root, dtype=dtype or torch.float32)  # the dtype plan needs it
         plan = build_plan(model, source.checkpoint())
     except ConfigError as e:
         return fallback(str(e))
@@ -574,6 +586,12 @@ def _plan_units(source: _Source, notes: list[str]) -> tuple[list[_Unit], str | N
         for conv in u.converts:
             unit.tensors += [s.name for ss in conv.sources.values() for s in ss]
         units.append(unit)
+    if dtype is not None and dtype != torch.float32:  # transformers' dtype plan: these stay float32
+        source.keep_dtype = {c.src.name for u in plan.units for t in u.targets if t.dtype == torch.float32
+                             for c in t.copies}
+        if source.keep_dtype:
+            notes.append(f"{len(source.keep_dtype)} tensors kept in their dtype: {type(model).__name__} keeps them "
+                         f"in float32 at {dtype} (_keep_in_fp32_modules), as from_pretrained does")
     if plan.unused:
         units.append(_Unit(f"(not used by {type(model).__name__})", list(plan.unused)))
         notes.append(f"{len(plan.unused)} tensors not used by {type(model).__name__} written last "
@@ -642,9 +660,14 @@ def _header(tensors: list[_Out], metadata: dict[str, str]) -> bytes:
     return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata, align=DATA_ALIGN)
 
 
-def _out_nbytes(info: TensorInfo, dtype: torch.dtype | None) -> int:
-    cast = dtype is not None and info.dtype in _CASTABLE
-    return info.numel * (dtype.itemsize if cast else info.dtype.itemsize)  # type: ignore[union-attr]
+def _out_dtype(info: TensorInfo, dtype: torch.dtype | None, keep: set[str]) -> torch.dtype:
+    """The dtype ``info`` is written in: ``dtype`` for floating tensors, unless the model keeps it (``keep``)."""
+    cast = dtype is not None and info.dtype in _CASTABLE and info.name not in keep
+    return dtype if cast else info.dtype  # type: ignore[return-value]
+
+
+def _out_nbytes(info: TensorInfo, dtype: torch.dtype | None, keep: set[str]) -> int:
+    return info.numel * _out_dtype(info, dtype, keep).itemsize
 
 
 def _layout(units: list[_Unit], source: _Source, dtype: torch.dtype | None, max_bytes: int,
@@ -665,8 +688,8 @@ def _layout(units: list[_Unit], source: _Source, dtype: torch.dtype | None, max_
         for u in group:
             for n in u.tensors:
                 info = source.infos[n]
-                cast = dtype is not None and info.dtype in _CASTABLE and info.dtype != dtype
-                dt = dtype if cast else info.dtype
+                dt = _out_dtype(info, dtype, source.keep_dtype)
+                cast = dt != info.dtype
                 nbytes = info.numel * dt.itemsize
                 outs.append(_Out(n, dt, info.shape, nbytes, off, cast))
                 off += nbytes
@@ -1207,7 +1230,7 @@ def _reshard(source: _Source, src: Path, dst: Path, t0: float, max_bytes: int, d
     from tqdm.auto import tqdm
 
     notes += source.notes
-    units, arch, tied = _plan_units(source, notes)
+    units, arch, tied = _plan_units(source, notes, dtype)
     dropped = {dup: keep for dup, keep in tied.items() if _same_bytes(source, dup, keep)}
     if source.kind == "torch" and arch is None:
         views: dict[tuple, list[str]] = {}
@@ -1231,7 +1254,7 @@ def _reshard(source: _Source, src: Path, dst: Path, t0: float, max_bytes: int, d
         units.append(_Unit("(other)", rest))
     units = [u for u in units if u.tensors]
     for u in units:
-        u.nbytes = sum(_out_nbytes(source.infos[n], dtype) for n in u.tensors)
+        u.nbytes = sum(_out_nbytes(source.infos[n], dtype, source.keep_dtype) for n in u.tensors)
     shards = _layout(units, source, dtype, max_bytes, "plan" if arch else "layer-index")
     written = [t.name for s in shards for t in s.tensors]
     files, file_notes = _files_to_copy(source, src)
