@@ -90,10 +90,15 @@ def test_close_gives_the_device_pool_back(ckpts: Checkpoints) -> None:
         m(_ids())
     stage = m._tiered.streamer.stage
     assert torch.cuda.memory_allocated() > before
+    one_buf = m._tiered.stats.device_buffer_bytes // stage.n_bufs
     m.close()
     assert stage._pool.qsize() == 0
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() <= before, "device buffers outlived close()"
+    # what is left is the model's own small buffers (rotary inv_freq on the device), not a device buffer
+    assert torch.cuda.memory_allocated() - before < one_buf, "device buffers outlived close()"
+    del m
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before
 
 
 def test_keyboard_interrupt_on_cuda(ckpts: Checkpoints) -> None:
