@@ -96,6 +96,7 @@ import torch
 from .errors import ConfigError, DuplicateTensorError, HeaderError, ShardNotFoundError, TieredError
 from .format import INDEX_NAME, Checkpoint, TensorInfo, dtype_name, encode_header, open_checkpoint, read_header
 from .format import parse_size as _parse_size
+from .hostmem import PAGE_SIZE, page_up
 from .reader import ShardMap
 
 __all__ = [
@@ -244,8 +245,8 @@ def _renameat2(old: Path, new: Path, flags: int) -> bool:
 
 def _madvise_dontneed(addr: int, nbytes: int) -> None:
     """Drop the pages of a *file-backed, never-written* mapping range from this process (RssFile)."""
-    lo = addr // mmap.PAGESIZE * mmap.PAGESIZE
-    hi = (addr + nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    lo = addr // PAGE_SIZE * PAGE_SIZE
+    hi = page_up(addr + nbytes)
     if hi > lo:
         _libc_call("madvise", ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
 
@@ -875,7 +876,7 @@ def _verify(tmp: Path, shards: list[_Shard], hashes: dict[str, bytes], progress:
                 off = parsed.data_start + t.data_offset
                 for lo in range(0, t.nbytes, CHUNK_BYTES):
                     n = min(CHUNK_BYTES, t.nbytes - lo)
-                    ahead = (off + lo + n) // mmap.PAGESIZE * mmap.PAGESIZE
+                    ahead = (off + lo + n) // PAGE_SIZE * PAGE_SIZE
                     if ahead < len(m.mm):  # start reading the next chunk while this one is hashed
                         m.mm.madvise(mmap.MADV_WILLNEED, ahead, min(CHUNK_BYTES, len(m.mm) - ahead))
                     h.update(m.span(off + lo, n).numpy())
