@@ -318,3 +318,22 @@ def test_attach_plain_module_with_meta_buffer_is_refused(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="scale"):
         tiered.attach(m, tmp_path, ring_gb=0.01, device="cpu")
 
+
+
+# ---------------------------------------------------------------------------------------------- what the path is
+
+
+def test_path_that_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(ShardNotFoundError, match="no such directory"):
+        tiered.load(tmp_path / "nope")
+
+
+def test_hub_id_is_named_as_one() -> None:
+    with pytest.raises(ShardNotFoundError, match=r"Hub id.*snapshot_download\('someone/some-model'\)"):
+        tiered.load("someone/some-model")
+
+
+def test_weight_file_instead_of_directory(ckpts: Checkpoints) -> None:
+    f = ckpts["llama_tied_single"] / "model.safetensors"
+    with pytest.raises(ShardNotFoundError, match="is a file, not a directory.*" + re.escape(str(f.parent))):
+        tiered.load(f)

@@ -69,6 +69,7 @@ __all__ = [
     "dtype_name",
     "parse_size",
     "encode_header",
+    "check_model_dir",
 ]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
@@ -708,6 +709,31 @@ def _inside(root: Path, name: str, index: Path) -> Path:
     return p
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
+    """``model_dir`` as a Path if it is an existing directory; else a :class:`ShardNotFoundError` that says
+    what it is instead: missing, a file (a lone ``.safetensors``/``.gguf``/``.bin``), or a Hugging Face Hub id
+    (tiered reads local directories only; nothing is downloaded)."""
+    root = Path(model_dir)
+    if root.is_dir():
+        return root
+    if root.exists():
+        hint = ""
+        if root.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+            hint = f" (for a lone weight file, put it in a directory with its config.json: pass {str(root.parent)!r})"
+        raise ShardNotFoundError(f"{root} is a file, not a directory; pass the directory that holds config.json and "
+                                 f"the weights{hint}")
+    if _HUB_ID.fullmatch(str(model_dir)) and not str(model_dir).startswith((".", "~")):
+        raise ShardNotFoundError(
+            f"{str(model_dir)!r} is not a local directory; it looks like a Hugging Face Hub id. tiered reads local "
+            f"directories and downloads nothing: fetch it first, e.g. huggingface_hub.snapshot_download({str(model_dir)!r}), "
+            "and pass the directory it returns"
+        )
+    raise ShardNotFoundError(f"{root}: no such directory; pass a local Hugging Face model directory")
+
+
 def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     """Parse every shard header of a Hugging Face model directory (no tensor data is read).
 
@@ -727,9 +753,7 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         HeaderError / TruncatedShardError: a shard fails validation (see :func:`read_header`).
         DuplicateTensorError: a tensor name appears in two shards.
     """
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise ShardNotFoundError(f"{root}: not a directory; pass a Hugging Face model directory")
+    root = check_model_dir(model_dir)
     index = root / INDEX_NAME
     expected: dict[str, str] | None = None
     if index.exists():

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
+from .format import check_model_dir
 
 __all__ = ["build_meta_model", "meta_model_from_dir", "materialize_meta_buffers", "parse_dtype", "apply_dtype_plan"]
 
@@ -136,11 +136,12 @@ def meta_model_from_dir(
     the dtype is ``dtype`` or else the config's (as ``from_pretrained`` picks it), else float32.
 
     Raises:
+        ShardNotFoundError: ``model_dir`` is missing, a file, or a Hub id (see :func:`~tiered.format.check_model_dir`).
         ConfigError: no ``config.json``, one ``transformers`` cannot read, or an unknown architecture.
     """
     import transformers
 
-    root = Path(model_dir)
+    root = check_model_dir(model_dir)
     if not (root / "config.json").is_file():
         raise ConfigError(f"{root}: no config.json; pass a Hugging Face model directory")
     try:
