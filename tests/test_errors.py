@@ -337,3 +337,13 @@ def test_weight_file_instead_of_directory(ckpts: Checkpoints) -> None:
     f = ckpts["llama_tied_single"] / "model.safetensors"
     with pytest.raises(ShardNotFoundError, match="is a file, not a directory.*" + re.escape(str(f.parent))):
         tiered.load(f)
+
+
+def test_cli_version() -> None:
+    import subprocess
+    import sys
+
+    import tiered as t
+
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"tiered {t.__version__}", (out.stdout, out.stderr)

@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Run Hugging Face models whose weights are larger than host RAM: weights stream from "
         "safetensors shards through a fixed host ring (RSS ~ ring size), to the GPU when there is one.",
     )
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("tiered")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        ver = "unknown (not installed)"
+    p.add_argument("--version", action="version", version=f"tiered {ver}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="greedy generation from a model directory, with streaming stats")
