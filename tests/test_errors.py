@@ -347,3 +347,18 @@ def test_cli_version() -> None:
 
     out = subprocess.run([sys.executable, "-m", "tiered.cli", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"tiered {t.__version__}", (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("name", ["llama", "gptj", "mixtral"])
+def test_inspect_and_ring_too_small_agree_on_the_ring_needed(name: str, ckpts: Checkpoints) -> None:
+    import subprocess
+    import sys
+
+    d = ckpts[name]
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "inspect", str(d)], capture_output=True, text=True,
+                         timeout=300)
+    said = re.search(r"ring needed: >= ([0-9.]+) GiB", out.stdout)
+    assert said, out.stdout + out.stderr
+    with pytest.raises(RingTooSmallError) as e:
+        _load(d, ring_gb=1e-6)
+    assert f"pass ring_gb >= {said.group(1)} " in str(e.value), (said.group(1), str(e.value))

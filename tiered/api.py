@@ -355,10 +355,11 @@ def attach(
     whole = sum(page_up(u.nbytes) for u in plan.units)
     ring_bytes = page_up(min(int(ring_gb * GiB), whole))
     big = plan.max_unit
-    if big.nbytes > ring_bytes:
+    need = page_up(big.nbytes)  # as the ring allocates it (and as `tiered inspect` reports it)
+    if need > ring_bytes:
         raise RingTooSmallError(
-            f"unit {big.name!r} needs {gib_up(big.nbytes)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
-            f"{gib_up(big.nbytes)} (>= {gib_up(2 * big.nbytes)} lets the next unit load while one runs)"
+            f"unit {big.name!r} needs {gib_up(need)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
+            f"{gib_up(need)} (>= {gib_up(2 * need)} lets the next unit load while one runs)"
         )
     global _ATEXIT
     if not _ATEXIT:  # once per process, on first use (import has no side effects)

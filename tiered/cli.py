@@ -26,6 +26,7 @@ def _plan_for(model_dir: Path, dtype: str | None, device: str):
 
 def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu") -> dict:
     """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes)."""
+    from .hostmem import page_up
     from .plan import layer_index
 
     model_dir = Path(model_dir)
@@ -61,9 +62,10 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
                    "layer": layer_index(u.name + ".")} for u in plan.units],
         "model_bytes": plan.nbytes,
         "largest_unit": {"name": big.name, "bytes": big.nbytes},
-        "ring_min_gb": big.nbytes / GiB,
-        "ring_recommended_gb": 3 * big.nbytes / GiB,  # the running unit + prefetch=2
-        "ring_resident_gb": plan.nbytes / GiB,
+        # as the ring allocates them: whole pages per unit (the same figures RingTooSmallError gives)
+        "ring_min_gb": page_up(big.nbytes) / GiB,
+        "ring_recommended_gb": 3 * page_up(big.nbytes) / GiB,  # the running unit + prefetch=2
+        "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -85,6 +87,8 @@ def _need_model_dir(path: str) -> Path | None:
 def _cmd_inspect(a: argparse.Namespace) -> int:
     if _need_model_dir(a.model_dir) is None:
         return 2
+    from .ring import gib_up
+
     info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
     if a.json:
         print(json.dumps(info, indent=2))
@@ -98,9 +102,9 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
     for u in show:
         print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors")
-    print(f"ring needed: >= {info['ring_min_gb']:.3f} GiB (largest unit {info['largest_unit']['name']}); "
-          f"{info['ring_recommended_gb']:.3f} GiB to prefetch 2 units; "
-          f"{info['ring_resident_gb']:.3f} GiB holds the whole model (CPU: loaded once)")
+    print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+          f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
+          f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
