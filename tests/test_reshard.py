@@ -35,6 +35,10 @@ from tiered.plan import build_plan
 
 # `tiered.reshard` may be re-exported as the function by tiered/__init__: take the module from sys.modules.
 rs = importlib.import_module("tiered.reshard")
+# The modules of the package whose private names the tests patch or compare.
+rs_writer = importlib.import_module("tiered.reshard.writer")  # _pwrite, _copy_range: every byte written
+rs_convert = importlib.import_module("tiered.reshard.convert")  # the free-space check (shutil.disk_usage)
+rs_cli = importlib.import_module("tiered.reshard.cli")
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -339,7 +343,7 @@ def test_force_replaces_and_refuses_without(ckpts, tmp_path: Path) -> None:
 
 
 def test_verify_catches_corruption(ckpts, tmp_path: Path, monkeypatch) -> None:
-    real = rs._pwrite
+    real = rs_writer._pwrite
     calls = {"n": 0}
 
     def corrupt(fd: int, buf, offset: int) -> int:
@@ -349,7 +353,7 @@ def test_verify_catches_corruption(ckpts, tmp_path: Path, monkeypatch) -> None:
             data[0] ^= 0xFF
         return real(fd, data, offset)
 
-    monkeypatch.setattr(rs, "_pwrite", corrupt)
+    monkeypatch.setattr(rs_writer, "_pwrite", corrupt)
     with pytest.raises(rs.VerifyError, match="reads back differently"):
         _reshard(ckpts["llama"], tmp_path / "out", verify=True)
     assert not (tmp_path / "out").exists() and _strays(tmp_path) == []
@@ -359,7 +363,7 @@ def test_copy_file_range_unavailable_falls_back(ckpts, tmp_path: Path, monkeypat
     def exdev(*a):
         raise OSError(errno.EXDEV, "cross-device")
 
-    monkeypatch.setattr(rs, "_copy_range", exdev)
+    monkeypatch.setattr(rs_writer, "_copy_range", exdev)
     s = _reshard(ckpts["llama"], tmp_path / "out")
     assert s.kernel_copy_bytes == 0
     _assert_bit_equal(_tensors(tmp_path / "out"), _tensors(ckpts["llama"]))
@@ -380,8 +384,8 @@ def test_enospc_is_clear_and_leaves_nothing(ckpts, tmp_path: Path, monkeypatch, 
             return real(*a)
         return f
 
-    monkeypatch.setattr(rs, "_pwrite", wrap(rs._pwrite))
-    monkeypatch.setattr(rs, "_copy_range", wrap(rs._copy_range))
+    monkeypatch.setattr(rs_writer, "_pwrite", wrap(rs_writer._pwrite))
+    monkeypatch.setattr(rs_writer, "_copy_range", wrap(rs_writer._copy_range))
     with pytest.raises(rs.DiskFullError, match="disk full") as e:
         _reshard(ckpts["llama"], tmp_path / "out")
     assert isinstance(e.value, TieredError) and e.value.__cause__.errno == errno.ENOSPC
@@ -390,7 +394,7 @@ def test_enospc_is_clear_and_leaves_nothing(ckpts, tmp_path: Path, monkeypatch, 
 
 
 def test_not_enough_space_up_front(ckpts, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(rs.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    monkeypatch.setattr(rs_convert.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
     with pytest.raises(rs.DiskFullError, match="GB free"):
         _reshard(ckpts["llama"], tmp_path / "out")
     assert not (tmp_path / "out").exists() and _strays(tmp_path) == []
@@ -401,6 +405,7 @@ KILL_CHILD = textwrap.dedent(
     import importlib, sys, time
     from pathlib import Path
     rs = importlib.import_module("tiered.reshard")
+    writer = importlib.import_module("tiered.reshard.writer")
     src, dst, marker, cli = sys.argv[1:5]
     force = sys.argv[5:] == ["force"]
     calls = [0]
@@ -415,8 +420,8 @@ KILL_CHILD = textwrap.dedent(
             return n
         return f
 
-    rs._pwrite = stall(rs._pwrite)
-    rs._copy_range = stall(rs._copy_range)
+    writer._pwrite = stall(writer._pwrite)
+    writer._copy_range = stall(writer._copy_range)
     if cli == "1":
         sys.exit(rs.main([src, dst, "--quiet"] + ["--force"] * force))
     rs.reshard(src, dst, quiet=True, force=force)
@@ -773,7 +778,7 @@ def test_add_parser_registers_subcommand() -> None:
     a = p.parse_args(["reshard", "A", "B", "--max-shard-size", "4GB", "--dtype", "fp16", "--verify", "--force"])
     assert (a.src, a.dst, a.max_shard_size, a.dtype, a.verify, a.force, a.quiet) == ("A", "B", "4GB", "fp16", True,
                                                                                        True, False)
-    assert a.fn is rs._cmd_reshard
+    assert a.fn is rs_cli._cmd_reshard
 
 
 def test_parse_size() -> None:

@@ -70,6 +70,9 @@ __all__ = [
     "parse_size",
     "encode_header",
     "check_model_dir",
+    "read_index",
+    "index_shard_paths",
+    "INDEX_NAME",
 ]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
@@ -698,6 +701,23 @@ class Checkpoint:
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index file (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``):
+    tensor name -> shard file name. The one index reader of tiered (the loader and ``tiered reshard``).
+
+    Raises:
+        HeaderError: unreadable, not JSON, no ``weight_map`` object, or one that does not map names to file names.
+    """
+    try:
+        doc = json.loads(index.read_text())
+        wm = doc["weight_map"]
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise HeaderError(f"{index}: not a valid index (needs a 'weight_map' object): {e}; regenerate it") from None
+    return wm
+
+
 def _inside(root: Path, name: str, index: Path) -> Path:
     if not isinstance(name, str) or not name or os.path.isabs(name):
         raise ShardNotFoundError(f"{index}: shard name {name!r} must be a relative file name inside {root}")
@@ -707,6 +727,24 @@ def _inside(root: Path, name: str, index: Path) -> Path:
     if base not in p.parents:
         raise ShardNotFoundError(f"{index}: shard {name!r} points outside {root}; fix the index's weight_map")
     return p
+
+
+def index_shard_paths(root: Path, index: Path, names: Iterable[str]) -> list[Path]:
+    """The shard files ``names`` of ``index``'s weight_map as paths inside ``root``, in the order given.
+
+    The one path check of index shard names: every name must be relative and stay inside ``root``
+    (checked lexically, without resolving symlinks: a Hugging Face cache snapshot's shards are
+    symlinks into ``../../blobs``), and every file must exist.
+
+    Raises:
+        ShardNotFoundError: a name is absolute, empty or points outside ``root``; or a shard is missing.
+    """
+    names = list(names)
+    paths = [_inside(root, n, index) for n in names]
+    for n, p in zip(names, paths, strict=True):
+        if not p.is_file():
+            raise ShardNotFoundError(f"{index}: shard {n!r} is missing from {root}; re-download it")
+    return paths
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -757,17 +795,8 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     index = root / INDEX_NAME
     expected: dict[str, str] | None = None
     if index.exists():
-        try:
-            doc = json.loads(index.read_text())
-            expected = doc["weight_map"]
-            assert isinstance(expected, dict)
-        except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
-            raise HeaderError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from None
-        names = sorted(set(expected.values()), key=str)
-        paths = [_inside(root, n, index) for n in names]
-        for n, p in zip(names, paths, strict=False):
-            if not p.is_file():
-                raise ShardNotFoundError(f"{index}: shard {n!r} is missing from {root}; re-download it")
+        expected = read_index(index)
+        paths = index_shard_paths(root, index, sorted(set(expected.values())))
     elif (root / "model.safetensors").is_file():
         paths = [root / "model.safetensors"]
     else:

@@ -26,12 +26,15 @@ from torch import nn
 from .errors import ConfigError
 from .format import check_model_dir
 
-__all__ = ["build_meta_model", "meta_model_from_dir", "materialize_meta_buffers", "parse_dtype", "apply_dtype_plan"]
+__all__ = ["build_meta_model", "meta_model_from_dir", "materialize_meta_buffers", "parse_dtype", "apply_dtype_plan",
+           "DTYPE_NAMES"]
 
 _BUILD_LOCK = threading.Lock()
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+#: Names of floating-point dtypes, wherever a user names one (``tiered.load(dtype="bf16")``, ``tiered reshard
+#: --dtype fp16``, ``inspect --dtype``) -> torch dtype. The one table: :func:`parse_dtype` reads it.
+DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+               "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
 def parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
@@ -47,9 +50,9 @@ def parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
             raise ConfigError(f"dtype {d} is not a floating-point dtype; use torch.bfloat16, torch.float16 or torch.float32")
         return d
     name = str(d).removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
-        raise ConfigError(f"dtype {d!r} is not one of {sorted(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[name]
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {d!r} is not one of {sorted(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]
 
 
 def apply_dtype_plan(model: nn.Module, dtype: torch.dtype) -> list[str]:

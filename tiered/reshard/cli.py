@@ -1,0 +1,118 @@
+"""The command line: ``tiered reshard SRC DST ...`` (:func:`add_parser`, for :mod:`tiered.cli`) and
+``python tools/reshard.py SRC DST ...`` (:func:`main`), one parser for both.
+
+Exit status: 0 done, 1 error (nothing written), 2 usage error (argparse: a missing argument, an unknown
+option, a bad ``--dtype`` or ``--max-shard-size``), 130 interrupted (Ctrl-C or SIGTERM; nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from ..errors import TieredError
+from ..format import parse_size
+from .convert import reshard
+
+__all__ = ["add_parser", "main"]
+
+_DESCRIPTION = """\
+Reshard a checkpoint for streaming: rewrite its weights as safetensors shards in execution order
+(every unit -- one decoder layer, the embeddings, the head -- contiguous inside one shard), each
+shard's data section 4 KiB-aligned, with a standard model.safetensors.index.json; config,
+generation config and tokenizer files are copied. Tensor names and bytes are kept (bit-equal), so
+the output loads with transformers' from_pretrained as well as with tiered.load.
+
+SRC is a Hugging Face model directory (safetensors, one file or sharded; pytorch_model.bin, sharded
+.bin with index, or .pt/.pth) or one weight file. PyTorch files are read with
+torch.load(mmap=True, weights_only=True) only. Memory stays bounded (64 MiB chunks) whatever the
+checkpoint size. The output is written to .DST.tiered-tmp-<pid> beside DST and renamed into place
+only when complete: an interrupted run leaves no partial DST (with --force: the old DST or the new
+one), and the next run first completes or rolls back an install that was interrupted.
+"""
+_EPILOG = """\
+examples:
+  tiered reshard ~/models/llama-3-8b ~/models/llama-3-8b.tiered
+  tiered reshard ckpt/ out/ --max-shard-size 4GB --dtype bf16 --verify
+  python tools/reshard.py SRC DST          (the same tool, from a checkout)
+exit status: 0 done, 1 error (nothing written), 2 usage error, 130 interrupted (nothing written)
+"""
+
+
+def _shard_size(text: str) -> str:
+    """argparse ``type`` of ``--max-shard-size``: a bad size is a usage error (exit 2) naming the option.
+
+    Returns the text itself (:func:`~tiered.reshard.reshard` parses it again), so the parsed value reads as typed.
+    """
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="model directory (or one .safetensors/.bin/.pt file) to read")
+    p.add_argument("dst", metavar="DST", help="directory to create (refused if it exists, unless --force)")
+    p.add_argument("--max-shard-size", default="2GB", metavar="SIZE", type=_shard_size,
+                   help="largest output shard: 2GB = 2e9 bytes (decimal, as transformers), 2GiB = 2*2^30; "
+                   "a unit larger than this gets a shard of its own (default: 2GB)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="cast floating tensors (tensor.to(dtype)) and set config.json's dtype (default: keep)")
+    p.add_argument("--verify", action="store_true",
+                   help="before renaming into place, re-read every tensor from disk and compare BLAKE2b hashes")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary; errors only")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _cmd_reshard(a: argparse.Namespace) -> int:
+    """Run ``reshard`` for parsed arguments; SIGTERM cleans up like Ctrl-C. Raises TieredError."""
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        summary = reshard(a.src, a.dst, max_shard_size=a.max_shard_size, dtype=a.dtype, verify=a.verify,
+                          force=a.force, quiet=a.quiet)
+    except KeyboardInterrupt:
+        print("reshard: interrupted; the partial output was removed", file=sys.stderr)
+        return 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    if not a.quiet:
+        print(summary)
+    return 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``reshard`` on an ``argparse`` subparsers object (``tiered reshard ...``); returns the parser.
+
+    The parser's ``fn`` default runs the command and returns an exit status; it raises
+    :class:`~tiered.errors.TieredError` for the caller to print.
+    """
+    p = subparsers.add_parser("reshard", help="rewrite a checkpoint in stream order (bounded memory, atomic)",
+                              description=_DESCRIPTION, epilog=_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    p.set_defaults(fn=_cmd_reshard)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/reshard.py SRC DST ...``: the same command as ``tiered reshard``."""
+    p = argparse.ArgumentParser(prog="reshard", description=_DESCRIPTION, epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    a = p.parse_args(argv)
+    try:
+        return _cmd_reshard(a)
+    except TieredError as e:
+        print(f"reshard: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,235 @@
+""":func:`reshard`: the converter's one pass, from the checked arguments to the installed output.
+
+1. Check the arguments; recover from and clean up after interrupted runs; refuse an existing ``DST``
+   (:mod:`.install`).
+2. Open the source, validating every header, index and pickle before any data is read (:mod:`.sources`).
+3. Plan the units in execution order, drop duplicates of tied weights, pack units into shards
+   (:mod:`.layout`); check the free space.
+4. Write shards, index, copied and generated files into the temporary directory; with ``verify``,
+   re-read and compare every tensor (:mod:`.writer`).
+5. Install it as ``DST`` (:mod:`.install`) and return a :class:`~tiered.reshard.ReshardSummary`.
+A failure at any step removes the temporary directory; a full disk raises :class:`DiskFullError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, ShardNotFoundError, TieredError
+from ..format import INDEX_NAME
+from ..format import parse_size as _parse_size
+from ..meta import parse_dtype
+from .errors import DiskFullError, ReshardError
+from .install import _commit, _make_tmp, _prepare
+from .layout import _layout, _place, _plan_units
+from .sources import Source, _open_source
+from .summary import ReshardSummary
+from .writer import (
+    CHUNK_BYTES,
+    _config_dtype,
+    _Copier,
+    _copy_file,
+    _files_to_copy,
+    _index_bytes,
+    _verify,
+    _write_file,
+    _write_generated,
+    _write_shard,
+)
+
+__all__ = ["reshard", "parse_size"]
+
+#: The dtypes ``dtype`` may name (``bf16``, ``fp16``, ``fp32``; names as :data:`tiered.meta.DTYPE_NAMES`).
+_TARGET_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size`` (see :func:`tiered.format.parse_size`). Raises ReshardError when unparsable or not > 0."""
+    try:
+        return _parse_size(size)
+    except ValueError as e:
+        raise ReshardError(f"max_shard_size: {e}") from None
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The torch dtype to cast to (any case of a :data:`tiered.meta.DTYPE_NAMES` name); bf16, fp16 or fp32 only."""
+    if dtype is None:
+        return None
+    try:
+        d = parse_dtype(dtype.lower() if isinstance(dtype, str) else dtype)
+    except ConfigError:
+        d = None
+    if d not in _TARGET_DTYPES:
+        raise ReshardError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
+    return d
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    if not src.exists():
+        raise ShardNotFoundError(f"{src}: no such file or directory; pass a model directory or a weight file")
+    rs, rd = src.resolve(), dst.resolve()
+    if rd == rs or rd in rs.parents or (src.is_dir() and rs in rd.parents):
+        raise ReshardError(f"DST {dst} is SRC, inside it or contains it; SRC is never modified: choose another DST")
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "2GB",
+    dtype: torch.dtype | str | None = None,
+    verify: bool = False,
+    force: bool = False,
+    quiet: bool = False,
+) -> ReshardSummary:
+    """Rewrite the checkpoint in ``src`` into ``dst`` in stream order (see :mod:`tiered.reshard`).
+
+    Args:
+        src: a model directory (safetensors or PyTorch weights, plus config/tokenizer files), or one
+            weight file (``.safetensors``, ``.bin``, ``.pt``); never modified.
+        dst: the directory to create; must not exist unless ``force``. Its parent is created if needed.
+        max_shard_size: largest output shard in bytes, or a string (``"2GB"`` = 2e9 bytes, decimal as
+            transformers; ``"2GiB"``). Units are never split: a larger unit gets a shard of its own.
+        dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or the torch dtype): cast floating tensors
+            (F16/BF16/F32/F64; integer and fp8 tensors are kept) and set ``config.json``'s dtype.
+        verify: re-read every written tensor from disk and compare BLAKE2b hashes before the rename
+            (bytes are then copied through user space, to hash them on the way).
+        force: replace an existing ``dst`` (only once the new one is complete).
+        quiet: no progress bar (tqdm, stderr).
+
+    Returns:
+        a :class:`ReshardSummary` (``print`` it for the human-readable summary).
+
+    Memory: chunks of :data:`CHUNK_BYTES` (64 MiB); peak RSS growth is a few chunks plus, for a
+    non-contiguous tensor in a ``.bin``, that tensor.
+
+    Raises:
+        DestinationExistsError: ``dst`` exists and not ``force``.
+        DiskFullError: ENOSPC/EDQUOT, or not enough free space up front; nothing is left behind.
+        ShardNotFoundError: no weights in ``src``, or an index names a missing shard.
+        DuplicateTensorError: a tensor name in two shards.
+        HeaderError / TruncatedShardError: a malformed safetensors header or index.
+        UnsafePickleError: a PyTorch file needs pickle beyond tensors (``weights_only=True`` refused it).
+        UnsupportedCheckpointError: a PyTorch file that is not a state dict of dense tensors, or is damaged.
+        VerifyError: with ``verify``, a tensor read back from disk differs.
+        ReshardError: bad arguments (``dst`` inside ``src``, an unknown ``dtype``, a bad size).
+    """
+    t0 = time.perf_counter()
+    src_p, dst_p = Path(src).absolute(), Path(dst).absolute()
+    max_bytes = parse_size(max_shard_size)
+    out_dtype = _parse_dtype(dtype)
+    _check_paths(src_p, dst_p)
+    notes = _prepare(dst_p, force)  # recovery, strays, an existing DST, a writable parent
+    source = _open_source(src_p)  # every header, index and pickle validated; no tensor data read
+    try:
+        return _reshard(source, src_p, dst_p, t0, max_bytes, out_dtype, verify, force, quiet, notes)
+    finally:
+        source.close()
+
+
+def _same_bytes(source: Source, a: str, b: str) -> bool:
+    """True when tensors ``a`` and ``b`` have the same dtype, shape and bytes (read in chunks)."""
+    ia, ib = source.infos[a], source.infos[b]
+    if (ia.dtype, ia.shape) != (ib.dtype, ib.shape):
+        return False
+    if source.same_storage(a, b):
+        return True
+    va, drop_a = source.byte_view(a)
+    vb, drop_b = source.byte_view(b)
+    for lo in range(0, ia.nbytes, CHUNK_BYTES):
+        hi = min(ia.nbytes, lo + CHUNK_BYTES)
+        same = torch.equal(va[lo:hi], vb[lo:hi])
+        drop_a(lo, hi)
+        drop_b(lo, hi)
+        if not same:
+            return False
+    return True
+
+
+def _disk_full(e: OSError, dst: Path, where: str) -> DiskFullError:
+    free = shutil.disk_usage(dst.parent).free
+    return DiskFullError(f"{dst}: disk full while writing {where} ({os.strerror(e.errno or errno.ENOSPC)}); "
+                         f"{free / 1e9:.2f} GB free on {dst.parent}; the partial output was removed: "
+                         "free space or choose a DST on another disk")
+
+
+def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dtype: torch.dtype | None,
+             verify: bool, force: bool, quiet: bool, notes: list[str]) -> ReshardSummary:
+    from tqdm.auto import tqdm
+
+    notes += source.notes
+    units, arch, tied = _plan_units(source, notes, dtype)
+    dropped = {dup: keep for dup, keep in tied.items() if _same_bytes(source, dup, keep)}
+    groups = getattr(source, "storage_groups", None)  # an optional hook of the source interface
+    if arch is None and groups is not None:
+        shared = [" = ".join(names) for names in groups()]
+        if shared:
+            notes.append("tensors share storage in the checkpoint, but without a model nothing says they are tied, "
+                         f"so each is written: {', '.join(shared[:3])}")
+    # the loader's unit count (as `tiered inspect` and tiered.stats give it): a unit that reads a tied
+    # tensor written with an earlier one has no bytes of its own, but the loader still counts it
+    plan_units = sum(1 for u in units if not u.name.startswith("(not used by")) if arch else None
+    units = _place(units, source, dropped, dtype)
+    shards = _layout(units, source, dtype, max_bytes, "plan" if arch else "layer-index")
+    written = [t.name for s in shards for t in s.tensors]
+    files = _files_to_copy(source, src, notes)
+    generated = source.generated_files
+    need = (sum(s.file_bytes for s in shards) + sum(p.stat().st_size for p in files)
+            + sum(len(b) for b in generated.values()))
+    if need > shutil.disk_usage(dst.parent).free:
+        raise DiskFullError(f"{dst}: needs {need / 1e9:.2f} GB but {dst.parent} has "
+                            f"{shutil.disk_usage(dst.parent).free / 1e9:.2f} GB free; free space or choose another DST")
+    total = sum(s.data_bytes for s in shards)
+
+    tmp, lock_fd = _make_tmp(dst)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"reshard {dst.name}",
+               file=sys.stderr, disable=quiet, dynamic_ncols=True, mininterval=0.25)
+    where = "the index"
+    hashes: dict[str, bytes] | None = {} if verify else None
+    copier = _Copier(source, bar, hashes)
+    try:
+        for s in shards:
+            where = s.name
+            _write_shard(tmp / s.name, s, copier)
+        where = INDEX_NAME
+        _write_file(tmp / INDEX_NAME, _index_bytes(shards))
+        for p in files:
+            where = p.name
+            _copy_file(p, tmp / p.name, dtype, notes)
+        for name, data in generated.items():
+            where = name
+            _write_generated(tmp / name, data, dtype, notes)
+        bar.close()
+        if hashes is not None:
+            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"verify {dst.name}",
+                      file=sys.stderr, disable=quiet, dynamic_ncols=True, mininterval=0.25) as vbar:
+                _verify(tmp, shards, hashes, vbar)
+        _commit(tmp, dst, force)
+    except BaseException as e:
+        bar.close()
+        copier.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, TieredError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(e, dst, where) from e
+        raise
+    finally:
+        os.close(lock_fd)
+    copier.close()
+    src_order = [n for n in source.infos if n not in dropped]
+    return ReshardSummary(
+        src=src, dst=dst, input_format=source.kind, input_files=len(source.files), shards=len(shards),
+        tensors=len(written), data_bytes=total, file_bytes=sum(s.file_bytes for s in shards),
+        seconds=time.perf_counter() - t0, order="plan" if arch else "layer-index", architecture=arch,
+        units=plan_units if plan_units is not None else len(units), reordered=written != src_order,
+        cast=sum(t.cast for s in shards for t in s.tensors),
+        dtype=_config_dtype(dtype) if dtype is not None else None, dropped_tied=dropped,
+        copied_files=tuple(sorted([p.name for p in files] + list(generated))), verified=verify,
+        kernel_copy_bytes=copier.kernel_copied, notes=tuple(notes),
+    )

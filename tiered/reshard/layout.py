@@ -1,0 +1,242 @@
+"""The output layout: which tensors go to which shard, in which order, at which offset.
+
+* Units: the unit plan of :func:`tiered.plan.build_plan` — the one the loader streams, from a model
+  built on ``meta`` from ``config.json`` — in *execution order*, so every unit is one contiguous span
+  inside one shard. Without ``config.json``, or with an architecture ``transformers`` does not know,
+  units are ordered by the layer index in tensor names (``…layers.12.…``, ``…h.12.…``) and a note says so.
+  A tensor read by two units is written with the first; tensors the model does not use are written last.
+* Shards ``model-0000i-of-0000N.safetensors``: a shard boundary falls only between units; a unit larger
+  than ``max_shard_size`` gets a shard of its own.
+* Every shard's data section starts on a :data:`DATA_ALIGN` (4 KiB) boundary: the JSON header is padded
+  with spaces, which the safetensors spec allows ("Format" section); the spec forbids holes between
+  tensors, so tensors stay packed.
+* Dtypes: with ``dtype``, floating tensors (F16/BF16/F32/F64) are written cast, except those the model
+  keeps in float32 at that dtype (``_keep_in_fp32_modules``), as ``from_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, TieredError
+from ..format import TensorInfo, encode_header
+from .sources import Source
+
+#: Alignment of every output shard's data section (bytes): one page, what mmap and O_DIRECT need.
+DATA_ALIGN = 4096
+_CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+# ---------------------------------------------------------------------------------------------- the order
+
+
+@dataclass
+class _Unit:
+    """One streaming unit of the output: checkpoint tensor names, in the order they are written."""
+
+    name: str
+    tensors: list[str] = field(default_factory=list)
+    nbytes: int = 0  # output bytes (after a cast)
+
+
+_LAYER_PREFIX = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|layer|h|blocks|block))\.(?P<idx>\d+)\.")
+_EMBED = re.compile(r"embed|wte|wpe|tok_|word_|position_|patch_")
+
+
+def _units_by_layer(names: list[str]) -> list[_Unit]:
+    """Units when there is no plan: embedding-like modules, each stack's layers by index, the rest.
+
+    Layer tensors are grouped by (stack prefix, layer index); stacks in order of first appearance.
+    Other tensors are grouped by module (the name without its last component).
+    """
+    head: dict[str, _Unit] = {}
+    layers: dict[tuple[str, int], _Unit] = {}
+    tail: dict[str, _Unit] = {}
+    stacks: dict[str, int] = {}
+    for n in names:
+        m = _LAYER_PREFIX.match(n)
+        if m:
+            key = (m["prefix"], int(m["idx"]))
+            stacks.setdefault(m["prefix"], len(stacks))
+            layers.setdefault(key, _Unit(f"{key[0]}.{key[1]}")).tensors.append(n)
+        else:
+            mod = n.rpartition(".")[0] or n
+            group = head if _EMBED.search(mod) else tail
+            group.setdefault(mod, _Unit(mod)).tensors.append(n)
+    ordered = sorted(layers.items(), key=lambda kv: (stacks[kv[0][0]], kv[0][1]))
+    return list(head.values()) + [u for _, u in ordered] + list(tail.values())
+
+
+def _plan_units(source: Source, notes: list[str],
+                dtype: torch.dtype | None = None) -> tuple[list[_Unit], str | None, dict[str, str]]:
+    """(units in execution order, architecture or None, tied pairs {checkpoint name: name it duplicates}).
+
+    Uses the loader's own plan (:func:`~tiered.plan.build_plan` on a model built on ``meta`` from
+    ``config.json``, at ``dtype``): the source's generated ``config.json`` if it has one, else the one
+    in ``source.root``. Falls back to :func:`_units_by_layer` and says why in ``notes``.
+    Sets ``source.keep_dtype``: checkpoint tensors that ``from_pretrained`` keeps in float32 at ``dtype``
+    (``_keep_in_fp32_modules``; T5's ``wo`` in fp16), which are therefore not cast.
+    """
+    generated = source.generated_files.get("config.json")
+    if generated is not None:  # built from a private copy: the model is built from a directory
+        with tempfile.TemporaryDirectory(prefix="tiered-reshard-config-") as d:
+            (Path(d) / "config.json").write_bytes(generated)
+            return _plan_from(Path(d), f"the config.json the {source.kind} source generates", source, notes, dtype)
+    cfg = source.root / "config.json"
+    if not cfg.is_file():
+        return _fallback(source, notes, f"no config.json in {source.root}")
+    return _plan_from(source.root, str(cfg), source, notes, dtype)
+
+
+def _fallback(source: Source, notes: list[str], why: str) -> tuple[list[_Unit], None, dict[str, str]]:
+    notes.append(f"{why}: units ordered by the layer index in tensor names")
+    return _units_by_layer(list(source.infos)), None, {}
+
+
+def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
+               dtype: torch.dtype | None) -> tuple[list[_Unit], str | None, dict[str, str]]:
+    """:func:`_plan_units` with the model of ``config_dir/config.json`` (``cfg`` names it in notes)."""
+    try:
+        from ..meta import meta_model_from_dir
+        from ..plan import build_plan
+
+        model = meta_model_from_dir(config_dir, dtype=dtype or torch.float32)  # the dtype plan needs it
+        plan = build_plan(model, source.checkpoint())
+    except ConfigError as e:
+        return _fallback(source, notes, str(e))
+    except TieredError as e:
+        return _fallback(source, notes, f"config.json does not match the checkpoint ({e})")
+    except Exception as e:  # the order is an optimisation: any failure to build the plan falls back
+        return _fallback(source, notes, f"cannot build the {cfg} model on meta ({type(e).__name__}: {e})")
+
+    # Checkpoint names each model key reads (a tied parameter absent from the checkpoint reads its source's).
+    reads: dict[str, list[str]] = {}
+    units: list[_Unit] = []
+    for u in plan.units:
+        unit = _Unit(u.name)
+        for t in u.targets:
+            reads[t.key] = [c.src.name for c in t.copies]
+            unit.tensors += reads[t.key]
+        for conv in u.converts:
+            unit.tensors += [s.name for ss in conv.sources.values() for s in ss]
+        units.append(unit)
+    if dtype is not None and dtype != torch.float32:  # transformers' dtype plan: these stay float32
+        source.keep_dtype = {c.src.name for u in plan.units for t in u.targets if t.dtype == torch.float32
+                             for c in t.copies}
+        if source.keep_dtype:
+            notes.append(f"{len(source.keep_dtype)} tensors kept in their dtype: {type(model).__name__} keeps them "
+                         f"in float32 at {dtype} (_keep_in_fp32_modules), as from_pretrained does")
+    if plan.unused:
+        units.append(_Unit(f"(not used by {type(model).__name__})", list(plan.unused)))
+        notes.append(f"{len(plan.unused)} tensors not used by {type(model).__name__} written last "
+                     f"({', '.join(plan.unused[:3])}{', ...' if len(plan.unused) > 3 else ''})")
+    tied: dict[str, str] = {}
+    for dup_key, keep_key in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        dup, keep = reads.get(dup_key, []), reads.get(keep_key, [])
+        if len(dup) == 1 and len(keep) == 1 and dup[0] != keep[0]:
+            tied[dup[0]] = keep[0]
+    return units, type(model).__name__, tied
+
+
+# ---------------------------------------------------------------------------------------------- the shards
+
+
+@dataclass
+class _Out:
+    """One output tensor: its source name, output dtype and bytes, and where it lies in its shard."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    data_offset: int = 0  # relative to the shard's data section
+    cast: bool = False
+
+
+@dataclass
+class _Shard:
+    name: str
+    units: list[_Unit]
+    tensors: list[_Out]
+    header: bytes = b""
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+def _header(tensors: list[_Out], metadata: dict[str, str]) -> bytes:
+    """The header in write order, padded so the data starts at a DATA_ALIGN boundary."""
+    assert [t.data_offset for t in tensors] == list(itertools.accumulate((t.nbytes for t in tensors[:-1]), initial=0))
+    return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata, align=DATA_ALIGN)
+
+
+def _out_dtype(info: TensorInfo, dtype: torch.dtype | None, keep: set[str]) -> torch.dtype:
+    """The dtype ``info`` is written in: ``dtype`` for floating tensors, unless the model keeps it (``keep``)."""
+    cast = dtype is not None and info.dtype in _CASTABLE and info.name not in keep
+    return dtype if cast else info.dtype  # type: ignore[return-value]
+
+
+def _out_nbytes(info: TensorInfo, dtype: torch.dtype | None, keep: set[str]) -> int:
+    return info.numel * _out_dtype(info, dtype, keep).itemsize
+
+
+def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_bytes: int,
+            order: str) -> list[_Shard]:
+    """Pack units into shards in order: a new shard starts when the next unit would pass ``max_bytes``."""
+    groups: list[list[_Unit]] = []
+    size = 0
+    for u in units:
+        if not groups or (groups[-1] and size + u.nbytes > max_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(u)
+        size += u.nbytes
+    shards = []
+    for i, group in enumerate(groups):
+        outs: list[_Out] = []
+        off = 0
+        for u in group:
+            for n in u.tensors:
+                info = source.infos[n]
+                dt = _out_dtype(info, dtype, source.keep_dtype)
+                cast = dt != info.dtype
+                nbytes = info.numel * dt.itemsize
+                outs.append(_Out(n, dt, info.shape, nbytes, off, cast))
+                off += nbytes
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = _Shard(name, group, outs)
+        shard.header = _header(outs, {"format": "pt", "tiered_order": order})
+        shards.append(shard)
+    return shards
+
+
+def _place(units: list[_Unit], source: Source, dropped: dict[str, str], dtype: torch.dtype | None) -> list[_Unit]:
+    """The units to write: each tensor in the first unit that reads it (a tied source read by two units),
+    the duplicates in ``dropped`` in none, any tensor the plan missed in a last unit; empty units
+    removed; ``nbytes`` set (after a cast)."""
+    placed: set[str] = set(dropped)
+    for u in units:
+        own = []
+        for n in u.tensors:
+            if n not in placed:
+                placed.add(n)
+                own.append(n)
+        u.tensors = own
+    rest = [n for n in source.infos if n not in placed]
+    if rest:  # pragma: no cover - the plan and the fallback place every tensor
+        units.append(_Unit("(other)", rest))
+    units = [u for u in units if u.tensors]
+    for u in units:
+        u.nbytes = sum(_out_nbytes(source.infos[n], dtype, source.keep_dtype) for n in u.tensors)
+    return units

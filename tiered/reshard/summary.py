@@ -1,0 +1,70 @@
+"""What a reshard did: :class:`ReshardSummary`, returned by :func:`~tiered.reshard.reshard` and printed by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ReshardSummary"]
+
+
+def _human(n: int) -> str:
+    """Decimal units, as disks are quoted: 3.34 GB, 898.6 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{3 if unit == 'GB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class ReshardSummary:
+    """What :func:`reshard` did. Bytes are exact; GB/s is decimal (1e9 bytes/s), as disks are quoted."""
+
+    src: Path
+    dst: Path
+    input_format: str  # the source kind: "safetensors", "torch" (.bin / .pt, read with torch.load(mmap=True, weights_only=True))
+    input_files: int  # weight files read
+    shards: int  # output shards written
+    tensors: int  # tensors written
+    data_bytes: int  # tensor bytes written (the index's metadata.total_size)
+    file_bytes: int  # bytes of the output shards, headers included
+    seconds: float  # wall time from the call to the rename into place
+    order: str  # "plan": the loader's unit plan; "layer-index": by the layer number in tensor names
+    architecture: str | None  # the transformers class whose plan ordered the units
+    units: int  # streaming units, each contiguous inside one shard
+    reordered: bool  # the output tensor order differs from the input's
+    cast: int  # tensors cast to ``dtype``
+    dtype: str | None  # the requested dtype ("bfloat16", ...), or None
+    dropped_tied: dict[str, str]  # duplicate of a tied weight -> the tensor kept
+    copied_files: tuple[str, ...]  # non-weight files copied, and files the source generated (sorted)
+    verified: bool  # every tensor re-read from disk and compared by BLAKE2b hash
+    kernel_copy_bytes: int  # bytes moved with copy_file_range (no user-space pages)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.data_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        lines = [f"resharded {self.src} -> {self.dst}",
+                 f"  {self.shards} shard(s), {self.tensors} tensors, {_human(self.data_bytes)} "
+                 f"({self.data_bytes} bytes) in {self.seconds:.2f} s = {self.gb_per_s:.2f} GB/s"]
+        if self.order == "plan":
+            lines.append(f"  order: execution order of {self.architecture}, {self.units} units, each contiguous "
+                         "in one shard; data sections 4 KiB-aligned")
+        else:
+            lines.append(f"  order: by layer index in tensor names (no usable config.json), {self.units} units, "
+                         "each contiguous in one shard; data sections 4 KiB-aligned")
+        changed = ["reordered" if self.reordered else "order unchanged"]
+        if self.cast:
+            changed.append(f"cast {self.cast} tensors to {self.dtype}")
+        if self.dropped_tied:
+            pairs = ", ".join(f"{d} (= {k})" for d, k in self.dropped_tied.items())
+            changed.append(f"dropped duplicates of tied weights: {pairs}")
+        lines.append(f"  changed: {'; '.join(changed)}")
+        if self.copied_files:
+            lines.append(f"  copied: {', '.join(self.copied_files)}")
+        if self.verified:
+            lines.append("  verified: every tensor re-read from disk, BLAKE2b hashes match")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
