@@ -1,17 +1,37 @@
-"""The ``tiered`` command: ``generate`` and ``inspect``."""
+"""The ``tiered`` command: ``generate``, ``inspect`` and ``reshard`` (:mod:`tiered.reshard`).
+
+Every argument is checked before any weight is read, and before torch or transformers is imported
+where the check does not need them (this module imports neither at import time; building the parser
+and the option checks are pure Python): option ranges, ``--device``'s form, the model directory and
+its ``config.json``, then the tokenizer and chat template (which need transformers), then the load.
+
+Exit status: 0 done; 1 a runtime error (a :class:`~tiered.errors.TieredError`: a bad shard, ...),
+printed as ``tiered: error: ...``; 2 a usage error (a bad option value, a missing model directory or
+tokenizer), printed by argparse as ``tiered <command>: error: ...`` and naming the flag (``--ring-gb``,
+never ``ring_gb``: errors ``tiered.load`` raises about its options are translated); 130 interrupted.
+
+Figures: bytes moved in GB (1e9), rates in GB/s, memory sizes in GiB (2**30) (see :mod:`tiered.stats`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, NoReturn
 
-__all__ = ["main", "inspect_dir"]
+from .stats import GiB, gb, gbps, gib, proc_status, sig3
 
-GiB = 1 << 30
+__all__ = ["main", "inspect_dir", "build_parser"]
+
+
+# ---------------------------------------------------------------------------------------------- inspect
 
 
 def _plan_for(model_dir: Path, dtype: str | None, device: str):
@@ -75,28 +95,19 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     }
 
 
-def _need_model_dir(path: str) -> Path | None:
-    d = Path(path)
-    if not (d / "config.json").is_file():
-        what = "does not exist" if not d.exists() else "has no config.json"
-        print(f"tiered: error: {d} {what}; pass a local Hugging Face model directory", file=sys.stderr)
-        return None
-    return d
-
-
-def _cmd_inspect(a: argparse.Namespace) -> int:
-    if _need_model_dir(a.model_dir) is None:
-        return 2
+def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _check_model_dir(parser, a.model_dir)
+    with _option_errors_as_usage(parser):
+        info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
     from .ring import gib_up
 
-    info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
     if a.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{info['model_dir']}: {info['architecture']}, {info['tensors']} tensors, "
-          f"{info['checkpoint_bytes'] / GiB:.3f} GiB in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
+          f"{gib(info['checkpoint_bytes'])} in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
     for s in info["shards"]:
-        print(f"  shard {s['file']}: {s['bytes'] / GiB:.3f} GiB, {s['tensors']} tensors, data at byte {s['data_start']}")
+        print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
     print(f"units ({len(info['units'])}, in execution order):")
     units = info["units"]
     show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
@@ -119,125 +130,423 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(a: argparse.Namespace) -> int:
-    import torch
+# ---------------------------------------------------------------------------------------------- checks
+# Pure Python: nothing here imports torch or transformers.
 
-    import tiered
+#: Names ``tiered.load`` accepts for ``dtype`` (tiered.meta.parse_dtype, which needs torch to import).
+_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+           "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # as tiered.format.check_model_dir recognises one
+#: Files one of which a tokenizer needs (AutoTokenizer reads tokenizer_config.json or builds from the others).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+#: Where a chat template can be: tokenizer_config.json's "chat_template", or a file of its own.
+_CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
-    if _need_model_dir(a.model_dir) is None:
-        return 2
-    model_dir = Path(a.model_dir)
-    tok = None
-    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+
+def _number(kind: type, *, low: float | None = None, low_open: bool = False, high: float | None = None,
+            unit: str = "") -> Any:
+    """An argparse ``type`` parsing ``kind`` within [low, high] (``low_open``: low excluded); argparse names the flag."""
+    def parse(text: str) -> int | float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if low is not None and (v <= low if low_open else v < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {kind(low)}{unit}, got {text}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {kind(high)}{unit}, got {text}")
+        return v
+
+    return parse
+
+
+def _device(text: str) -> str:
+    if not _DEVICE.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N")
+    return text.strip()
+
+
+def _dtype(text: str) -> str:
+    name = text.strip().lower().removeprefix("torch.")
+    if name not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of bf16, fp16, fp32 (or bfloat16, float16, float32)")
+    return _DTYPES[name]
+
+
+def _check_model_dir(parser: argparse.ArgumentParser, path: str) -> Path:
+    """MODEL_DIR is a directory with a config.json, else a usage error saying what it is instead (the
+    checks of tiered.format.check_model_dir, without importing torch)."""
+    d = Path(path)
+    if not d.is_dir():
+        if d.exists():
+            hint = (f" (for a lone weight file, put it in a directory with its config.json: pass {str(d.parent)!r})"
+                    if d.suffix in (".safetensors", ".bin", ".pt", ".gguf") else "")
+            parser.error(f"MODEL_DIR {d} is a file, not a directory; pass the directory that holds config.json and "
+                         f"the weights{hint}")
+        if _HUB_ID.fullmatch(path) and not path.startswith((".", "~")):
+            parser.error(f"MODEL_DIR {path!r} is not a local directory; it looks like a Hugging Face Hub id. tiered "
+                         "reads local directories and downloads nothing: fetch it first, e.g. "
+                         f"huggingface_hub.snapshot_download({path!r}), and pass the directory it returns")
+        parser.error(f"MODEL_DIR {d}: no such directory; pass a local Hugging Face model directory")
+    if not (d / "config.json").is_file():
+        parser.error(f"MODEL_DIR {d} has no config.json; pass a Hugging Face model directory "
+                     "(config.json + *.safetensors)")
+    return d
+
+
+#: ``tiered.load``'s option names as they appear in its messages ("ring_gb=0.5", "pass ring_gb >= 1",
+#: "device 'tpu' is not", "io must"), and the flags that set them.
+_OPTION_NAME = re.compile(r"(?<![\w.-])(ring_gb|gpu_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))")
+
+
+def flags_for_options(message: str) -> str:
+    """``message`` with ``tiered.load``'s option names written as the CLI flags that set them."""
+    return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+
+
+class _option_errors_as_usage:
+    """Inside: a ConfigError / RingTooSmallError / HostMemoryError that names an option becomes a usage error
+    (exit 2) in flag names; any other TieredError is re-raised with option names translated."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type | None, e: BaseException | None, tb: object) -> bool:
+        from .errors import ConfigError, HostMemoryError, RingTooSmallError, TieredError
+
+        if e is None or not isinstance(e, TieredError):
+            return False
+        msg = str(e)
+        said = flags_for_options(msg)
+        if said != msg and isinstance(e, (ConfigError, RingTooSmallError, HostMemoryError)):
+            self.parser.error(said)
+        return False  # main() prints it, in flag names too
+
+
+def _read_config(parser: argparse.ArgumentParser, d: Path) -> dict:
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        parser.error(f"MODEL_DIR {d}: config.json cannot be read as JSON ({e})")
+    if not isinstance(cfg, dict):
+        parser.error(f"MODEL_DIR {d}: config.json is not a JSON object")
+    return cfg
+
+
+def _vocab_size(cfg: dict) -> int | None:
+    for c in (cfg, cfg.get("text_config") or {}, cfg.get("decoder") or {}):
+        v = c.get("vocab_size") if isinstance(c, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _has_chat_template_file(d: Path) -> bool:
+    if any((d / f).is_file() for f in _CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.error(message)
+
+
+def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Cross-option checks (argparse has checked each value's form and range)."""
+    if not a.do_sample:
+        given = [f for f, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k),
+                                ("--seed", a.seed)) if v is not None]
+        if given:
+            _fail(parser, f"{', '.join(given)} only apply when sampling: add --do-sample (the default is greedy)")
+    if a.chat and a.ids:
+        _fail(parser, "--chat formats text with the tokenizer's chat template; it cannot be used with --ids")
+    if a.gpu_gb is not None and a.device == "cpu":
+        _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
+
+
+def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path, cfg: dict) -> tuple[Any, Any]:
+    """(tokenizer or None, {"input_ids": [[...]], ...} as lists or tensors) — everything checked, no weight read."""
+    if a.ids:
+        try:
+            ids = [int(x) for x in a.prompt.replace(",", " ").split()]
+        except ValueError:
+            _fail(parser, f"--ids: --prompt must be token ids such as '1 2 3', got {a.prompt!r}")
+        vocab = _vocab_size(cfg)
+        if not ids:
+            _fail(parser, "--ids: --prompt has no token ids; pass some, e.g. --prompt '1 2 3'")
+        bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+        if bad:
+            want = f"in [0, {vocab}) (config.json's vocab_size)" if vocab is not None else ">= 0"
+            _fail(parser, f"--ids: token ids must be {want}, got {bad[:5]}")
+        return None, {"input_ids": [ids]}
+    if not any((d / f).is_file() for f in _TOKENIZER_FILES):
+        _fail(parser, f"MODEL_DIR {d} has no tokenizer (no {', '.join(_TOKENIZER_FILES[:2])}), so --prompt cannot be "
+                      "text; pass --ids with token ids, e.g. --ids --prompt '1 2 3'")
+    if a.chat and not _has_chat_template_file(d):
+        _fail(parser, f"--chat: the tokenizer in {d} has no chat template (no chat_template in tokenizer_config.json, "
+                      "no chat_template.jinja); drop --chat to continue the prompt as plain text")
+    try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = AutoTokenizer.from_pretrained(d)
+    except Exception as e:  # noqa: BLE001 - any failure to build it is the same advice
+        _fail(parser, f"MODEL_DIR {d}: its tokenizer does not load ({type(e).__name__}: {e}); pass --ids with token "
+                      "ids instead, e.g. --ids --prompt '1 2 3'")
+    if a.chat:
+        if not getattr(tok, "chat_template", None):
+            _fail(parser, f"--chat: the tokenizer in {d} has no chat template; drop --chat to continue the prompt as "
+                          "plain text")
+        try:
+            enc = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
+                                          return_dict=True)
+        except Exception as e:  # noqa: BLE001 - a template that fails to render is the template's problem
+            _fail(parser, f"--chat: the chat template of {d} fails on this prompt ({type(e).__name__}: {e})")
+    else:
+        enc = tok(a.prompt)
+    enc = {k: [list(v)] for k, v in dict(enc).items() if k in ("input_ids", "attention_mask")}
+    if not enc.get("input_ids") or not enc["input_ids"][0]:
+        _fail(parser, f"--prompt {a.prompt!r} encodes to no tokens; pass some text")
+    return tok, enc
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _check_generate_args(a, parser)
+    d = _check_model_dir(parser, a.model_dir)
+    cfg = _read_config(parser, d)
+    tok, enc = _prompt_inputs(a, parser, d, cfg)
+
+    import torch
+
+    from .api import load, stats
+
+    if a.device is not None and a.device.startswith("cuda:"):  # (no CUDA at all: tiered.load says so)
+        n_dev, index = torch.cuda.device_count(), int(a.device.partition(":")[2])
+        if 0 < n_dev <= index:
+            _fail(parser, f"--device {a.device}: this machine has {n_dev} CUDA device(s), cuda:0 to cuda:{n_dev - 1}")
     t0 = time.perf_counter()
-    model = tiered.load(model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
+    with _option_errors_as_usage(parser):
+        model = load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
+                     threads=a.threads, io=a.io)
     load_s = time.perf_counter() - t0
     with model:
         if not callable(getattr(model, "generate", None)) or not model.can_generate():
-            print(f"tiered: error: {type(model).__name__} cannot generate text (not a causal LM); "
-                  "use the Python API for its forward", file=sys.stderr)
-            return 2
-        if tok is not None and not a.ids:
-            inputs = tok(a.prompt, return_tensors="pt").to(model.device)
-        else:
-            try:
-                ids = [int(x) for x in a.prompt.replace(",", " ").split()]
-            except ValueError:
-                ids = None
-            vocab = getattr(model.config, "vocab_size", None)
-            if not ids or (vocab and not all(0 <= i < vocab for i in ids)):
-                print(f"tiered: error: --prompt must be token ids in [0, {vocab}) such as '1 2 3'"
-                      + ("" if tok is not None else " (no tokenizer in MODEL_DIR)"), file=sys.stderr)
-                return 2
-            inputs = {"input_ids": torch.tensor([ids], device=model.device)}
-        if inputs["input_ids"].shape[1] == 0:
-            print("tiered: error: the prompt is empty", file=sys.stderr)
-            return 2
+            _fail(parser, f"MODEL_DIR {d}: {type(model).__name__} cannot generate text (not a causal LM); use the "
+                          "Python API (tiered.load) for its forward")
+        inputs = {k: torch.tensor(v, device=model.device) for k, v in enc.items()}
         n_in = inputs["input_ids"].shape[1]
-        before = tiered.stats(model).read_bytes
+        kw: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "do_sample": a.do_sample}
+        for k in ("temperature", "top_p", "top_k"):
+            if getattr(a, k) is not None:
+                kw[k] = getattr(a, k)
+        streamer = None
+        if tok is not None:
+            from transformers import TextStreamer
+
+            streamer = kw["streamer"] = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        if a.seed is not None:
+            from transformers import set_seed
+
+            set_seed(a.seed)
+        before = stats(model).snapshot()
         t1 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=a.max_new_tokens, do_sample=False)
+            out = model.generate(**inputs, **kw)
         gen_s = time.perf_counter() - t1
-        new = out[0, n_in:]
-        s = tiered.stats(model)
-        print(tok.decode(new, skip_special_tokens=True) if tok is not None and not a.ids else " ".join(map(str, new.tolist())))
-        n = max(1, len(new))
-        streamed = s.read_bytes - before
-        print(f"[tiered] load {load_s:.2f} s; {n} tokens in {gen_s:.2f} s = {n / gen_s:.2f} tokens/s "
-              f"({gen_s / n:.3f} s/token); streamed {streamed / 1e9:.2f} GB at {streamed / gen_s / 1e9:.2f} GB/s "
-              "end to end", file=sys.stderr)
-        print(f"[tiered] {s}", file=sys.stderr)
+        new = out[0, n_in:].tolist()
+        if streamer is None:
+            print(" ".join(map(str, new)))
+        sys.stdout.flush()
+        after = stats(model).snapshot()
+        for line in _summary(d, model, before, after, n_new=len(new), load_s=load_s, gen_s=gen_s):
+            print(f"[tiered] {line}", file=sys.stderr)
+        print(f"[tiered] {stats(model)}", file=sys.stderr)
     return 0
 
 
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load_s: float, gen_s: float) -> list[str]:
+    """What ``tiered generate`` says after the text: GB and GB/s for bytes moved, GiB for memory."""
+    plan = model._tiered.plan
+    n_units, n_res = after["units"], after["resident_units"]
+    where = "the GPU" if model.device.type == "cuda" else "the ring"
+    lines = [f"{d}: {type(model).__name__}, {n_units} units, model {gib(after['model_bytes'])}, "
+             f"ring {gib(after['ring_bytes'])}, device {model.device}; loaded in {load_s:.2f} s"]
+    n = max(1, n_new)
+    rate = f"{n_new} tokens in {gen_s:.2f} s: {sig3(n_new / gen_s) if gen_s > 0 else 'n/a'} tokens/s " \
+           f"({sig3(gen_s / n)} s/token)"
+    streamed = after["streamed_bytes"] - before["streamed_bytes"]
+    if n_res == n_units:
+        lines.append(f"{rate}; all {n_units} units resident in {where} (read once, at load: "
+                     f"{gb(after['load_bytes'])}); nothing streamed per token")
+    else:
+        src = sum(plan.units[i].src_bytes for i in model._tiered.streamer.streamed)
+        part = f"the {n_units - n_res} streamed units are {gb(src)}"
+        if n_res:
+            part += f"; {n_res} units resident in {where}"
+        lines.append(f"{rate}; streamed {gb(streamed)} ({gb(streamed / n)}/token; {part}) at "
+                     f"{gbps(streamed, gen_s)} end to end; stalls {after['stall_s'] - before['stall_s']:.2f} s")
+    st = proc_status()
+    if st.get("VmHWM"):
+        lines.append(f"peak RSS {gib(st['VmHWM'])} ({gib(after['rss_before_load'])} before load); "
+                     f"ring {gib(after['ring_bytes'])}, model {gib(after['model_bytes'])}")
+    return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="tiered",
-        description="Run Hugging Face models whose weights are larger than host RAM: weights stream from "
-        "safetensors shards through a fixed host ring (RSS ~ ring size), to the GPU when there is one.",
-    )
+# ---------------------------------------------------------------------------------------------- parser
+
+_GENERATE_DESCRIPTION = """\
+Generate text from a local Hugging Face model directory whose weights stream from its safetensors
+shards through a fixed host ring (peak RSS ~ --ring-gb + the runtime, whatever the model size).
+
+--prompt is encoded with the model's own tokenizer (--chat first applies its chat template) and the
+new text is printed to stdout as it is generated; greedy unless --do-sample. Timing, bytes streamed
+and peak RSS go to stderr afterwards, so stdout is only the text. --ids takes and prints raw token ids
+instead (for a model directory without a tokenizer). Every option is checked before a weight is read."""
+
+_GENERATE_EPILOG = """\
+examples:
+  tiered generate ~/models/TinyLlama-1.1B-Chat --prompt "The capital of France is" --max-new-tokens 20
+  tiered generate ~/models/TinyLlama-1.1B-Chat --chat --prompt "Write a haiku about disks" --ring-gb 1
+  tiered generate ~/models/llama --do-sample --temperature 0.7 --top-p 0.9 --seed 0 --prompt "Once upon a time"
+  tiered generate ~/models/llama --ids --prompt "1 15043 29892"      (token ids in, token ids out)
+  tiered generate ~/models/llama --prompt "Hello" 2>/dev/null        (only the text)
+
+units: --ring-gb and --gpu-gb in GiB (2**30 bytes); bytes streamed in GB (1e9 bytes), rates in GB/s.
+exit status: 0 done, 1 runtime error (a bad shard...), 2 usage error (a bad option, no tokenizer...), 130 interrupted
+"""
+
+_INSPECT_DESCRIPTION = """\
+Show what streaming a model directory involves, reading only the safetensors headers (no weight):
+its shards, tensors and dtypes; its units (one per decoder layer, one per other module) in execution
+order with their sizes; the ring size it needs (--ring-gb); and whether the layout on disk streams
+each unit as one span (else `tiered reshard` writes one that does)."""
+
+_INSPECT_EPILOG = """\
+examples:
+  tiered inspect ~/models/llama-3-8b
+  tiered inspect ~/models/llama-3-8b --dtype bf16 --device cuda --all
+  tiered inspect ~/models/llama-3-8b --json | jq .ring_min_gb
+
+sizes in GiB (2**30 bytes) and MiB (2**20 bytes).
+exit status: 0 done, 1 runtime error (a bad shard...), 2 usage error
+"""
+
+
+def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        ver = version("tiered")
+        return version("tiered")
     except PackageNotFoundError:  # run from a source tree that is not installed
-        ver = "unknown (not installed)"
-    p.add_argument("--version", action="version", version=f"tiered {ver}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+        return "unknown (not installed)"
 
-    g = sub.add_parser("generate", help="greedy generation from a model directory, with streaming stats")
-    g.add_argument("model_dir", help="Hugging Face model directory (config.json + *.safetensors)")
-    g.add_argument("--prompt", default="Hello", help="text (needs a tokenizer in MODEL_DIR) or token ids '1 2 3'")
-    g.add_argument("--ids", action="store_true", help="treat --prompt as token ids even if a tokenizer exists")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=20, help="tokens to generate (default 20)")
-    g.add_argument("--ring-gb", type=float, default=4.0,
-                   help="host ring size in GiB; peak RSS ~ ring + runtime (default 4)")
-    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: config.json's dtype)")
-    g.add_argument("--gpu-gb", type=float, default=None,
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tiered`` argument parser (imports neither torch nor transformers)."""
+    p = argparse.ArgumentParser(
+        prog="tiered",
+        description="Run Hugging Face models whose weights are larger than host RAM: weights stream from\n"
+        "safetensors shards through a fixed host ring (RSS ~ ring size), to the GPU when there is one.",
+        epilog="examples:\n  tiered inspect ~/models/llama\n  tiered generate ~/models/llama --prompt \"Hello\" "
+        "--ring-gb 1\n  tiered reshard ~/models/llama ~/models/llama.tiered\n\n"
+        "`tiered COMMAND --help` describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"tiered {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a model directory, streaming its weights",
+                       description=_GENERATE_DESCRIPTION, epilog=_GENERATE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="local Hugging Face model directory: config.json, *.safetensors (and a tokenizer for text)")
+    t = g.add_argument_group("prompt")
+    t.add_argument("--prompt", default="Hello", metavar="TEXT",
+                   help="the prompt, encoded with MODEL_DIR's tokenizer (default: %(default)r)")
+    t.add_argument("--chat", action="store_true",
+                   help="wrap --prompt as a user message in the tokenizer's chat template (with the assistant's "
+                   "generation prompt)")
+    t.add_argument("--ids", action="store_true",
+                   help="--prompt is token ids ('1 2 3'), and token ids are printed; needs no tokenizer")
+    s = g.add_argument_group("generation (greedy unless --do-sample)")
+    s.add_argument("--max-new-tokens", type=_number(int, low=1), default=20, metavar="N",
+                   help="tokens to generate, at most (default %(default)s)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--temperature", type=_number(float, low=0, low_open=True), default=None, metavar="T",
+                   help="sampling temperature > 0 (default: the model's generation_config, else 1.0)")
+    s.add_argument("--top-p", type=_number(float, low=0, low_open=True, high=1), default=None, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens with probability >= P, 0 < P <= 1")
+    s.add_argument("--top-k", type=_number(int, low=0), default=None, metavar="K",
+                   help="keep the K most likely tokens (0: no limit)")
+    s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
+                   help="seed the random generators, for a reproducible sample")
+    r = g.add_argument_group("streaming")
+    r.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=4.0, metavar="GiB",
+                   help="host ring size in GiB; peak RSS ~ ring + runtime (default %(default)s; "
+                   "`tiered inspect` says the least that works)")
+    r.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    r.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
+                   help="compute dtype, cast while streaming (default: config.json's)")
+    r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
-    g.add_argument("--prefetch", type=int, default=2, help="units loaded ahead of the running one (default 2)")
-    g.add_argument("--threads", type=int, default=4, help="reader threads (default 4)")
-    g.add_argument("--io", choices=["mmap", "direct", "auto"], default="mmap",
+    r.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N",
+                   help="units loaded ahead of the one running (default %(default)s)")
+    r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
+                   help="reader threads (default %(default)s)")
+    r.add_argument("--io", choices=["mmap", "direct", "auto"], default="mmap",
                    help="mmap: through the page cache (default); direct: O_DIRECT, bypasses the page cache; "
                    "auto: direct when the model does not fit in the page cache (RAM or cgroup memory.max)")
-    g.set_defaults(fn=_cmd_generate)
+    g.set_defaults(fn=_cmd_generate, cli_parser=g)
 
-    i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs")
-    i.add_argument("model_dir")
-    i.add_argument("--dtype", default=None, help="plan for this dtype (default: config.json's)")
-    i.add_argument("--device", default="cpu", help="plan alignment for this device (cuda: 512 B, cpu: 64 B)")
-    i.add_argument("--all", action="store_true", help="list every unit")
-    i.add_argument("--json", action="store_true", help="print JSON")
-    i.set_defaults(fn=_cmd_inspect)
+    i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs",
+                       description=_INSPECT_DESCRIPTION, epilog=_INSPECT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face model directory (config.json + "
+                   "*.safetensors)")
+    i.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
+                   help="plan for this compute dtype (default: config.json's)")
+    i.add_argument("--device", type=_device, default="cpu",
+                   help="plan alignment for this device (cuda: 512 B, cpu: 64 B; default %(default)s)")
+    i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4)")
+    i.add_argument("--json", action="store_true", help="print JSON (bytes exact; *_gb in GiB)")
+    i.set_defaults(fn=_cmd_inspect, cli_parser=i)
 
     from .reshard import add_parser as add_reshard_parser
 
     add_reshard_parser(sub)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     from .errors import TieredError
 
     try:
+        if getattr(a, "cli_parser", None) is not None:
+            return a.fn(a, a.cli_parser)
         return a.fn(a)
     except TieredError as e:
-        print(f"tiered: error: {e}", file=sys.stderr)
+        print(f"tiered: error: {flags_for_options(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tiered: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tiered ... | head`: the reader left; say nothing more on the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

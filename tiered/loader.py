@@ -166,7 +166,7 @@ class Loader:
         try:
             t0 = time.perf_counter()
             self.reader.read_unit(u, slot.view)
-            self.stats.add_read(u.src_bytes, time.perf_counter() - t0)
+            self.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
             faults.hit("stage", unit=u.name)
             return self.stage.stage(u, slot, resident=resident, abort=self._abort)
         except BaseException:

@@ -1,15 +1,62 @@
 """Counters users can read: bytes and GB/s per stage, stalls, ring high-water mark, peak RSS.
 
-GB/s here is decimal (1e9 bytes/s), as disk and PCIe bandwidths are quoted. RSS figures come
-from ``/proc/self/status`` (``VmRSS``, ``VmHWM`` = peak RSS, ``RssAnon``, ``RssFile``; Linux).
+Units (one convention everywhere tiered prints a figure: ``Stats.__str__``, ``tiered generate``):
+
+* **bytes moved** (read from disk, streamed per pass or per token, copied to the GPU) are decimal
+  **GB** (1e9 bytes), and **rates** are decimal **GB/s** (1e9 bytes/s), as disk and PCIe bandwidths
+  are quoted;
+* **memory sizes** (the ring, its high-water mark, the model, RSS) are binary **GiB** (2**30 bytes),
+  as ``ring_gb`` and ``gpu_gb`` are given and as ``free``/``top`` count memory.
+
+Every printed figure carries its unit, and no figure is computed from the two (a rate is GB over
+seconds, never GiB over seconds). Figures are printed with three significant digits (:func:`gb`,
+:func:`gib`), so a small model reads "0.000362 GB", not "0.00 GB". :meth:`Stats.snapshot` is in bytes
+and seconds.
+
+Bytes read are accounted by *use* (see :class:`Stats`): ``read_bytes`` is everything read from the
+checkpoint; ``streamed_bytes`` only what a forward pass used, counted when the pass binds the unit, so
+the lookahead a pass issues for the next pass's first units (read while the model is idle) is never
+counted to the pass that issued it: until a pass uses it, it is ``prefetch_idle_bytes``.
+
+RSS figures come from ``/proc/self/status`` (``VmRSS``, ``VmHWM`` = peak RSS, ``RssAnon``,
+``RssFile``; Linux).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Stats", "proc_status", "page_cache_room"]
+__all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "gib", "gbps", "sig3"]
+
+GB = 10**9  #: bytes moved and rates
+GiB = 1 << 30  #: memory sizes
+
+
+def sig3(x: float) -> str:
+    """``x`` with three significant digits and no exponent: 2.05, 17.7, 362, 0.000362, 0."""
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    decimals = min(12, max(0, 2 - math.floor(math.log10(abs(x)))))
+    return f"{x:.{decimals}f}"
+
+
+def gb(nbytes: float) -> str:
+    """Bytes moved, in decimal GB: ``"17.7 GB"``."""
+    return f"{sig3(nbytes / GB)} GB"
+
+
+def gib(nbytes: float) -> str:
+    """A memory size, in binary GiB: ``"2.05 GiB"``."""
+    return f"{sig3(nbytes / GiB)} GiB"
+
+
+def gbps(nbytes: float, seconds: float) -> str:
+    """A rate in decimal GB/s (``"3.14 GB/s"``); ``"n/a GB/s"`` when no time was measured."""
+    return f"{sig3(nbytes / seconds / GB)} GB/s" if seconds > 0 else "n/a GB/s"
 
 
 def proc_status() -> dict[str, int]:
@@ -63,15 +110,27 @@ def page_cache_room(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup")
 
 @dataclass
 class Stats:
-    """Live counters of one loaded model (updated by the loader/retire threads).
+    """Live counters of one loaded model (updated by the caller, loader and retire threads).
 
-    read_*: disk -> ring (bytes read from the shards, seconds the loader spent reading).
-    h2d_*: ring -> GPU (bytes copied, seconds measured with CUDA events on the copy stream).
+    read_*: disk -> ring: every byte read from the shards (``read_bytes``, the checkpoint's own bytes,
+        before any dtype cast) and the seconds the loader spent reading them. Of ``read_bytes``:
+
+        * ``load_bytes``: resident units, read once by ``tiered.load``;
+        * ``streamed_bytes``: streamed units *used* by forward passes, counted when a pass binds the unit
+          (``units_streamed`` counts them), so one pass adds exactly the bytes of the units it ran;
+        * the rest, ``snapshot()["prefetch_idle_bytes"]``: read ahead but not used by any pass (yet) — the
+          lookahead a pass issues for the next pass's first units, read while the model is idle, or a
+          wrong guess given back unused.
+
+    h2d_*: ring -> GPU (bytes copied, seconds measured with CUDA events on the copy stream; every copy
+        that was made, read-ahead ones included).
     stall_s: seconds the caller waited for a unit that was not ready yet.
     """
 
     read_bytes: int = 0
     read_s: float = 0.0
+    load_bytes: int = 0
+    streamed_bytes: int = 0
     h2d_bytes: int = 0
     h2d_s: float = 0.0
     stall_s: float = 0.0
@@ -88,10 +147,19 @@ class Stats:
     rss_before_load: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_read(self, nbytes: int, seconds: float) -> None:
+    def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
+        """The loader read ``nbytes`` of the checkpoint (``resident``: a unit loaded once, at load)."""
         with self._lock:
             self.read_bytes += nbytes
             self.read_s += seconds
+            if resident:
+                self.load_bytes += nbytes
+
+    def add_streamed(self, nbytes: int) -> None:
+        """A forward pass bound a streamed unit read from ``nbytes`` of the checkpoint."""
+        with self._lock:
+            self.streamed_bytes += nbytes
+            self.units_streamed += 1
 
     def add_h2d(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -99,10 +167,12 @@ class Stats:
             self.h2d_s += seconds
 
     def snapshot(self) -> dict[str, float | int]:
-        """A plain dict of every counter plus derived GB/s and current/peak RSS (bytes)."""
-        d: dict[str, float | int] = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        d["read_gbps"] = self.read_bytes / self.read_s / 1e9 if self.read_s else 0.0
-        d["h2d_gbps"] = self.h2d_bytes / self.h2d_s / 1e9 if self.h2d_s else 0.0
+        """A plain dict of every counter plus derived figures (bytes, seconds, GB/s) and current/peak RSS (bytes)."""
+        with self._lock:
+            d: dict[str, float | int] = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        d["prefetch_idle_bytes"] = d["read_bytes"] - d["load_bytes"] - d["streamed_bytes"]
+        d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
+        d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
         st = proc_status()
         d["rss"] = st.get("VmRSS", 0)
         d["peak_rss"] = st.get("VmHWM", 0)
@@ -111,18 +181,24 @@ class Stats:
         return d
 
     def __str__(self) -> str:
+        """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
         s = self.snapshot()
-        g = 1 << 30
-        parts = [
-            f"read {s['read_bytes'] / 1e9:.2f} GB at {s['read_gbps']:.2f} GB/s (disk->ring)",
-        ]
+        read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring)"
+        if s["units"] and s["resident_units"] == s["units"]:
+            read += f": all {s['units']} units resident, read once at load; nothing streams"
+        else:
+            read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
+            read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units)"
+            if s["prefetch_idle_bytes"]:
+                read += f", {gb(s['prefetch_idle_bytes'])} read ahead and not used (yet)"
+        parts = [read]
         if s["h2d_bytes"]:
-            parts.append(f"H2D {s['h2d_bytes'] / 1e9:.2f} GB at {s['h2d_gbps']:.1f} GB/s (ring->GPU)")
+            parts.append(f"H2D {gb(s['h2d_bytes'])} at {gbps(s['h2d_bytes'], s['h2d_s'])} (ring->GPU)")
         parts += [
             f"stalls {s['stall_s']:.2f} s",
             f"hits/misses {s['hits']}/{s['misses']}",
-            f"ring high-water {s['ring_high_water'] / g:.3f} of {s['ring_bytes'] / g:.3f} GiB",
+            f"ring high-water {sig3(s['ring_high_water'] / GiB)} of {gib(s['ring_bytes'])}",
             f"resident {s['resident_units']}/{s['units']} units",
-            f"peak RSS {s['peak_rss'] / g:.2f} GiB (model {s['model_bytes'] / g:.2f} GiB)",
+            f"peak RSS {gib(s['peak_rss'])} (model {gib(s['model_bytes'])})",
         ]
         return "; ".join(parts)

@@ -274,7 +274,7 @@ class Streamer:
                 h.counts[tid] = h.counts.get(tid, 0) + 1
                 return
             self._take(i, ld, tid)
-            self.stats.units_streamed += 1
+            self.stats.add_streamed(self.units[i].src_bytes)  # counted when used, not when read
 
     def _prefetch_after(self, i: int) -> None:
         for j in self.order.ahead(i, self.prefetch):
