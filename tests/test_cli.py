@@ -319,8 +319,6 @@ def test_help_and_usage_errors_import_no_torch_and_take_under_a_second(dirs: dic
     assert res["heavy"] == [], res
 
 
-@pytest.mark.xfail(strict=True, reason="tiered/__init__.py imports tiered.api (torch) eagerly and tiered.reshard "
-                   "imports torch at module level; both are outside cli.py (see the report of issue 10)")
 def test_tiered_help_imports_no_torch_end_to_end() -> None:
     r = subprocess.run([sys.executable, "-c", "import sys; from tiered.cli import main\ntry: main(['--help'])\n"
                         "except SystemExit: pass\nprint('torch' in sys.modules)"], capture_output=True, text=True,

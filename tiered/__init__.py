@@ -10,7 +10,13 @@ Host RSS is bounded by the ring, not by the model.
 Importing this package does no CUDA initialisation, starts no thread and allocates nothing.
 """
 
-from .api import Options, attach, close, load, stats
+import sys as _sys
+import types as _types
+from importlib import import_module as _import_module
+from typing import Any as _Any
+
+# Torch-free at import (errors, stats, the reshard errors and summary), so `tiered --help` and usage
+# errors never import torch; load/attach/close/Options and reshard are imported on first use.
 from .errors import (
     ConfigError,
     DuplicateTensorError,
@@ -26,17 +32,50 @@ from .errors import (
     TruncatedShardError,
     UnsupportedDtypeError,
 )
-from .reshard import (
+from .reshard.errors import (
     DestinationExistsError,
     DiskFullError,
     ReshardError,
-    ReshardSummary,
     UnsafePickleError,
     UnsupportedCheckpointError,
     VerifyError,
-    reshard,
 )
+from .reshard.summary import ReshardSummary
 from .stats import Stats
+
+_LAZY = {"load": ".api", "attach": ".api", "close": ".api", "Options": ".api"}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _LAZY:
+        value = getattr(_import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def stats(model: _Any) -> Stats:
+    """The :class:`Stats` of a model from :func:`load` or :func:`attach` (see :func:`tiered.api.stats`)."""
+    from .api import stats as _stats
+
+    return _stats(model)
+
+
+class _Package(_types.ModuleType):
+    """``tiered.reshard`` is the function :func:`tiered.reshard.reshard`, as it always was, although
+    ``tiered.reshard`` is also a subpackage: importing the subpackage (which the import system records as
+    an attribute of this package) must not replace the function."""
+
+    @property
+    def reshard(self) -> _Any:
+        return _import_module(".reshard.convert", __name__).reshard
+
+    @reshard.setter
+    def reshard(self, value: _Any) -> None:
+        pass  # the import system setting the subpackage: tiered.reshard stays the function
+
+
+_sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 

@@ -38,9 +38,11 @@ Modules: :mod:`.convert` (:func:`reshard`, the one pass), :mod:`.sources` (the i
 
 from __future__ import annotations
 
-from ..format import INDEX_NAME
-from .cli import add_parser, main
-from .convert import parse_size, reshard
+from importlib import import_module
+from typing import Any
+
+# torch-free: errors and the summary (so `tiered --help` and usage errors need no torch); the rest is
+# imported on first use (PEP 562), from the module that defines it
 from .errors import (
     DestinationExistsError,
     DiskFullError,
@@ -49,10 +51,22 @@ from .errors import (
     UnsupportedCheckpointError,
     VerifyError,
 )
-from .layout import DATA_ALIGN
-from .sources import BIN_INDEX_NAME
 from .summary import ReshardSummary
-from .writer import CHUNK_BYTES, WRITEBACK_BYTES
+
+_LAZY = {
+    "reshard": ".convert", "parse_size": ".convert", "add_parser": ".cli", "main": ".cli",
+    "CHUNK_BYTES": ".writer", "WRITEBACK_BYTES": ".writer", "DATA_ALIGN": ".layout",
+    "BIN_INDEX_NAME": ".sources", "INDEX_NAME": "..format",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "reshard",

@@ -14,8 +14,6 @@ import threading
 from typing import Any
 
 from ..errors import TieredError
-from ..format import parse_size
-from .convert import reshard
 
 __all__ = ["add_parser", "main"]
 
@@ -27,16 +25,20 @@ generation config and tokenizer files are copied. Tensor names and bytes are kep
 the output loads with transformers' from_pretrained as well as with tiered.load.
 
 SRC is a Hugging Face model directory (safetensors, one file or sharded; pytorch_model.bin, sharded
-.bin with index, or .pt/.pth) or one weight file. PyTorch files are read with
-torch.load(mmap=True, weights_only=True) only. Memory stays bounded (64 MiB chunks) whatever the
-checkpoint size. The output is written to .DST.tiered-tmp-<pid> beside DST and renamed into place
-only when complete: an interrupted run leaves no partial DST (with --force: the old DST or the new
-one), and the next run first completes or rolls back an install that was interrupted.
+.bin with index, or .pt/.pth) or one weight file, or one llama.cpp GGUF file (Llama family, Qwen2,
+Qwen3: dequantized to float32, or to --dtype, with the config, generation config and tokenizer
+written from its metadata by transformers' own GGUF code; needs `pip install gguf`). PyTorch files
+are read with torch.load(mmap=True, weights_only=True) only. Memory stays bounded (64 MiB chunks;
+for GGUF, one dequantized tensor) whatever the checkpoint size. The output is written to
+.DST.tiered-tmp-<pid> beside DST and renamed into place only when complete: an interrupted run
+leaves no partial DST (with --force: the old DST or the new one), and the next run first completes
+or rolls back an install that was interrupted.
 """
 _EPILOG = """\
 examples:
   tiered reshard ~/models/llama-3-8b ~/models/llama-3-8b.tiered
   tiered reshard ckpt/ out/ --max-shard-size 4GB --dtype bf16 --verify
+  tiered reshard SmolLM2-135M-Instruct.Q4_1.gguf smollm2/ --dtype bf16   (then: tiered generate smollm2 --chat ...)
   python tools/reshard.py SRC DST          (the same tool, from a checkout)
 exit status: 0 done, 1 error (nothing written), 2 usage error, 130 interrupted (nothing written)
 """
@@ -48,6 +50,8 @@ def _shard_size(text: str) -> str:
     Returns the text itself (:func:`~tiered.reshard.reshard` parses it again), so the parsed value reads as typed.
     """
     try:
+        from ..format import parse_size  # torch: imported when an option is checked
+
         parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
@@ -55,7 +59,8 @@ def _shard_size(text: str) -> str:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", metavar="SRC", help="model directory (or one .safetensors/.bin/.pt file) to read")
+    p.add_argument("src", metavar="SRC",
+                   help="model directory, or one .safetensors/.bin/.pt/.gguf file, to read (never modified)")
     p.add_argument("dst", metavar="DST", help="directory to create (refused if it exists, unless --force)")
     p.add_argument("--max-shard-size", default="2GB", metavar="SIZE", type=_shard_size,
                    help="largest output shard: 2GB = 2e9 bytes (decimal, as transformers), 2GiB = 2*2^30; "
@@ -78,6 +83,8 @@ def _cmd_reshard(a: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        from .convert import reshard
+
         summary = reshard(a.src, a.dst, max_shard_size=a.max_shard_size, dtype=a.dtype, verify=a.verify,
                           force=a.force, quiet=a.quiet)
     except KeyboardInterrupt:
