@@ -85,13 +85,13 @@ def part_b(cache: Path, ring_gb: float, new_tokens: int, threads: int) -> None:
     ids = torch.tensor([[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]])
     with model, torch.no_grad():
         model.generate(ids, max_new_tokens=1, do_sample=False)  # warm-up: first pass learns the order
-        s0 = tiered.stats(model).read_bytes
+        s0 = tiered.stats(model).streamed_bytes  # bytes passes used (not the idle read-ahead)
         t1 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
         dt = time.perf_counter() - t1
         s = tiered.stats(model)
     n = out.shape[1] - ids.shape[1]
-    streamed = s.read_bytes - s0
+    streamed = s.streamed_bytes - s0
     peak = proc_status()["VmHWM"]
     print(f"    tokens: {out[0, ids.shape[1]:].tolist()}")
     print(f"    ring {ring_gb:.2f} GiB for a {s.model_bytes / GiB:.2f} GiB model ({s.units} units, all streamed: "
@@ -156,7 +156,7 @@ def part_c(cache: Path, ring_gb: float, question: str, new_tokens: int, threads:
     n = out.shape[1] - enc["input_ids"].shape[1]
     peak = proc_status()["VmHWM"]
     print(f"    {n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s; {s.units} units, {s.resident_units} resident; "
-          f"streamed {s.read_bytes / 1e9:.2f} GB ({s.read_bytes / n / 1e6:.0f} MB/token)")
+          f"streamed {s.streamed_bytes / 1e9:.2f} GB ({s.streamed_bytes / n / 1e6:.0f} MB/token, prompt pass included)")
     print(f"    peak RSS {peak / GiB:.2f} GiB = {base / GiB:.2f} GiB before load + {(peak - base) / GiB:.2f} GiB"
           f"{'' if reset else ' (peak since process start: /proc/self/clear_refs not writable)'}; "
           f"model {size / GiB:.3f} GiB, ring {ring_gb:.3f} GiB")
