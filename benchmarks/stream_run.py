@@ -45,6 +45,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
+    p.add_argument("--no-embedding-rows", action="store_true",
+                   help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
     p.add_argument("--label", default="tiered")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     a = p.parse_args()
@@ -60,7 +62,8 @@ def main() -> int:
         cuda_base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io)
+                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io,
+                        **({"embedding_rows": False} if a.no_embedding_rows else {}))
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -68,6 +71,7 @@ def main() -> int:
     ids = torch.randint(100, min(vocab, 30000), (1, a.prompt_len), device=model.device)
     clock = _Clock()
     s0 = tiered.stats(model).read_bytes
+    used0 = tiered.stats(model).snapshot()
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
@@ -98,6 +102,10 @@ def main() -> int:
         "generate_s": total,
         "streamed_gb": (snap["read_bytes"] - s0) / 1e9,
         "streamed_gb_per_token": (snap["read_bytes"] - s0) / 1e9 / max(1, n),
+        # bytes the passes used (no idle read-ahead), and of those the embedding rows (tiered/rows.py)
+        "used_gb_per_token": (snap.get("streamed_bytes", 0) - used0.get("streamed_bytes", 0)) / 1e9 / max(1, n),
+        "embedding_gb": (snap.get("embedding_bytes", 0) - used0.get("embedding_bytes", 0)) / 1e9,
+        "row_units": snap.get("row_units", 0),
         "read_gbps": snap["read_gbps"],
         "h2d_gbps": snap["h2d_gbps"],
         "end_to_end_gbps": (snap["read_bytes"] - s0) / total / 1e9,

@@ -270,6 +270,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "hits": s1["hits"] - s0["hits"],
         "misses": s1["misses"] - s0["misses"],
         "stats_total": {k: v for k, v in s1.items() if isinstance(v, (int, float))},
+        # what streams through the ring each pass (a row-read embedding reads only its rows: embedding_gb)
+        "ring_units_gb": sum(model._tiered.plan.units[i].src_bytes for i in model._tiered.streamer.streamed) / 1e9,
+        "row_units": s1["row_units"],
+        "embedding_gb": (s1["embedding_bytes"] - s0["embedding_bytes"]) / 1e9,
     })
     model.close()
     return b.finish()

@@ -89,8 +89,10 @@ def test_rows_sane(suite: dict) -> None:
         assert r["child"]["status"] == "ok" and r["child"]["cgroup"] is None
     model_gb = streamed["model_gb"]
     assert streamed["resident_units"] == 0 and streamed["units"] >= 6
-    # every pass streams the whole model; the cyclic lookahead may also have read the next pass's first units
-    assert model_gb * 0.95 < streamed["streamed_gb_per_token"] < model_gb * 1.5
+    # every pass streams every unit but the embedding through the ring, and the embedding's looked-up rows;
+    # the cyclic lookahead may also have read the next pass's first units
+    assert streamed["row_units"] == 1 and 0 < streamed["embedding_gb"] < model_gb - streamed["ring_units_gb"]
+    assert streamed["ring_units_gb"] * 0.95 < streamed["streamed_gb_per_token"] < model_gb * 1.5
     assert streamed["read_gbps"] > 0 and streamed["decode_gbps"] > 0
     assert resident["resident_units"] == resident["units"] and resident["streamed_gb_per_token"] == 0
     assert resident["opts"]["ring_gb"] * (1 << 30) > model_gb * 1e9

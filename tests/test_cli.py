@@ -25,6 +25,7 @@ from conftest import Checkpoints, streaming_ring_gb
 
 import tiered
 from tiered.cli import flags_for_options, main
+from tiered.rows import row_eligible
 from tiered.stats import GB, Stats, gb, gib, sig3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,8 +89,10 @@ def facts(dirs: dict[str, Path]) -> dict:
     """What the plan says about the model (units, bytes) and a ring that streams it."""
     with tiered.load(dirs["notok"], device="cpu", ring_gb=1) as m:
         plan = m._tiered.plan
+        ring_units = [u for u in plan.units if not row_eligible(u)]  # the embedding reads rows instead
         return {"ring_gb": streaming_ring_gb(m), "units": len(plan.units), "model_bytes": plan.nbytes,
-                "src_bytes": sum(u.src_bytes for u in plan.units)}
+                "src_bytes": sum(u.src_bytes for u in plan.units), "ring_units": len(ring_units),
+                "ring_src_bytes": sum(u.src_bytes for u in ring_units)}
 
 
 def cli(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -345,13 +348,16 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     # stderr: what streamed, in GB; memory in GiB; per token = exactly the streamed units (no idle prefetch)
     err = r.stderr
     assert f"{len(new)} tokens in " in err and "tokens/s" in err, err
-    n_units = facts["units"]
+    n_units = facts["ring_units"]
     per_token = summary_figure(err, r"streamed [0-9.]+ GB \(([0-9.]+) GB/token")
     units_gb = summary_figure(err, rf"the {n_units} streamed units are ([0-9.]+) GB")
+    rows_gb = summary_figure(err, r"plus ([0-9.e-]+) GB of embedding rows in all")
     total = summary_figure(err, r"streamed ([0-9.]+) GB \(")
-    assert per_token == units_gb, err
-    assert units_gb == pytest.approx(facts["src_bytes"] / GB, rel=1e-2), (units_gb, facts)
-    assert total == pytest.approx(len(new) * facts["src_bytes"] / GB, rel=1e-2), err
+    assert units_gb == pytest.approx(facts["ring_src_bytes"] / GB, rel=1e-2), (units_gb, facts)
+    # every pass: the ring units, plus the rows its ids look up (the prompt's, then one per token)
+    assert total == pytest.approx(len(new) * units_gb + rows_gb, rel=1e-2), err
+    assert per_token == pytest.approx(total / len(new), rel=1e-2), err
+    assert 0 < rows_gb < facts["src_bytes"] - facts["ring_src_bytes"], err  # rows, not the table
     model_gib = summary_figure(err, r"model ([0-9.]+) GiB")
     assert model_gib == pytest.approx(facts["model_bytes"] / 2**30, rel=1e-2), err
     assert not ZERO_GB.search(err) and "resident" not in err.splitlines()[1], err
@@ -411,7 +417,11 @@ def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints
     ids = torch.tensor([[5, 17, 42, 99]])
     with tiered.load(ckpts["llama"], device="cpu", ring_gb=facts["ring_gb"], prefetch=prefetch) as m:
         plan = m._tiered.plan
-        per_pass = sum(u.src_bytes for u in plan.units)
+        ring_units = m._tiered.streamer.streamed  # the embedding reads its rows instead (tiered/rows.py)
+        assert len(ring_units) == len(plan.units) - 1
+        emb = next(u for u in plan.units if u.index not in ring_units).targets[0]
+        rows = len(set(ids.flatten().tolist())) * emb.shape[1] * emb.copies[0].src.dtype.itemsize
+        per_pass = sum(plan.units[j].src_bytes for j in ring_units) + rows
         s0 = tiered.stats(m).snapshot()
         assert s0["resident_units"] == 0 and s0["read_bytes"] == s0["streamed_bytes"] == 0, s0
         last = s0
@@ -423,13 +433,15 @@ def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints
             ahead = sum(plan.units[j].src_bytes for j in m._tiered.streamer.pending)
             assert ahead > 0  # the next pass's first units were really read while idle
             assert s["streamed_bytes"] - last["streamed_bytes"] == per_pass, (n, s)
-            assert s["streamed_bytes"] == n * per_pass and s["units_streamed"] == n * len(plan.units), s
+            assert s["embedding_bytes"] == n * rows, s
+            assert s["streamed_bytes"] == n * per_pass and s["units_streamed"] == n * len(ring_units), s
             assert s["prefetch_idle_bytes"] == ahead, (s, ahead)
             assert s["read_bytes"] == s["load_bytes"] + s["streamed_bytes"] + s["prefetch_idle_bytes"], s
             assert s["read_bytes"] > n * per_pass  # what the old per-read count would have charged to n passes
             last = s
         text = str(tiered.stats(m))
-        assert f"{gb(3 * per_pass)} used by passes ({3 * len(plan.units)} units)" in text, text
+        assert f"{gb(3 * per_pass)} used by passes ({3 * len(ring_units)} units, {gb(3 * rows)} of embedding rows)" \
+            in text, text
         assert f"{gb(ahead)} read ahead and not used (yet)" in text, text
 
 

@@ -186,3 +186,23 @@ def test_use_after_close_on_cuda_does_not_crash(ckpts: Checkpoints) -> None:
         "torch.tensor([[1, 2, 3]])", "torch.tensor([[1, 2, 3]], device='cuda')")
     r = _run_child(code, str(ckpts["llama"]), "0.0005")
     assert r.returncode == 0 and "ok 1" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_embedding_rows_on_cuda(tmp_path: Path) -> None:
+    """A Llama base model whose embedding is 4x the ring streams it by rows on CUDA, equal to stock on the GPU."""
+    cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    import models
+
+    models.save_model(transformers.LlamaModel(cfg), tmp_path / "m", seed=5, dtype=torch.float32, max_shard_size=None)
+    ref = _ref(tmp_path / "m", transformers.AutoModel)
+    ring_gb = 8192 * 64 * 4 / 4 / GiB
+    ids = torch.tensor([[7, 8191, 0, 4000, 7]], device=DEV)
+    with torch.no_grad(), tiered.load(tmp_path / "m", device=DEV, ring_gb=ring_gb, gpu_gb=0) as m:
+        s = tiered.stats(m)
+        assert s.row_units == 1 and s.resident_units == 0
+        want = ref(ids).last_hidden_state
+        assert torch.equal(m(ids).last_hidden_state, want)
+        assert tiered.stats(m).embedding_bytes == 4 * 64 * 4
+        emb = m.embed_tokens
+        assert torch.equal(emb(ids), ref.embed_tokens(ids)) and emb.weight.device.type == "meta"

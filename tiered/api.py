@@ -24,6 +24,7 @@ from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_di
 from .plan import Plan, build_plan
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
+from .rows import RowGather, row_eligible
 from .stats import Stats, page_cache_room, proc_status
 from .streamer import Streamer
 
@@ -50,6 +51,7 @@ class Options:
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
+    embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
 
 
 #: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
@@ -70,6 +72,7 @@ class _Handle:
         self.ring: Ring | None = None
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
+        self.rows: list[Any] = []  # RowGather per row-streamed embedding
         self.closed = False
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
@@ -93,6 +96,8 @@ class _Handle:
                 self.hooks.pop().remove()
             if self.streamer is not None:
                 self.streamer.close()
+            for rg in self.rows:
+                rg.close()
             _release_resources(None, None, self.reader, self.ring)
             self.closed = True
         finally:
@@ -287,23 +292,29 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:
     )
 
 
-def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int) -> set[int]:
+def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int,
+                     rows: set[int] = frozenset()) -> set[int]:  # type: ignore[assignment]
+    """Units to load once and keep. ``rows``: embeddings that can read their rows on demand instead: on CUDA
+    they are resident only when the whole model fits the budget (and the ring); otherwise they read rows."""
     if device.type == "cpu":
         # The ring is the only memory: keep everything there when it all fits, else stream everything.
         need = sum(page_up(u.nbytes) for u in plan.units)
         return {u.index for u in plan.units} if need <= ring else set()
+    too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
     if gpu_gb is None:
         free, _ = torch.cuda.mem_get_info(device)
         budget = free - GPU_HEADROOM_BYTES
     else:
         budget = int(gpu_gb * GiB)
-    if plan.nbytes <= budget:
+    if plan.nbytes <= budget and not too_big:
         return {u.index for u in plan.units}
-    # Largest units first: what streams then needs the smallest device buffers.
+    # Largest units first: what streams then needs the smallest device buffers. Embeddings that read their
+    # rows on demand are never chosen: a token costs them a few rows, so the budget goes to units that
+    # would stream whole (and they need no device buffer either).
     chosen: set[int] = set()
-    order = sorted(plan.units, key=lambda u: -u.nbytes)
+    order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.nbytes)
     for u in order:
-        streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index}), default=0)
+        streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
         pool = (prefetch + 1) * streamed_max
         used = sum(plan.units[i].nbytes for i in chosen) + u.nbytes
         if used + pool <= budget:
@@ -324,6 +335,7 @@ def attach(
     drop_pages: bool = True,
     drop_page_cache: bool = False,
     progress: bool | None = None,
+    embedding_rows: bool = True,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -336,8 +348,12 @@ def attach(
     constant; device memory by the resident units plus ``prefetch + 1`` buffers of the largest
     streamed unit.
 
+    A streamed ``nn.Embedding`` reads only the rows its ids look up, on each call (``embedding_rows``;
+    see ``tiered/rows.py``): it needs no ring space, so a table larger than the ring is fine.
+
     Raises:
-        RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed).
+        RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed); a
+            row-streamed embedding never is.
         MissingTensorError / ShapeMismatchError: the checkpoint does not match the module.
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
         ConfigError: an unknown device or io backend.
@@ -345,7 +361,7 @@ def attach(
     _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io)
     dev = _resolve_device(device)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
-                   drop_pages=drop_pages, drop_page_cache=drop_page_cache)
+                   drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
@@ -354,7 +370,9 @@ def attach(
     # A ring larger than the whole model (page-aligned units) would only cost RSS: cap it.
     whole = sum(page_up(u.nbytes) for u in plan.units)
     ring_bytes = page_up(min(int(ring_gb * GiB), whole))
-    big = plan.max_unit
+    eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
+    ring_units = [u for u in plan.units if u.index not in eligible] or plan.units
+    big = max(ring_units, key=lambda u: u.nbytes)
     need = page_up(big.nbytes)  # as the ring allocates it (and as `tiered inspect` reports it)
     if need > ring_bytes:
         raise RingTooSmallError(
@@ -382,18 +400,27 @@ def attach(
             ) from None
         h.stats.ring_bytes = h.ring.size
         h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
-        resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch)
+        resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch, rows=eligible)
+        rows = eligible - resident
         h.stats.model_bytes = plan.nbytes
         h.stats.units = len(plan.units)
         h.stats.resident_units = len(resident)
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
-        h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats)
+        h.stats.row_units = len(rows)
+        h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
+                              rows=rows)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)
         s = h.streamer
         for u in plan.units:
             if u.index in resident:
+                continue
+            if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
+                rg = RowGather(u, dev, h.stats)
+                h.rows.append(rg)
+                h.hooks.append(u.module.register_forward_pre_hook(rg.pre_hook, with_kwargs=True))
+                h.hooks.append(u.module.register_forward_hook(rg.post_hook, with_kwargs=True, always_call=True))
                 continue
             # The unit's root, and every module inside it that owns one of its tensors: calling such a
             # module directly (model.model.layers[2].mlp(x)) binds the unit too, instead of computing on
@@ -427,6 +454,7 @@ def load(
     drop_pages: bool = True,
     drop_page_cache: bool = False,
     progress: bool | None = None,
+    embedding_rows: bool = True,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -447,6 +475,9 @@ def load(
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
+        embedding_rows: a streamed embedding reads only the rows its ids look up, each call
+            (batch x tokens x hidden x itemsize bytes, not the table; ``tiered/rows.py``); False streams
+            it whole through the ring like any unit.
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -465,7 +496,7 @@ def load(
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
-                  _rss_before=rss0)
+                  embedding_rows=embedding_rows, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

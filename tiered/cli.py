@@ -391,8 +391,12 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
         lines.append(f"{rate}; all {n_units} units resident in {where} (read once, at load: "
                      f"{gb(after['load_bytes'])}); nothing streamed per token")
     else:
-        src = sum(plan.units[i].src_bytes for i in model._tiered.streamer.streamed)
-        part = f"the {n_units - n_res} streamed units are {gb(src)}"
+        ring_units = model._tiered.streamer.streamed  # through the ring (row-read embeddings apart)
+        src = sum(plan.units[i].src_bytes for i in ring_units)
+        part = f"the {len(ring_units)} streamed units are {gb(src)}"
+        if after["row_units"]:
+            rows = after["embedding_bytes"] - before["embedding_bytes"]
+            part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"
         if n_res:
             part += f"; {n_res} units resident in {where}"
         lines.append(f"{rate}; streamed {gb(streamed)} ({gb(streamed / n)}/token; {part}) at "

@@ -125,6 +125,9 @@ class Stats:
     h2d_*: ring -> GPU (bytes copied, seconds measured with CUDA events on the copy stream; every copy
         that was made, read-ahead ones included).
     stall_s: seconds the caller waited for a unit that was not ready yet.
+    embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
+        reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
+        ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
     """
 
     read_bytes: int = 0
@@ -137,6 +140,8 @@ class Stats:
     hits: int = 0
     misses: int = 0
     units_streamed: int = 0
+    embedding_bytes: int = 0
+    row_units: int = 0
     ring_bytes: int = 0
     ring_high_water: int = 0
     device_buffer_bytes: int = 0
@@ -160,6 +165,13 @@ class Stats:
         with self._lock:
             self.streamed_bytes += nbytes
             self.units_streamed += 1
+
+    def add_rows(self, nbytes: int) -> None:
+        """A forward pass read ``nbytes`` of embedding rows (read and used at once)."""
+        with self._lock:
+            self.read_bytes += nbytes
+            self.streamed_bytes += nbytes
+            self.embedding_bytes += nbytes
 
     def add_h2d(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -188,7 +200,8 @@ class Stats:
             read += f": all {s['units']} units resident, read once at load; nothing streams"
         else:
             read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
-            read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units)"
+            read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units"
+            read += f", {gb(s['embedding_bytes'])} of embedding rows)" if s["row_units"] else ")"
             if s["prefetch_idle_bytes"]:
                 read += f", {gb(s['prefetch_idle_bytes'])} read ahead and not used (yet)"
         parts = [read]

@@ -71,6 +71,8 @@ class Streamer:
         device: ``cpu`` or a CUDA device.
         prefetch: units loaded ahead of the one running.
         resident: indices of units loaded once and kept (never streamed).
+        rows: indices of embedding units that read only their looked-up rows (``tiered/rows.py``):
+            never loaded, prefetched or bound here.
         stats: counters to update.
     """
 
@@ -84,6 +86,7 @@ class Streamer:
         prefetch: int,
         resident: set[int],
         stats: Stats,
+        rows: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         self.plan = plan
         self.units = plan.units
@@ -92,7 +95,7 @@ class Streamer:
         self.prefetch = max(0, prefetch)
         self.resident_ids = set(resident)
         self.stats = stats
-        self.streamed = [u.index for u in self.units if u.index not in self.resident_ids]
+        self.streamed = [u.index for u in self.units if u.index not in self.resident_ids and u.index not in rows]
         self.order = OrderPolicy(self.streamed)
         if device.type == "cuda":
             streamed_max = max((self.units[i].nbytes for i in self.streamed), default=0)

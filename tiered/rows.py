@@ -1,0 +1,192 @@
+"""Embedding rows: a streamed embedding reads only the rows its input looks up, never the table.
+
+An ``nn.Embedding`` (or a subclass whose forward goes through ``nn.Embedding.forward``, such as a
+scaled embedding) whose weight streams is not a ring unit. On each call a forward pre-hook
+
+1. takes the ids (the first positional argument, or ``input`` / ``input_ids``), moves them to the CPU
+   and computes ``torch.unique(ids, return_inverse=True)``: ``U`` distinct ids, sorted;
+2. reads those ``U`` rows from the checkpoint with ``os.preadv`` — one read per run of consecutive
+   ids, into one host tensor of shape ``(U, embedding_dim)`` in the checkpoint dtype — casts it to
+   the model dtype (``Tensor.to``: the same rounding as casting the table) and copies it to the device;
+3. binds that ``(U, D)`` tensor as the module's weight and replaces the ids with their inverse
+   indices (``ids.shape``, values in ``[0, U)``), and sets ``padding_idx`` to None for the call
+   (it only affects gradients; ``F.embedding`` refuses a ``padding_idx >= U``).
+
+The module's own forward then computes ``F.embedding(inverse, rows)``, which is ``table[ids]`` element
+for element: outputs are bitwise equal to the whole table's, in any dtype. A forward hook
+(``always_call``) restores the ``meta`` placeholder and ``padding_idx``.
+
+Bytes read per call: ``U x embedding_dim x itemsize`` (a decode step of batch ``B``: at most ``B`` rows),
+counted in ``Stats.embedding_bytes`` and ``Stats.read_bytes``. Reads are plain buffered ``preadv``
+(a few KiB each, through the page cache whatever ``io`` is); a short read raises
+:class:`~tiered.errors.TruncatedShardError` naming the file, tensor and offset — never SIGBUS.
+
+Not eligible (streamed whole, as before): ``max_norm`` set (the forward renormalises rows in place),
+sparse gradients, a weight assembled from several checkpoint tensors, or a subclass that overrides
+``forward`` without calling ``nn.Embedding.forward`` on its input (detected: the class's ``forward``
+must be ``nn.Embedding.forward`` or call ``super().forward``).
+
+Threads: the hooks run on the calling thread; a per-embedding lock is held from the pre-hook to the
+forward hook, so concurrent direct calls of one embedding are serialised.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import TruncatedShardError
+from .plan import Unit
+
+__all__ = ["RowGather", "row_eligible"]
+
+
+def _calls_embedding_forward(cls: type) -> bool:
+    """True when ``cls.forward`` is ``nn.Embedding.forward`` or visibly defers to it (``super().forward``)."""
+    for klass in cls.__mro__:
+        if klass is nn.Embedding:
+            return True
+        if "forward" in klass.__dict__:
+            try:
+                src = inspect.getsource(klass.__dict__["forward"])
+            except (OSError, TypeError):
+                return False
+            return "super().forward(" in src
+    return False
+
+
+def row_eligible(unit: Unit) -> bool:
+    """True when ``unit`` is one embedding table read from one checkpoint tensor of the same shape."""
+    m = unit.module
+    if not isinstance(m, nn.Embedding) or len(unit.targets) != 1 or unit.converts:
+        return False
+    t = unit.targets[0]
+    if t.module is not m or t.attr != "weight" or len(t.copies) != 1 or t.copies[0].place is not None:
+        return False
+    src = t.copies[0].src
+    if tuple(src.shape) != tuple(t.shape) or len(t.shape) != 2 or src.dtype.is_complex != t.dtype.is_complex:
+        return False
+    if m.max_norm is not None or m.sparse:
+        return False
+    return _calls_embedding_forward(type(m))
+
+
+class RowGather:
+    """Reads embedding rows on demand for one streamed embedding unit (see the module docstring).
+
+    Args:
+        unit: a :func:`row_eligible` unit.
+        device: where the rows are used (they are read on the host, then copied).
+        stats: the model's :class:`~tiered.stats.Stats` (``embedding_bytes``, ``read_bytes`` are added to).
+    """
+
+    def __init__(self, unit: Unit, device: torch.device, stats: Any) -> None:
+        self.unit = unit
+        self.target = unit.targets[0]
+        self.src = self.target.copies[0].src
+        self.device = device
+        self.stats = stats
+        self.rows, self.dim = self.src.shape
+        self.row_bytes = self.dim * self.src.dtype.itemsize
+        self.file = open(self.src.file, "rb", buffering=0)  # noqa: SIM115 - closed by close() or with the object
+        self.fd = self.file.fileno()
+        self.lock = threading.Lock()
+        self._tls = threading.local()  # .held: this thread's pre-hook took the lock and bound rows
+        self.placeholder = unit.module._parameters["weight"]
+        self.padding_idx = unit.module.padding_idx
+        self.closed = False
+
+    # ----------------------------------------------------------------------------------- reading
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D int64, sorted, distinct, in range) as a ``(len(ids), D)`` tensor, checkpoint dtype.
+
+        Raises:
+            TruncatedShardError: the file ends before a row (names file, tensor and offset).
+        """
+        n = ids.numel()
+        out = torch.empty((n, self.dim), dtype=self.src.dtype)
+        if n == 0 or self.dim == 0:
+            return out
+        buf = out.view(-1).view(torch.uint8).numpy()
+        idx = ids.tolist()
+        i = 0
+        while i < n:  # one read per run of consecutive ids
+            j = i + 1
+            while j < n and idx[j] == idx[j - 1] + 1:
+                j += 1
+            off = self.src.offset + idx[i] * self.row_bytes
+            want = (j - i) * self.row_bytes
+            view = memoryview(buf)[i * self.row_bytes:j * self.row_bytes]
+            got = 0
+            while got < want:
+                k = os.preadv(self.fd, [view[got:]], off + got)
+                if k <= 0:
+                    raise TruncatedShardError(
+                        f"{self.src.file}: tensor {self.src.name!r} row {idx[i] + got // self.row_bytes} at offset "
+                        f"{off + got} is past the end of the file ({os.fstat(self.fd).st_size} bytes): the shard "
+                        "is truncated; re-download or re-convert it")
+                got += k
+            i = j
+        self.stats.add_rows(n * self.row_bytes)
+        return out
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.closed:
+            from .errors import StreamerError
+
+            raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
+        if args:
+            ids, where = args[0], ("args", 0)
+        else:
+            key = "input" if "input" in kwargs else "input_ids"
+            ids, where = kwargs.get(key), ("kwargs", key)
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(module).__name__}: expected integer ids (LongTensor/IntTensor), got "
+                            f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
+        self.lock.acquire()
+        try:
+            flat = ids.reshape(-1).to("cpu", torch.int64)
+            uniq, inv = torch.unique(flat, sorted=True, return_inverse=True)
+            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.rows):
+                bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+                raise IndexError(f"index {bad} is out of range for {self.unit.name!r} ({self.rows} rows)")
+            rows = self.read(uniq).to(self.target.dtype)
+            if self.device.type != "cpu":
+                rows = rows.pin_memory().to(self.device, non_blocking=False) if rows.numel() else rows.to(self.device)
+            module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+            module.padding_idx = None
+            new_ids = inv.reshape(ids.shape).to(ids.device)
+        except BaseException:
+            module._parameters["weight"] = self.placeholder
+            module.padding_idx = self.padding_idx
+            self.lock.release()
+            raise
+        self._tls.held = True
+        if where[0] == "args":
+            args = (new_ids, *args[1:])
+        else:
+            kwargs = {**kwargs, where[1]: new_ids}
+        return args, kwargs
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        """Also called when the forward (or a pre-hook) raised; does something only after this
+        thread's own successful pre-hook."""
+        if not getattr(self._tls, "held", False):
+            return
+        self._tls.held = False
+        module._parameters["weight"] = self.placeholder
+        module.padding_idx = self.padding_idx
+        self.lock.release()
+
+    def close(self) -> None:
+        """Idempotent: later calls of the embedding raise StreamerError."""
+        self.closed = True
+        self.file.close()
