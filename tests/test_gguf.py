@@ -319,3 +319,20 @@ def test_conversion_memory_does_not_grow_with_the_file(tmp_path):
     # ... the peak did not follow it (mapped GGUF pages left in RSS alone would add ~34 MB)
     assert g16 - g4 < 24 << 20, growth
     assert g16 < 64 << 20, growth
+
+
+def test_demo_part_c_answers(tmp_path):
+    """`make demo`'s part (c), as CI runs it: converts the GGUF into a fresh cache and answers the question."""
+    smol_path()
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tools" / "demo.py"), "--skip-b", "--cache", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "bitwise equal to stock transformers: True" in out, out
+    answer = next(line for line in out.splitlines() if line.strip().startswith("A:"))
+    assert "Paris" in answer, out
+    assert "converted in" in out and (tmp_path / "smollm2-135m-instruct-bf16" / "config.json").is_file()
+    ring = next(line for line in out.splitlines() if "ring" in line and "MiB model" in line)
+    assert "0 resident" in out, out  # streamed through a ring smaller than the model
+    assert ring, out
