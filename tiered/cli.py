@@ -67,7 +67,13 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     aligned = all((s.data_start % 4096) == 0 for s in ckpt.shards)
     # Stream-ordered: each unit's first byte comes after the previous unit's, in shard order.
     shard_rank = {str(s.path): i for i, s in enumerate(ckpt.shards)}
-    starts = [min((shard_rank[f], lo) for f, lo, _ in offs) for offs in spans if offs]
+    seen: set[tuple[str, int]] = set()
+    starts = []
+    for offs in spans:  # a unit's own bytes: a tied head reads the embedding's, which lie earlier
+        own = [(shard_rank[f], lo) for f, lo, _ in offs if (f, lo) not in seen]
+        seen.update((f, lo) for f, lo, _ in offs)
+        if own:
+            starts.append(min(own))
     ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
     big = plan.max_unit
     return {
@@ -184,7 +190,10 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str) -> Path:
     if not d.is_dir():
         if d.exists():
             hint = (f" (for a lone weight file, put it in a directory with its config.json: pass {str(d.parent)!r})"
-                    if d.suffix in (".safetensors", ".bin", ".pt", ".gguf") else "")
+                    if d.suffix in (".safetensors", ".bin", ".pt") else "")
+            if d.suffix == ".gguf":
+                hint = (f" (a GGUF file: convert it once into a model directory, then pass that: tiered reshard {d} "
+                        f"{d.with_suffix('')}-tiered --dtype bf16)")
             parser.error(f"MODEL_DIR {d} is a file, not a directory; pass the directory that holds config.json and "
                          f"the weights{hint}")
         if _HUB_ID.fullmatch(path) and not path.startswith((".", "~")):
@@ -267,7 +276,8 @@ def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser)
         given = [f for f, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k),
                                 ("--seed", a.seed)) if v is not None]
         if given:
-            _fail(parser, f"{', '.join(given)} only apply when sampling: add --do-sample (the default is greedy)")
+            verb = "apply" if len(given) > 1 else "applies"
+            _fail(parser, f"{', '.join(given)} {verb} only when sampling: add --do-sample (the default is greedy)")
     if a.chat and a.ids:
         _fail(parser, "--chat formats text with the tokenizer's chat template; it cannot be used with --ids")
     if a.gpu_gb is not None and a.device == "cpu":
@@ -546,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiered: error: {flags_for_options(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("tiered: interrupted", file=sys.stderr)
+        print("\ntiered: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `tiered ... | head`: the reader left; say nothing more on the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

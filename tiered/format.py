@@ -759,8 +759,11 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
         return root
     if root.exists():
         hint = ""
-        if root.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+        if root.suffix in (".safetensors", ".bin", ".pt"):
             hint = f" (for a lone weight file, put it in a directory with its config.json: pass {str(root.parent)!r})"
+        elif root.suffix == ".gguf":
+            hint = (f" (a GGUF file: convert it once into a model directory, then pass that: "
+                    f"tiered.reshard({str(root)!r}, {str(root.with_suffix(''))+'-tiered'!r}, dtype='bf16'))")
         raise ShardNotFoundError(f"{root} is a file, not a directory; pass the directory that holds config.json and "
                                  f"the weights{hint}")
     if _HUB_ID.fullmatch(str(model_dir)) and not str(model_dir).startswith((".", "~")):

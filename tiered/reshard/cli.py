@@ -21,8 +21,9 @@ _DESCRIPTION = """\
 Reshard a checkpoint for streaming: rewrite its weights as safetensors shards in execution order
 (every unit -- one decoder layer, the embeddings, the head -- contiguous inside one shard), each
 shard's data section 4 KiB-aligned, with a standard model.safetensors.index.json; config,
-generation config and tokenizer files are copied. Tensor names and bytes are kept (bit-equal), so
-the output loads with transformers' from_pretrained as well as with tiered.load.
+generation config and tokenizer files are copied. Tensor names and bytes are kept (bit-equal; with
+--dtype, cast; from GGUF, dequantized), so the output loads with transformers' from_pretrained as
+well as with tiered.load.
 
 SRC is a Hugging Face model directory (safetensors, one file or sharded; pytorch_model.bin, sharded
 .bin with index, or .pt/.pth) or one weight file, or one llama.cpp GGUF file (Llama family, Qwen2,

@@ -141,6 +141,25 @@ def _field(reader: Any, key: str) -> list[Any]:
     return read_field(reader, key)
 
 
+def _top_level_map(state: dict[str, Any], arch: str, n_layers: int, processor: Any) -> dict[str, str]:
+    """GGUF name -> HF name for every key of ``state`` that gguf's name table maps (as transformers does)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(arch_id, n_layers)
+    out: dict[str, str] = {}
+    for hf in state:
+        name = processor.preprocess_name(hf)
+        base, suffix = name, ""
+        if name.endswith((".weight", ".bias")):
+            base, suffix = name.rsplit(".", 1)
+            suffix = "." + suffix
+        g = table.get_name(base)
+        if g is not None:
+            out[g + suffix] = hf
+    return out
+
+
 def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
     """Validate ``path`` (header, architecture, every tensor's name and type) and build its source.
 
@@ -182,7 +201,7 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    try:  # what AutoConfig.from_pretrained(dir, gguf_file=...) does, parsing the metadata once
+    try:  # what AutoConfig.from_pretrained(dir, gguf_file=...) does (AutoTokenizer parses the metadata again)
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         config = transformers.CONFIG_MAPPING[parsed["model_type"]].from_dict(dict(parsed))
     except Exception as e:
@@ -200,9 +219,13 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
     src._processor = processor_cls(config=parsed)
     model = build_meta_model(cls, config, torch.float32)
     # GGUF names follow the file's own architecture (a Mistral GGUF says "llama"; gguf-py has no "mistral"
-    # name table, so transformers itself fails on one; the tensors are named as Llama's)
-    key_map = get_gguf_hf_weights_map(model, src._processor, model_type=arch)
+    # name table, so transformers itself fails on one; the tensors are named as Llama's). What
+    # get_gguf_hf_weights_map does at the top level, once: its recursion into every submodule builds
+    # gguf's name table again for each (~10 s here); it is used only if a name is left unmapped.
     state = model.state_dict()
+    key_map = _top_level_map(state, arch, config.num_hidden_layers, src._processor)
+    if len(key_map) < len({k for k in state if not k.endswith("rotary_emb.inv_freq")}):
+        key_map = {**get_gguf_hf_weights_map(model, src._processor, model_type=arch), **key_map}
 
     unused = []
     for t in reader.tensors:
@@ -240,6 +263,13 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
             for p in sorted(Path(d).iterdir()):
                 if p.is_file():
                     src.generated_files[p.name] = p.read_bytes()
+        tc = json.loads(src.generated_files.get("tokenizer_config.json", b"{}"))
+        tj = json.loads(src.generated_files.get("tokenizer.json", b"{}"))
+        if tc.get("clean_up_tokenization_spaces") and (tj.get("model") or {}).get("type") == "BPE":
+            # transformers ignores it for BPE tokenizers, with a warning on every decode: say False instead
+            tc["clean_up_tokenization_spaces"] = False
+            src.generated_files["tokenizer_config.json"] = (json.dumps(tc, indent=2, ensure_ascii=False) + "\n").encode()
+
     if notes_sink is not None:
         notes_sink.extend(src.notes)
     json.loads(src.generated_files["config.json"])  # sanity: valid JSON
