@@ -154,5 +154,41 @@ def test_truncated_shard_names_tensor(tmp_path, ckpts):
         row = src.shape[1] * src.dtype.itemsize
         with open(shard, "r+b") as f:  # cut the file inside the embedding table, after row 10
             f.truncate(src.offset + 10 * row)
-        with pytest.raises(tiered.TruncatedShardError, match=r"embed_tokens\.weight.*offset"):
+        with pytest.raises(tiered.TruncatedShardError, match=r"model\.safetensors.*truncated"):
             model.model.embed_tokens(torch.tensor([[3, 50]]))
+
+
+def test_rewritten_shard_is_an_error(tmp_path, ckpts):
+    import os
+
+    path = ckpts.copy("llama_tied_single", tmp_path / "m")
+    shard = path / "model.safetensors"
+    probe = tiered.load(path, ring_gb=1, device="cpu")
+    ring = _ring_without_embedding(probe)
+    probe.close()
+    with tiered.load(path, ring_gb=ring, device="cpu") as model:
+        ids = torch.tensor([[3, 50]])
+        model.model.embed_tokens(ids)
+        st = os.stat(shard)
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "rewritten in place"
+        with pytest.raises(tiered.ShardChangedError, match="model.safetensors"):
+            model.model.embed_tokens(ids)
+
+
+def test_dropped_model_closes_row_reader(ckpts):
+    import gc
+    import os
+
+    path = ckpts["llama_fp32"]
+    probe = tiered.load(path, ring_gb=1, device="cpu")
+    ring = _ring_without_embedding(probe)
+    probe.close()
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    model = tiered.load(path, ring_gb=ring, device="cpu")
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert tiered.stats(model).row_units == 1
+    del model
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before  # every shard fd, the row reader's included, is closed

@@ -109,10 +109,10 @@ def _unique(mods: list[nn.Module]) -> list[nn.Module]:
     return list({id(m): m for m in mods}.values())
 
 
-def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Ring | None) -> None:
-    """Stop the loader, wait for copies, stop the readers, unmap the ring (each idempotent). Holds no module:
-    also the finaliser of a model dropped without close()."""
-    for part in (loader, stage, reader, ring):
+def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Ring | None, *more: Any) -> None:
+    """Stop the loader, wait for copies, stop the readers, unmap the ring, close ``more`` (each idempotent).
+    Holds no module: also the finaliser of a model dropped without close()."""
+    for part in (loader, stage, reader, ring, *more):
         if part is not None:
             part.close()
 
@@ -431,7 +431,8 @@ def attach(
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
-        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring)
+        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring,
+                         *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
         raise

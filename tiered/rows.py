@@ -18,7 +18,9 @@ for element: outputs are bitwise equal to the whole table's, in any dtype. A for
 
 Bytes read per call: ``U x embedding_dim x itemsize`` (a decode step of batch ``B``: at most ``B`` rows),
 counted in ``Stats.embedding_bytes`` and ``Stats.read_bytes``. Reads are plain buffered ``preadv``
-(a few KiB each, through the page cache whatever ``io`` is); a short read raises
+(a few KiB each, through the page cache whatever ``io`` is), after the shard's
+:meth:`~tiered.reader.ShardMap.check` (a shard replaced or rewritten under the model raises
+:class:`~tiered.errors.ShardChangedError`); a short read raises
 :class:`~tiered.errors.TruncatedShardError` naming the file, tensor and offset — never SIGBUS.
 
 Not eligible (streamed whole, as before): ``max_norm`` set (the forward renormalises rows in place),
@@ -42,6 +44,7 @@ from torch import nn
 
 from .errors import TruncatedShardError
 from .plan import Unit
+from .reader import ShardMap
 
 __all__ = ["RowGather", "row_eligible"]
 
@@ -93,8 +96,9 @@ class RowGather:
         self.stats = stats
         self.rows, self.dim = self.src.shape
         self.row_bytes = self.dim * self.src.dtype.itemsize
-        self.file = open(self.src.file, "rb", buffering=0)  # noqa: SIM115 - closed by close() or with the object
-        self.fd = self.file.fileno()
+        # the shard, opened once: its fd for preadv, its check() before each read (a file truncated, replaced or
+        # rewritten under the model is an error, as for every other unit)
+        self.shard = ShardMap(self.src.file, sequential=False)
         self.lock = threading.Lock()
         self._tls = threading.local()  # .held: this thread's pre-hook took the lock and bound rows
         self.placeholder = unit.module._parameters["weight"]
@@ -113,6 +117,8 @@ class RowGather:
         out = torch.empty((n, self.dim), dtype=self.src.dtype)
         if n == 0 or self.dim == 0:
             return out
+        self.shard.check()
+        fd = self.shard.fd
         buf = out.view(-1).view(torch.uint8).numpy()
         idx = ids.tolist()
         i = 0
@@ -125,11 +131,11 @@ class RowGather:
             view = memoryview(buf)[i * self.row_bytes:j * self.row_bytes]
             got = 0
             while got < want:
-                k = os.preadv(self.fd, [view[got:]], off + got)
+                k = os.preadv(fd, [view[got:]], off + got)
                 if k <= 0:
                     raise TruncatedShardError(
                         f"{self.src.file}: tensor {self.src.name!r} row {idx[i] + got // self.row_bytes} at offset "
-                        f"{off + got} is past the end of the file ({os.fstat(self.fd).st_size} bytes): the shard "
+                        f"{off + got} is past the end of the file ({os.fstat(fd).st_size} bytes): the shard "
                         "is truncated; re-download or re-convert it")
                 got += k
             i = j
@@ -189,4 +195,4 @@ class RowGather:
     def close(self) -> None:
         """Idempotent: later calls of the embedding raise StreamerError."""
         self.closed = True
-        self.file.close()
+        self.shard.close()
