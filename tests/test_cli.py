@@ -256,6 +256,20 @@ def test_ids_are_checked_against_the_vocabulary(dirs: dict[str, Path], capsys: p
         assert e.value.code == 2 and "--ids" in err and want in err, err
 
 
+def test_past_the_position_table_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's learned positions end at n_positions: a prompt plus new tokens past it is a usage error (exit 2,
+    before any weight is read: the shard here is garbage), not an IndexError traceback."""
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                               "n_positions": 16, "vocab_size": 64}))
+    (d / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(d), "--ids", "--prompt", " ".join(["5"] * 10), "--max-new-tokens", "7"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-new-tokens (7)" in err and "16 positions" in err, err
+
+
 def test_option_errors_raised_by_load_speak_in_flags(dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """tiered.load's own checks (ring smaller than a unit: known only from the plan) come back as usage errors."""
     with pytest.raises(SystemExit) as e:

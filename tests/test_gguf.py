@@ -33,7 +33,7 @@ QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 
 
 def write_gguf(path: Path, arch: str = "llama", *, qtypes=(Q.Q8_0,), tied: bool = False, seed: int = 0,
-               name: str = "tiny test model", dims: str | None = None) -> Path:
+               name: str = "tiny test model", dims: str | None = None, skip: frozenset[str] = frozenset()) -> Path:
     """A random-weight GGUF of ``arch`` (no tokenizer) with the shapes ``DIMS[dims or arch]``;
     matrices cycle through ``qtypes``."""
     d = DIMS[dims or arch]
@@ -56,6 +56,8 @@ def write_gguf(path: Path, arch: str = "llama", *, qtypes=(Q.Q8_0,), tied: bool 
 
     def mat(n: str, shape: tuple[int, ...], quant: bool = True) -> None:
         a = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if n in skip:
+            return
         qt = next(cycle) if quant else Q.F32
         if qt == Q.F32:
             w.add_tensor(n, a)
@@ -179,6 +181,14 @@ def test_fp16_and_fp32_outputs(tmp_path):
             want = reference(src, dt)(ids).logits
             with tiered.load(dst, ring_gb=0.01, device="cpu") as model:
                 assert torch.equal(model(ids).logits, want), name
+
+
+def test_missing_tensor_is_refused(tmp_path):
+    """A GGUF without a tensor the model needs is refused (naming it), not written with the hole in it."""
+    src = write_gguf(tmp_path / "cut.gguf", "llama", skip={"blk.1.ffn_down.weight"})
+    with pytest.raises(tiered.UnsupportedCheckpointError, match=r"cut\.gguf.*layers\.1\.mlp\.down_proj"):
+        tiered.reshard(src, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_unsupported_architecture_named(tmp_path):

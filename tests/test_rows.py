@@ -192,3 +192,60 @@ def test_dropped_model_closes_row_reader(ckpts):
     del model
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before  # every shard fd, the row reader's included, is closed
+
+
+def test_keyboard_interrupt_inside_the_embedding(ckpts, monkeypatch):
+    """Ctrl-C inside the embedding's forward skips its forward hook (torch runs always_call hooks for Exception
+    only): the next model call must still find the placeholder back, the lock free and the output equal."""
+    import torch.nn.functional as F
+
+    path = ckpts["gpt2"]
+    ref = _ref(path)
+    probe = tiered.load(path, ring_gb=1, device="cpu")
+    ring = _ring_without_embedding(probe)
+    probe.close()
+    ids = torch.tensor([[1, 2, 3, 2]])
+    real = F.embedding
+    calls = {"n": 0}
+
+    def once(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    with torch.no_grad(), tiered.load(path, ring_gb=ring, device="cpu") as model:
+        monkeypatch.setattr(F, "embedding", once)
+        with pytest.raises(KeyboardInterrupt):
+            model(ids)
+        monkeypatch.setattr(F, "embedding", real)
+        assert all(not rg.lock.locked() for rg in model._tiered.rows)
+        assert model.transformer.wte.weight.device.type == "meta"
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+        # the same, in a direct call of the embedding: its next direct call recovers
+        monkeypatch.setattr(F, "embedding", once)
+        calls["n"] = 0
+        with pytest.raises(KeyboardInterrupt):
+            model.transformer.wte(ids)
+        monkeypatch.setattr(F, "embedding", real)
+        assert torch.equal(model.transformer.wte(ids), ref.transformer.wte(ids))
+
+
+def test_positional_embeddings_that_compute_their_ids_are_not_row_streamed(tmp_path):
+    """OPT's positional embedding takes the attention mask first and computes the ids itself: not eligible
+    (it streams whole, as before), and the model stays equal to stock."""
+    cfg = transformers.OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=64, word_embed_proj_dim=32)
+    models.save_model(transformers.OPTForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
+                      max_shard_size=None)
+    ref = _ref(tmp_path / "m")
+    probe = tiered.load(tmp_path / "m", ring_gb=1, device="cpu")
+    ring = _ring_without_embedding(probe)
+    plan = probe._tiered.plan
+    eligible = {u.name for u in plan.units if row_eligible(u)}
+    probe.close()
+    assert not any("embed_positions" in n for n in eligible), eligible
+    ids = torch.tensor([[5, 6, 7, 8, 5], [1, 2, 3, 4, 9]])
+    with torch.no_grad(), tiered.load(tmp_path / "m", ring_gb=ring, device="cpu") as model:
+        assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits,
+                           ref(ids, attention_mask=torch.ones_like(ids)).logits)

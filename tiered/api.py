@@ -155,6 +155,8 @@ class _TieredMixin:
             depth = h.depth  # restored, not decremented: right wherever an interrupt lands
             if depth == 0 and h.streamer is not None:
                 h.streamer.release_all()  # what an interrupted earlier call may have left
+                for rg in h.rows:
+                    rg.reset()  # rows this thread's interrupted call left bound (hooks don't run on Ctrl-C)
             try:
                 h.depth = depth + 1
                 return super().__call__(*args, **kwargs)
@@ -162,6 +164,8 @@ class _TieredMixin:
                 h.depth = depth
                 if depth == 0 and h.streamer is not None:
                     h.streamer.release_all()
+                    for rg in h.rows:
+                        rg.reset()
 
     @property
     def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes

@@ -257,6 +257,16 @@ def _vocab_size(cfg: dict) -> int | None:
     return None
 
 
+def _check_length(a: argparse.Namespace, parser: argparse.ArgumentParser, cfg: dict, n_prompt: int) -> None:
+    """Models with a learned table of absolute positions (GPT-2's ``n_positions``) cannot go past it: the
+    embedding lookup fails. (RoPE models can, so ``max_position_embeddings`` alone is not a limit.)"""
+    limit = cfg.get("n_positions") if isinstance(cfg.get("n_positions"), int) else None
+    if limit is not None and n_prompt + a.max_new_tokens > limit:
+        _fail(parser, f"--prompt ({n_prompt} tokens) plus --max-new-tokens ({a.max_new_tokens}) is more than the "
+                      f"{limit} positions this model has (config.json's n_positions); shorten the prompt or lower "
+                      "--max-new-tokens")
+
+
 def _has_chat_template_file(d: Path) -> bool:
     if any((d / f).is_file() for f in _CHAT_TEMPLATE_FILES):
         return True
@@ -337,6 +347,7 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     d = _check_model_dir(parser, a.model_dir)
     cfg = _read_config(parser, d)
     tok, enc = _prompt_inputs(a, parser, d, cfg)
+    _check_length(a, parser, cfg, len(enc["input_ids"][0]))
 
     import torch
 

@@ -29,7 +29,10 @@ sparse gradients, a weight assembled from several checkpoint tensors, or a subcl
 must be ``nn.Embedding.forward`` or call ``super().forward``).
 
 Threads: the hooks run on the calling thread; a per-embedding lock is held from the pre-hook to the
-forward hook, so concurrent direct calls of one embedding are serialised.
+forward hook, so concurrent direct calls of one embedding are serialised. A ``KeyboardInterrupt`` inside
+the call skips the forward hook (torch runs ``always_call`` hooks for ``Exception`` only): the rows stay
+bound until this thread's next model call or next call of the embedding, which restore them first
+(:meth:`RowGather.reset`).
 """
 
 from __future__ import annotations
@@ -50,16 +53,20 @@ __all__ = ["RowGather", "row_eligible"]
 
 
 def _calls_embedding_forward(cls: type) -> bool:
-    """True when ``cls.forward`` is ``nn.Embedding.forward`` or visibly defers to it (``super().forward``)."""
+    """True when ``cls.forward`` is ``nn.Embedding.forward``, or takes the ids as its first argument and hands
+    them to it unchanged (``super().forward(input_ids)``: a scaled embedding). Not OPT's or Bart's positional
+    embeddings, whose first argument is a mask or a shape and which compute the ids themselves."""
     for klass in cls.__mro__:
         if klass is nn.Embedding:
             return True
         if "forward" in klass.__dict__:
+            fn = klass.__dict__["forward"]
             try:
-                src = inspect.getsource(klass.__dict__["forward"])
-            except (OSError, TypeError):
+                src = inspect.getsource(fn)
+                params = list(inspect.signature(fn).parameters)
+            except (OSError, TypeError, ValueError):
                 return False
-            return "super().forward(" in src
+            return len(params) >= 2 and f"super().forward({params[1]})" in src.replace(" ", "")
     return False
 
 
@@ -131,7 +138,15 @@ class RowGather:
             view = memoryview(buf)[i * self.row_bytes:j * self.row_bytes]
             got = 0
             while got < want:
-                k = os.preadv(fd, [view[got:]], off + got)
+                try:
+                    k = os.preadv(fd, [view[got:]], off + got)
+                except OSError:
+                    if self.closed:
+                        from .errors import StreamerError
+
+                        raise StreamerError("this model was closed while its embedding was reading rows; "
+                                            "load it again") from None
+                    raise
                 if k <= 0:
                     raise TruncatedShardError(
                         f"{self.src.file}: tensor {self.src.name!r} row {idx[i] + got // self.row_bytes} at offset "
@@ -157,7 +172,10 @@ class RowGather:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(module).__name__}: expected integer ids (LongTensor/IntTensor), got "
                             f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
+        if getattr(self._tls, "held", False):
+            self.reset()  # this thread's earlier call was interrupted (Ctrl-C skips the forward hook)
         self.lock.acquire()
+        self._tls.held = True
         try:
             flat = ids.reshape(-1).to("cpu", torch.int64)
             uniq, inv = torch.unique(flat, sorted=True, return_inverse=True)
@@ -171,11 +189,8 @@ class RowGather:
             module.padding_idx = None
             new_ids = inv.reshape(ids.shape).to(ids.device)
         except BaseException:
-            module._parameters["weight"] = self.placeholder
-            module.padding_idx = self.padding_idx
-            self.lock.release()
+            self.reset()
             raise
-        self._tls.held = True
         if where[0] == "args":
             args = (new_ids, *args[1:])
         else:
@@ -185,11 +200,18 @@ class RowGather:
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         """Also called when the forward (or a pre-hook) raised; does something only after this
         thread's own successful pre-hook."""
+        self.reset()
+
+    def reset(self) -> None:
+        """If this thread holds the embedding (its call bound rows), restore the placeholder and
+        ``padding_idx`` and release it; else nothing. Called by the forward hook, and at the start and
+        end of every model call (a ``KeyboardInterrupt`` skips forward hooks: torch runs ``always_call``
+        hooks for ``Exception`` only)."""
         if not getattr(self._tls, "held", False):
             return
+        self.unit.module._parameters["weight"] = self.placeholder
+        self.unit.module.padding_idx = self.padding_idx
         self._tls.held = False
-        module._parameters["weight"] = self.placeholder
-        module.padding_idx = self.padding_idx
         self.lock.release()
 
     def close(self) -> None:

@@ -244,6 +244,14 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
         src._gguf_names[hf] = t.name
         qt = t.tensor_type.name
         src.quant_types[qt] = src.quant_types.get(qt, 0) + 1
+    from ...errors import TieredError
+    from ...plan import build_plan
+
+    try:  # every parameter the model needs must come from the file (stock transformers would leave it random)
+        build_plan(model, src.checkpoint())
+    except TieredError as e:
+        raise _unsupported(f"{path}: the GGUF does not hold every tensor {cls_name} needs: {e}; the file is "
+                           "incomplete or not a standard llama.cpp conversion") from None
     if unused:
         src.notes.append(f"{len(unused)} GGUF tensors not used by {cls_name} (transformers skips them too): "
                          f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}")
