@@ -375,6 +375,7 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     model_gib = summary_figure(err, r"model ([0-9.]+) GiB")
     assert model_gib == pytest.approx(facts["model_bytes"] / 2**30, rel=1e-2), err
     assert not ZERO_GB.search(err) and "resident" not in err.splitlines()[1], err
+    assert "capped" not in err, err  # this ring is smaller than the model: used as given
     assert time.perf_counter() - t0 < 300
 
 
@@ -388,6 +389,7 @@ def test_chat_text_equals_transformers_resident(dirs: dict[str, Path], facts: di
     err = r.stderr
     assert f"all {facts['units']} units resident in the ring" in err and "nothing streamed per token" in err, err
     assert not ZERO_GB.search(err), err  # no "streamed 0.00 GB at 0.00 GB/s"
+    assert "(--ring-gb 1 capped: the whole model fits in less)" in err, err  # a tiny model: the ring was capped
 
 
 def test_ids_in_ids_out_without_a_tokenizer(dirs: dict[str, Path]) -> None:

@@ -402,8 +402,12 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
     plan = model._tiered.plan
     n_units, n_res = after["units"], after["resident_units"]
     where = "the GPU" if model.device.type == "cuda" else "the ring"
+    ring = f"ring {gib(after['ring_bytes'])}"
+    asked = model._tiered.opts.ring_gb
+    if asked * 2**30 > after["ring_bytes"] + 4096:  # tiered.load caps the ring at the (page-aligned) model
+        ring += f" (--ring-gb {asked:g} capped: the whole model fits in less)"
     lines = [f"{d}: {type(model).__name__}, {n_units} units, model {gib(after['model_bytes'])}, "
-             f"ring {gib(after['ring_bytes'])}, device {model.device}; loaded in {load_s:.2f} s"]
+             f"{ring}, device {model.device}; loaded in {load_s:.2f} s"]
     n = max(1, n_new)
     rate = f"{n_new} tokens in {gen_s:.2f} s: {sig3(n_new / gen_s) if gen_s > 0 else 'n/a'} tokens/s " \
            f"({sig3(gen_s / n)} s/token)"
