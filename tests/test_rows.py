@@ -21,10 +21,11 @@ def _ref(path: Path, cls=transformers.AutoModelForCausalLM) -> torch.nn.Module:
     return cls.from_pretrained(path).eval()
 
 
-def _ring_without_embedding(model: torch.nn.Module) -> float:
-    """A ring (GiB) holding the largest unit that is *not* an embedding, twice over."""
-    plan = model._tiered.plan
-    big = max(u.nbytes for u in plan.units if not row_eligible(u))
+def _ring_without_embedding(path: Path) -> float:
+    """A ring (GiB) holding the largest unit of ``path`` that is *not* an embedding, twice over (from the plan
+    of a probe load)."""
+    with tiered.load(path, ring_gb=1, device="cpu") as probe:
+        big = max(u.nbytes for u in probe._tiered.plan.units if not row_eligible(u))
     return 2 * (big + 4096) / 2**30
 
 
@@ -36,9 +37,7 @@ def test_logits_and_generate_equal_with_row_streaming(ckpts, name):
     with torch.no_grad():
         want = ref(ids).logits
         want_gen = ref.generate(ids, max_new_tokens=6, do_sample=False)
-        probe = tiered.load(path, ring_gb=1, device="cpu")
-        ring = _ring_without_embedding(probe)
-        probe.close()
+        ring = _ring_without_embedding(path)
         with tiered.load(path, ring_gb=ring, device="cpu") as model:
             s = tiered.stats(model)
             assert s.row_units >= 1 and s.resident_units == 0
@@ -54,9 +53,7 @@ def test_decode_step_reads_only_its_rows(ckpts):
     row_bytes = emb.shape[1] * emb.element_size()
     ids = torch.tensor([[4, 8, 15, 16, 23, 42, 8, 4], [1, 2, 3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
-        probe = tiered.load(path, ring_gb=1, device="cpu")
-        ring = _ring_without_embedding(probe)
-        probe.close()
+        ring = _ring_without_embedding(path)
         with tiered.load(path, ring_gb=ring, device="cpu") as model:
             out = model(ids, use_cache=True)
             s0 = tiered.stats(model).embedding_bytes
@@ -99,9 +96,7 @@ def test_out_of_range_id_raises_like_stock(ckpts):
     bad = torch.tensor([[1, ref.config.vocab_size]])
     with pytest.raises(IndexError):
         ref(bad)
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     with tiered.load(path, ring_gb=ring, device="cpu") as model:
         with pytest.raises(IndexError, match="out of range"):
             model(bad)
@@ -113,9 +108,7 @@ def test_out_of_range_id_raises_like_stock(ckpts):
 def test_direct_calls_from_threads_and_after_close(ckpts):
     path = ckpts["llama_fp32"]
     ref = _ref(path)
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     model = tiered.load(path, ring_gb=ring, device="cpu")
     emb = model.model.embed_tokens
     errors: list[BaseException] = []
@@ -146,9 +139,7 @@ def test_direct_calls_from_threads_and_after_close(ckpts):
 def test_truncated_shard_names_tensor(tmp_path, ckpts):
     path = ckpts.copy("llama_tied_single", tmp_path / "m")
     shard = path / "model.safetensors"
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     with tiered.load(path, ring_gb=ring, device="cpu") as model:
         src = next(u for u in model._tiered.plan.units if row_eligible(u)).targets[0].copies[0].src
         row = src.shape[1] * src.dtype.itemsize
@@ -163,9 +154,7 @@ def test_rewritten_shard_is_an_error(tmp_path, ckpts):
 
     path = ckpts.copy("llama_tied_single", tmp_path / "m")
     shard = path / "model.safetensors"
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     with tiered.load(path, ring_gb=ring, device="cpu") as model:
         ids = torch.tensor([[3, 50]])
         model.model.embed_tokens(ids)
@@ -180,9 +169,7 @@ def test_dropped_model_closes_row_reader(ckpts):
     import os
 
     path = ckpts["llama_fp32"]
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     model = tiered.load(path, ring_gb=ring, device="cpu")
@@ -201,9 +188,7 @@ def test_keyboard_interrupt_inside_the_embedding(ckpts, monkeypatch):
 
     path = ckpts["gpt2"]
     ref = _ref(path)
-    probe = tiered.load(path, ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    probe.close()
+    ring = _ring_without_embedding(path)
     ids = torch.tensor([[1, 2, 3, 2]])
     real = F.embedding
     calls = {"n": 0}
@@ -239,11 +224,9 @@ def test_positional_embeddings_that_compute_their_ids_are_not_row_streamed(tmp_p
     models.save_model(transformers.OPTForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
                       max_shard_size=None)
     ref = _ref(tmp_path / "m")
-    probe = tiered.load(tmp_path / "m", ring_gb=1, device="cpu")
-    ring = _ring_without_embedding(probe)
-    plan = probe._tiered.plan
-    eligible = {u.name for u in plan.units if row_eligible(u)}
-    probe.close()
+    ring = _ring_without_embedding(tmp_path / "m")
+    with tiered.load(tmp_path / "m", ring_gb=1, device="cpu") as probe:
+        eligible = {u.name for u in probe._tiered.plan.units if row_eligible(u)}
     assert not any("embed_positions" in n for n in eligible), eligible
     ids = torch.tensor([[5, 6, 7, 8, 5], [1, 2, 3, 4, 9]])
     with torch.no_grad(), tiered.load(tmp_path / "m", ring_gb=ring, device="cpu") as model:
