@@ -5,6 +5,14 @@ token, GB/s per stage (disk->ring, ring->GPU), stalls, peak host RSS (VmHWM) ove
 just before ``tiered.load`` (after ``import torch, transformers``), peak GPU memory.
 
     python benchmarks/stream_run.py MODEL_DIR --ring-gb 1 --gpu-gb 2 --new-tokens 8 [--drop-caches]
+
+Several GPUs (issue 11; each rank streams half of every unit, all-gathered over NVLink):
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 benchmarks/stream_run.py MODEL_DIR \
+        --distributed --ring-gb 1 --gpu-gb 2
+
+Each rank decodes its own batch (data parallel) and writes its own line; rank 0's line also has
+the aggregate H2D GB/s (every rank's ring->GPU bytes over the slowest rank's generate time).
 """
 
 from __future__ import annotations
@@ -47,12 +55,21 @@ def main() -> int:
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
     p.add_argument("--no-embedding-rows", action="store_true",
                    help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
     p.add_argument("--label", default="tiered")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     a = p.parse_args()
 
     cold = drop_caches() if a.drop_caches else False
-    torch.manual_seed(0)
+    rank = 0
+    if a.distributed:
+        import os
+
+        rank = int(os.environ.get("RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.manual_seed(rank)  # each rank its own prompt (data parallel)
     base = proc_status()["VmRSS"]  # after import torch, transformers (ANCHORS.md's baseline)
     cuda_base = None
     if a.device != "cpu" and torch.cuda.is_available():
@@ -62,12 +79,14 @@ def main() -> int:
         cuda_base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io,
+                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed,
                         **({"embedding_rows": False} if a.no_embedding_rows else {}))
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
+    if a.distributed:  # start together: load times differ by rank
+        torch.distributed.barrier()
     ids = torch.randint(100, min(vocab, 30000), (1, a.prompt_len), device=model.device)
     clock = _Clock()
     s0 = tiered.stats(model).read_bytes
@@ -79,10 +98,23 @@ def main() -> int:
     total = time.perf_counter() - t1
     s = tiered.stats(model)
     snap = s.snapshot()
+    h2d = snap["h2d_bytes"] - used0["h2d_bytes"]
+    agg = None
+    if a.distributed:
+        import torch.distributed as tdist
+
+        per: list[object] = [None] * tdist.get_world_size()
+        tdist.all_gather_object(per, (h2d, total))
+        agg = sum(b for b, _ in per) / max(t for _, t in per) / 1e9  # type: ignore[misc]
     steps = [b - a_ for a_, b in zip(clock.times, clock.times[1:], strict=False)]
     n = out.shape[1] - ids.shape[1]
     res = {
         "label": a.label,
+        "rank": rank,
+        "world_size": snap.get("world_size", 1),
+        "h2d_gb_per_token": h2d / 1e9 / max(1, out.shape[1] - ids.shape[1]),
+        "gathered_gb": snap.get("gathered_bytes", 0) / 1e9,
+        "aggregate_h2d_gbps": agg,
         "model_dir": str(a.model_dir),
         "device": str(model.device),
         "gpu": torch.cuda.get_device_name() if model.device.type == "cuda" else None,
@@ -123,6 +155,8 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     model.close()
+    if a.distributed:
+        torch.distributed.destroy_process_group()
     line = json.dumps(res)
     print(line, flush=True)
     if a.out:

@@ -206,3 +206,24 @@ def test_embedding_rows_on_cuda(tmp_path: Path) -> None:
         assert tiered.stats(m).embedding_bytes == 4 * 64 * 4
         emb = m.embed_tokens
         assert torch.equal(emb(ids), ref.embed_tokens(ids)) and emb.weight.device.type == "meta"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_two_gpus_under_torchrun_equal_stock(name: str, ckpts: Checkpoints, tmp_path: Path) -> None:
+    """Issue 11: two ranks (NCCL), each streaming half of every unit; each rank's own ids give stock's
+    logits and greedy tokens on the same GPU model bit for bit."""
+    from test_dist import torchrun
+
+    d = ckpts[name]
+    res = torchrun(tmp_path, str(d), "--ring-gb", "0.0005", "--gpu-gb", "0", "--device", "cuda")
+    ref = _ref(d)
+    for r, got in enumerate(res):
+        assert got["device"] == f"cuda:{r}" and got["world_size"] == 2 and got["gathered_bytes"] > 0
+        out = torch.load(tmp_path / f"rank{r}.pt")
+        ids = out["ids"].to(DEV)
+        with torch.no_grad():
+            want = ref(ids).logits.cpu()
+            want_gen = ref.generate(ids, max_new_tokens=got["max_new_tokens"], do_sample=False).cpu()
+        assert torch.equal(out["logits"], want), f"rank {r}: logits differ"
+        assert torch.equal(out["generated"], want_gen), f"rank {r}: generate differs"

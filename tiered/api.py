@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import dist as _dist
 from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
 from .format import Checkpoint, open_checkpoint
 from .hostmem import host_memory_available, page_up
@@ -52,6 +53,7 @@ class Options:
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
+    distributed: bool = False  # each torchrun rank streams 1/N of every unit; all-gathered (tiered/dist.py)
 
 
 #: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
@@ -77,6 +79,7 @@ class _Handle:
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
         self.depth = 0  # nesting of the model's __call__ in the thread holding call_lock
+        self.dist: _dist.Dist | None = None
 
     def close(self) -> None:
         """Idempotent; callable from any thread. A forward running in another thread is stopped first (its
@@ -166,6 +169,14 @@ class _TieredMixin:
                     h.streamer.release_all()
                     for rg in h.rows:
                         rg.reset()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers``' ``generate``; distributed (several ranks), ``synced_gpus`` defaults to True: a
+        rank whose sequences are done keeps running passes until every rank is, so that the ranks'
+        all-gathers stay matched (as transformers does for DeepSpeed ZeRO-3)."""
+        if self._tiered.dist is not None:
+            kwargs.setdefault("synced_gpus", True)
+        return super().generate(*args, **kwargs)  # type: ignore[misc]
 
     @property
     def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes
@@ -340,6 +351,7 @@ def attach(
     drop_page_cache: bool = False,
     progress: bool | None = None,
     embedding_rows: bool = True,
+    distributed: bool | Any = False,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -355,6 +367,12 @@ def attach(
     A streamed ``nn.Embedding`` reads only the rows its ids look up, on each call (``embedding_rows``;
     see ``tiered/rows.py``): it needs no ring space, so a table larger than the ring is fine.
 
+    ``distributed=True`` (one process per GPU under ``torchrun``; or a ``ProcessGroup``): every rank reads
+    and copies only its 1/N chunk of each unit and the unit is all-gathered before it runs (NCCL on CUDA,
+    gloo on the CPU; see ``tiered/dist.py``). The device defaults to ``cuda:$LOCAL_RANK``. Each rank runs
+    its own inputs and gets the one-process outputs bit for bit; every rank must run the same passes
+    (``generate`` defaults to ``synced_gpus=True``). The GPU budget is the smallest over the ranks.
+
     Raises:
         RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed); a
             row-streamed embedding never is.
@@ -363,21 +381,30 @@ def attach(
         ConfigError: an unknown device or io backend.
     """
     _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io)
+    if distributed is not False and device is None and torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
+    dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
-                   drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows)
+                   drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
+                   distributed=dist is not None)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
     opts = dataclasses.replace(opts, io=io)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
+    if dist is not None:  # every rank must issue the same all-gathers: same units, same options
+        _dist.check_same_plan(dist, plan, (dev.type, embedding_rows))
+    # Ring bytes each unit takes on this rank (distributed on CUDA: only this rank's chunk).
+    slot_need = [p.slot_bytes for p in _dist.io_plans(plan.units, dist, dev, plan.align)] if dist is not None \
+        else [u.nbytes for u in plan.units]
     # A ring larger than the whole model (page-aligned units) would only cost RSS: cap it.
-    whole = sum(page_up(u.nbytes) for u in plan.units)
+    whole = sum(page_up(n) for n in slot_need)
     ring_bytes = page_up(min(int(ring_gb * GiB), whole))
     eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
     ring_units = [u for u in plan.units if u.index not in eligible] or plan.units
-    big = max(ring_units, key=lambda u: u.nbytes)
-    need = page_up(big.nbytes)  # as the ring allocates it (and as `tiered inspect` reports it)
+    big = max(ring_units, key=lambda u: slot_need[u.index])
+    need = page_up(slot_need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
     if need > ring_bytes:
         raise RingTooSmallError(
             f"unit {big.name!r} needs {gib_up(need)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
@@ -391,8 +418,10 @@ def attach(
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
+    h.dist = dist
     _LIVE.add(h)
     h.stats.rss_before_load = rss0
+    h.stats.world_size = dist.world if dist is not None else 1
     try:
         _check_host_memory(ring_bytes, ring_gb, big.nbytes)
         try:
@@ -404,7 +433,12 @@ def attach(
             ) from None
         h.stats.ring_bytes = h.ring.size
         h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
+        if dist is not None and dev.type == "cuda":  # one budget for all: the smallest
+            local = int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(dev)[0] - GPU_HEADROOM_BYTES
+            gpu_gb = _dist.min_over_ranks(dist, local) / GiB
         resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch, rows=eligible)
+        if dist is not None:  # rank 0's choice (rings may differ): the ranks must stream the same units
+            resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
         h.stats.model_bytes = plan.nbytes
         h.stats.units = len(plan.units)
@@ -412,7 +446,7 @@ def attach(
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
         h.stats.row_units = len(rows)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
-                              rows=rows)
+                              rows=rows, dist=dist)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)
@@ -460,6 +494,7 @@ def load(
     drop_page_cache: bool = False,
     progress: bool | None = None,
     embedding_rows: bool = True,
+    distributed: bool | Any = False,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -483,6 +518,8 @@ def load(
         embedding_rows: a streamed embedding reads only the rows its ids look up, each call
             (batch x tokens x hidden x itemsize bytes, not the table; ``tiered/rows.py``); False streams
             it whole through the ring like any unit.
+        distributed: under ``torchrun``, each rank reads and copies 1/N of every unit and the ranks
+            all-gather it (NCCL between GPUs, gloo on the CPU); see :func:`attach` and ``tiered/dist.py``.
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -501,7 +538,7 @@ def load(
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
-                  embedding_rows=embedding_rows, _rss_before=rss0)
+                  embedding_rows=embedding_rows, distributed=distributed, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

@@ -32,6 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from . import faults
+from .dist import IoPlan
 from .errors import StreamerError
 from .plan import Unit
 from .reader import Reader
@@ -59,8 +60,10 @@ class Loader:
         *,
         device: torch.device,
         abort: Callable[[], BaseException | None],
+        io: dict[int, IoPlan] | None = None,
     ) -> None:
         self.reader = reader
+        self.io = io or {}  # distributed: how each unit is read on this rank (tiered/dist.py)
         self.ring = ring
         self.stage = stage
         self.stats = stats
@@ -162,13 +165,15 @@ class Loader:
             self._cancel_queued()
 
     def _load(self, u: Unit, resident: bool) -> Loaded:
-        slot = self.ring.alloc(u.nbytes, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
+        io = self.io.get(u.index)
+        rd, size, at = (io.read, io.slot_bytes, io.read_at) if io is not None else (u, u.nbytes, 0)
+        slot = self.ring.alloc(size, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
         try:
             t0 = time.perf_counter()
-            self.reader.read_unit(u, slot.view)
-            self.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
+            n = self.reader.read_unit(rd, slot.view[at:] if at else slot.view)
+            self.stats.add_read(n, time.perf_counter() - t0, resident=resident)
             faults.hit("stage", unit=u.name)
-            return self.stage.stage(u, slot, resident=resident, abort=self._abort)
+            return self.stage.stage(u, slot, resident=resident, abort=self._abort, io=io)
         except BaseException:
             self.ring.free(slot)
             raise

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .dist import Dist, IoPlan, all_gather_bytes
 from .plan import Unit
 from .ring import Ring, Slot
 from .stats import Stats
@@ -57,6 +58,8 @@ class Loaded:
     ready: torch.cuda.Event | None = None
     given_back: bool = False
     job_ref: Callable[[], object] = lambda: None  # weakref to the loader's Future that produced it (no cycle)
+    io: IoPlan | None = None  # distributed: this rank's chunk, to be all-gathered before first use
+    base: torch.Tensor | None = None  # the full layout buffer the views live in (uint8)
 
     @property
     def job(self) -> object:
@@ -66,11 +69,20 @@ class Loaded:
 class CpuStage:
     """The CPU no-op stage: modules compute on views of the ring slot."""
 
-    def __init__(self, ring: Ring) -> None:
+    def __init__(self, ring: Ring, dist: Dist | None = None) -> None:
         self.ring = ring
+        self.dist = dist
 
-    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None]) -> Loaded:
-        return Loaded(unit, views(unit, slot.view), slot=slot)
+    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
+              io: IoPlan | None = None) -> Loaded:
+        gather = io if io is not None and io.gathered else None
+        return Loaded(unit, views(unit, slot.view), slot=slot, io=gather, base=slot.view)
+
+    def gather(self, ld: Loaded) -> None:
+        """Distributed: assemble the unit from every rank's chunk (gloo, blocking). Caller thread, once."""
+        if ld.io is not None and self.dist is not None:
+            io, ld.io = ld.io, None
+            all_gather_bytes(self.dist, ld.base, io.at, io.chunk)  # type: ignore[arg-type]
 
     def before_compute(self, ld: Loaded) -> None:
         pass
@@ -100,11 +112,14 @@ class CudaStage:
     :meth:`release` on the caller's; :meth:`drop` on either.
     """
 
-    def __init__(self, ring: Ring, device: torch.device, *, n_bufs: int, buf_bytes: int, stats: Stats) -> None:
+    def __init__(self, ring: Ring, device: torch.device, *, n_bufs: int, buf_bytes: int, stats: Stats,
+                 dist: Dist | None = None) -> None:
         self.ring = ring
         self.device = device
         self.stats = stats
+        self.dist = dist
         self.copy_stream = torch.cuda.Stream(device)
+        self.gather_stream = torch.cuda.Stream(device) if dist is not None else None
         self.n_bufs = n_bufs
         self._pool: queue.Queue[DevBuf] = queue.Queue()
         self._ptrs: set[int] = set()
@@ -123,22 +138,45 @@ class CudaStage:
                 if (err := abort()) is not None:
                     raise err from None
 
-    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None]) -> Loaded:
+    def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
+              io: IoPlan | None = None) -> Loaded:
         """Issue ``slot`` -> device copy; the slot is retired when it completes. Loader thread.
+
+        Distributed (``io.gathered``): the slot holds this rank's chunk, copied to its place in the
+        full-size buffer; :meth:`gather` assembles the rest before first use.
 
         Raises (before taking ``slot``; the caller frees it): whatever ``abort`` returns.
         """
-        buf = DevBuf(torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
+        gather = io if io is not None and io.gathered else None
+        size = gather.full if gather is not None else unit.nbytes
+        at, n = (gather.at, gather.chunk) if gather is not None else (0, unit.nbytes)
+        buf = DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             if buf.free is not None:
                 self.copy_stream.wait_event(buf.free)
             start.record(self.copy_stream)
-            buf.t[: unit.nbytes].copy_(slot.view[: unit.nbytes], non_blocking=True)
+            buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
             ready.record(self.copy_stream)
         with self._lock:
-            self._inflight.append((start, ready, slot, unit.nbytes))
-        return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready)
+            self._inflight.append((start, ready, slot, n))
+        return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
+
+    def gather(self, ld: Loaded) -> None:
+        """Distributed: all-gather the unit's chunks into its buffer on the gather stream, after its H2D
+        (event), and make ``ld.ready`` the gather's event. Caller thread, once per load, in the same
+        unit order on every rank (see :mod:`tiered.dist`)."""
+        if ld.io is None or self.dist is None:
+            return
+        io, ld.io = ld.io, None
+        gs = self.gather_stream
+        done = torch.cuda.Event()
+        with torch.cuda.stream(gs):
+            if ld.ready is not None:
+                gs.wait_event(ld.ready)  # type: ignore[union-attr]
+            all_gather_bytes(self.dist, ld.base, io.at, io.chunk)  # type: ignore[arg-type]
+            done.record(gs)
+        ld.ready = done
 
     def retire(self, *, block: bool) -> bool:
         """Free the ring slots of finished H2D copies (oldest first; with ``block``, wait for the oldest

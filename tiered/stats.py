@@ -128,6 +128,9 @@ class Stats:
     embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
         reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
         ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
+    world_size, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
+        units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
+        and ``h2d_bytes`` count only its own 1/N chunk of each unit.
     """
 
     read_bytes: int = 0
@@ -150,6 +153,8 @@ class Stats:
     units: int = 0
     resident_units: int = 0
     rss_before_load: int = 0
+    world_size: int = 1
+    gathered_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
@@ -172,6 +177,11 @@ class Stats:
             self.read_bytes += nbytes
             self.streamed_bytes += nbytes
             self.embedding_bytes += nbytes
+
+    def add_gathered(self, nbytes: int) -> None:
+        """Distributed: ``nbytes`` of a unit arrived from the other ranks (all-gather), not from this rank's disk."""
+        with self._lock:
+            self.gathered_bytes += nbytes
 
     def add_h2d(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -207,6 +217,8 @@ class Stats:
         parts = [read]
         if s["h2d_bytes"]:
             parts.append(f"H2D {gb(s['h2d_bytes'])} at {gbps(s['h2d_bytes'], s['h2d_s'])} (ring->GPU)")
+        if s["world_size"] > 1:
+            parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
         parts += [
             f"stalls {s['stall_s']:.2f} s",
             f"hits/misses {s['hits']}/{s['misses']}",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .binding import bind, copy_out_aliases, remember_placeholders, unbind
+from .dist import Dist, io_plans
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
@@ -74,6 +75,8 @@ class Streamer:
         rows: indices of embedding units that read only their looked-up rows (``tiered/rows.py``):
             never loaded, prefetched or bound here.
         stats: counters to update.
+        dist: this rank of a distributed job (``tiered/dist.py``): each unit is read as this rank's
+            chunk and all-gathered when a pass first binds it (resident units: once, at load).
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class Streamer:
         resident: set[int],
         stats: Stats,
         rows: set[int] = frozenset(),  # type: ignore[assignment]
+        dist: Dist | None = None,
     ) -> None:
         self.plan = plan
+        self.dist = dist
         self.units = plan.units
         self.ring = ring
         self.device = device
@@ -97,18 +102,24 @@ class Streamer:
         self.stats = stats
         self.streamed = [u.index for u in self.units if u.index not in self.resident_ids and u.index not in rows]
         self.order = OrderPolicy(self.streamed)
-        if device.type == "cuda":
-            streamed_max = max((self.units[i].nbytes for i in self.streamed), default=0)
-            n_bufs = self.prefetch + 1 if self.streamed else 0
-            self.stage: CpuStage | CudaStage = CudaStage(ring, device, n_bufs=n_bufs, buf_bytes=streamed_max, stats=stats)
-            stats.device_buffer_bytes = n_bufs * streamed_max
-        else:
-            self.stage = CpuStage(ring)
         for u in self.units:
             remember_placeholders(u)
         # What the loader, reader and stage see: the units without their modules, so that no worker
         # thread keeps the model alive (a model dropped without close() is collected and finalised).
         self._io = [_detached(u) for u in self.units]
+        self.io_plans = io_plans(self._io, dist, device, plan.align) if dist is not None else None
+        # Bytes of the checkpoint this rank reads for each unit (all of it, unless distributed).
+        self.read_share = [p.read.src_bytes for p in self.io_plans] if self.io_plans else [u.src_bytes for u in self.units]
+        if device.type == "cuda":
+            full = [p.full if p.gathered else u.nbytes for p, u in zip(self.io_plans, self.units, strict=True)] \
+                if self.io_plans else [u.nbytes for u in self.units]
+            streamed_max = max((full[i] for i in self.streamed), default=0)
+            n_bufs = self.prefetch + 1 if self.streamed else 0
+            self.stage: CpuStage | CudaStage = CudaStage(ring, device, n_bufs=n_bufs, buf_bytes=streamed_max, stats=stats,
+                                                         dist=dist)
+            stats.device_buffer_bytes = n_bufs * streamed_max
+        else:
+            self.stage = CpuStage(ring, dist)
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
         self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
@@ -122,7 +133,8 @@ class Streamer:
             m = wself()
             return m() if m is not None else StreamerError("the model was garbage-collected")
 
-        self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort)
+        self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
+                             io=dict(enumerate(self.io_plans)) if self.io_plans else None)
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
@@ -170,9 +182,16 @@ class Streamer:
             self.loader.discard(fut)
             raise StreamerError(f"loading unit {name!r} failed: {e!r}") from e
 
+    def _gather(self, ld: Loaded) -> None:
+        """Distributed: assemble ``ld`` from every rank's chunk (once; see :mod:`tiered.dist`)."""
+        if ld.io is not None:
+            self.stats.add_gathered(ld.io.full - ld.io.chunk)
+            self.stage.gather(ld)
+
     def _take(self, i: int, ld: Loaded, tid: int) -> None:
         self.held[i] = _Held(ld, {tid: 1})
         self.loader.forget(ld.job)  # type: ignore[arg-type]
+        self._gather(ld)
         self.stage.before_compute(ld)
         bind(self.units[i], ld.params)
 
@@ -220,6 +239,7 @@ class Streamer:
                     raise
                 self.resident[i] = ld
                 self.loader.forget(fut)
+                self._gather(ld)
                 self.stage.before_compute(ld)
                 bind(self.units[i], ld.params)
                 if bar is not None:
@@ -277,7 +297,7 @@ class Streamer:
                 h.counts[tid] = h.counts.get(tid, 0) + 1
                 return
             self._take(i, ld, tid)
-            self.stats.add_streamed(self.units[i].src_bytes)  # counted when used, not when read
+            self.stats.add_streamed(self.read_share[i])  # counted when used, not when read
 
     def _prefetch_after(self, i: int) -> None:
         for j in self.order.ahead(i, self.prefetch):
