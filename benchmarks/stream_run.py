@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--io", choices=["mmap", "direct", "auto"], default="mmap")
+    p.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="mmap")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")

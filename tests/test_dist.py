@@ -76,10 +76,12 @@ def test_pieces_side_by_side_equal_the_whole_unit(ckpts, name, world):
         assert any(bool(a.any()) for a in _target_bytes(u, whole))  # not all-zero data
 
 
-def test_pieces_with_a_cast_and_o_direct(ckpts):
-    """bf16 checkpoint run in fp32 (cast inside each piece's copy), read with O_DIRECT, CUDA's 512-byte alignment."""
+@pytest.mark.parametrize("io", ["direct", "pread"])
+def test_pieces_with_a_cast_and_o_direct(ckpts, io):
+    """bf16 checkpoint run in fp32 (cast inside each piece's copy), read with O_DIRECT or pread, CUDA's 512-byte
+    alignment."""
     try:
-        plan, out = _read_whole_and_pieces(ckpts["llama"], 2, dtype=torch.float32, io="direct", align=512)
+        plan, out = _read_whole_and_pieces(ckpts["llama"], 2, dtype=torch.float32, io=io, align=512)
     except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
         pytest.skip(str(e))
     for x in out:

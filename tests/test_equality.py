@@ -323,13 +323,15 @@ def test_out_of_order_unit_calls(ckpts: Checkpoints, refs: References) -> None:
             assert torch.equal(_generate(m), refs.generate("llama"))
 
 
+@pytest.mark.parametrize("io", ["direct", "pread"])
 @pytest.mark.parametrize("name", ["llama", "gptj", "mixtral", "bert_single", "llama_fp32"])
-def test_direct_io_matches_transformers(name: str, ckpts: Checkpoints, refs: References) -> None:
-    """io="direct" (O_DIRECT reads through a staging buffer) gives the same bits as stock transformers."""
+def test_direct_io_matches_transformers(name: str, io: str, ckpts: Checkpoints, refs: References) -> None:
+    """io="direct" (O_DIRECT reads through a staging buffer) and io="pread" (buffered preadv into the ring)
+    give the same bits as stock transformers."""
     causal = BUILDERS[name][3]
     ref = refs.output(name)
     try:
-        m = _load(name, "streamed", ckpts, refs, io="direct")
+        m = _load(name, "streamed", ckpts, refs, io=io)
     except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
         pytest.skip(str(e))
     with m:

@@ -240,10 +240,11 @@ def test_reader_error_surfaces_in_forward(ckpts: Checkpoints) -> None:
         assert isinstance(e.value.__cause__, OSError) and "injected" in str(e.value.__cause__)
 
 
-def test_shard_truncated_after_load_direct_io(ckpts: Checkpoints, tmp_path: Path) -> None:
-    """With io="direct", a shard cut short while the model is loaded gives TruncatedShardError in forward."""
+@pytest.mark.parametrize("io", ["direct", "pread"])
+def test_shard_truncated_after_load_direct_io(io: str, ckpts: Checkpoints, tmp_path: Path) -> None:
+    """With io="direct" or "pread", a shard cut short while the model is loaded gives TruncatedShardError in forward."""
     d = ckpts.copy("llama", tmp_path / "m")
-    m = _load(d, ring_gb=3 * 4096 / GiB + 64 * 1024 / GiB, io="direct")
+    m = _load(d, ring_gb=3 * 4096 / GiB + 64 * 1024 / GiB, io=io)
     with m:
         assert tiered.stats(m).resident_units == 0
         for f in sorted(d.glob("*.safetensors")):

@@ -724,7 +724,7 @@ class _Lin(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("io", ["mmap", "direct"])
+@pytest.mark.parametrize("io", ["mmap", "direct", "pread"])
 def test_cast_from_a_misaligned_source_is_exact(io: str, tmp_path: Path) -> None:
     """fp32 tensors at file offsets that are not a multiple of 4 (a 3-byte tensor first), cast to bf16 on the fly."""
     g = torch.Generator().manual_seed(0)

@@ -28,17 +28,18 @@ CHILD = textwrap.dedent(
     import tiered
     transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
     from tiered.stats import proc_status
-    d, drop = sys.argv[1], sys.argv[2] == "1"
+    d, drop, io = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     torch.set_num_threads(2)
     ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
-    base = proc_status()["VmRSS"]
-    model = tiered.load(d, ring_gb={RING_GB!r}, device="cpu", drop_pages=drop, threads=2)
+    base, base_file = proc_status()["VmRSS"], proc_status()["RssFile"]
+    model = tiered.load(d, ring_gb={RING_GB!r}, device="cpu", drop_pages=drop, threads=2, io=io)
     with torch.no_grad():
         for _ in range(2):
             logits = model(ids).logits
     s = tiered.stats(model).snapshot()
     st = proc_status()
-    print(json.dumps({{"base": base, "hwm": st["VmHWM"], "rss_file": st["RssFile"], "read": s["read_bytes"],
+    print(json.dumps({{"base": base, "hwm": st["VmHWM"], "rss_file": st["RssFile"], "base_file": base_file,
+                      "read": s["read_bytes"],
                       "model": s["model_bytes"], "resident": s["resident_units"], "misses": s["misses"],
                       "nonzero": bool(logits.abs().sum() > 0)}}))
     """
@@ -55,22 +56,25 @@ def tall_checkpoint() -> Path:
     return make_checkpoint(cache / "test-llama-tall-fp32", "llama-tall", dtype="fp32", quiet=True)
 
 
-def _run(d: Path, drop: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if drop else "0"], capture_output=True,
+def _run(d: Path, drop: bool, io: str = "mmap") -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if drop else "0", io], capture_output=True,
                          text=True, cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_peak_rss_bounded_by_ring(tall_checkpoint: Path) -> None:
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_peak_rss_bounded_by_ring(tall_checkpoint: Path, io: str) -> None:
     size = sum(p.stat().st_size for p in tall_checkpoint.glob("*.safetensors"))
     assert size >= 1.5 * GiB
-    r = _run(tall_checkpoint, drop=True)
+    r = _run(tall_checkpoint, drop=True, io=io)
     assert r["resident"] == 0 and r["nonzero"]
     assert r["read"] >= 2 * r["model"]  # two passes, everything streamed
     growth = r["hwm"] - r["base"]
     assert growth < RING_GB * GiB + SLACK, f"peak RSS grew {growth / MiB:.0f} MiB for a {RING_GB} GiB ring: {r}"
+    if io == "pread":  # no file page is ever mapped: nothing to drop
+        assert r["rss_file"] - r["base_file"] < 16 * MiB, r
 
 
 @pytest.mark.slow

@@ -534,8 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
                    help="reader threads (default %(default)s)")
-    r.add_argument("--io", choices=["mmap", "direct", "auto"], default="mmap",
-                   help="mmap: through the page cache (default); direct: O_DIRECT, bypasses the page cache; "
+    r.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="mmap",
+                   help="mmap: through the page cache (default); pread: the page cache copied by read(2), "
+                   "nothing mapped; direct: O_DIRECT, bypasses the page cache; "
                    "auto: direct when the model does not fit in the page cache (RAM or cgroup memory.max)")
     g.set_defaults(fn=_cmd_generate, cli_parser=g)
 
