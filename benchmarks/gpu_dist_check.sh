@@ -21,18 +21,23 @@ if [ "$PHASE" != bench ]; then
 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 \
   | grep -v "Loading weights\|Writing model" | tee "$OUT/pytest_cuda.txt" | tail -8
 $PY -m pytest -q tests/test_dist.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_dist.txt" | tail -3
-$PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/dist_ceilings.py 2>&1 \
-  | grep '^{' | tee "$OUT/dist_ceilings.json"
 fi
 G="$CACHE/gptj-6b-fp16"
 $PY benchmarks/make_checkpoint.py --arch gptj-6b --dtype fp16 --quiet "$G" 2>&1 | tail -1
 cat "$G"/*.safetensors > /dev/null  # warm the page cache
+$PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/dist_ceilings.py --model-dir "$G" 2>&1 \
+  | grep '^{' | tee -a "$OUT/dist_ceilings.json"
 [ "$PHASE" = tests ] && exit 0
 R="$OUT/gptj_dist_side_by_side.jsonl"
-for i in 1 2 3; do
-  $PY benchmarks/stream_run.py "$G" --out "$R" --label "n1-warm-$i" --ring-gb 1 --gpu-gb 2 --new-tokens 8 \
-    --threads 4 2>&1 | grep '^{' | tail -1 | cut -c1-400
-  $PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/stream_run.py "$G" --out "$R" \
-    --label "n$N-warm-$i" --distributed --ring-gb 1 --gpu-gb 2 --new-tokens 8 --threads 4 2>&1 \
-    | grep '^{' | cut -c1-400
+# reader configurations "io:threads" (default: today's mmap with 4 threads, and pread with 8)
+CONFIGS=${CONFIGS:-"mmap:4 pread:8"}
+for i in $(seq 1 "${REPS:-2}"); do
+  for c in $CONFIGS; do
+    io=${c%%:*}; t=${c##*:}
+    $PY benchmarks/stream_run.py "$G" --out "$R" --label "n1-$io-t$t-$i" --ring-gb 1 --gpu-gb 2 --new-tokens 8 \
+      --io "$io" --threads "$t" 2>&1 | grep '^{' | tail -1 | cut -c1-200
+    $PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/stream_run.py "$G" --out "$R" \
+      --label "n$N-$io-t$t-$i" --distributed --ring-gb 1 --gpu-gb 2 --new-tokens 8 --io "$io" --threads "$t" 2>&1 \
+      | grep '^{' | cut -c1-200
+  done
 done
