@@ -29,15 +29,15 @@ $PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/dist_
   | grep '^{' | tee -a "$OUT/dist_ceilings.json"
 [ "$PHASE" = tests ] && exit 0
 R="$OUT/gptj_dist_side_by_side.jsonl"
-# reader configurations "io:threads" (default: today's mmap with 4 threads, and pread with 8)
-CONFIGS=${CONFIGS:-"mmap:4 pread:8"}
+# configurations "io:threads:host_gb" (host_gb: the pinned host tier, GiB per rank; 0: none)
+CONFIGS=${CONFIGS:-"mmap:4:0 pread:16:0 mmap:4:11"}
 for i in $(seq 1 "${REPS:-2}"); do
   for c in $CONFIGS; do
-    io=${c%%:*}; t=${c##*:}
-    $PY benchmarks/stream_run.py "$G" --out "$R" --label "n1-$io-t$t-$i" --ring-gb 1 --gpu-gb 2 --new-tokens 8 \
-      --io "$io" --threads "$t" 2>&1 | grep '^{' | tail -1 | cut -c1-200
+    IFS=: read -r io t hg <<< "$c"
+    $PY benchmarks/stream_run.py "$G" --out "$R" --label "n1-$io-t$t-h$hg-$i" --ring-gb 1 --gpu-gb 2 --new-tokens 8 \
+      --io "$io" --threads "$t" --host-gb "$hg" 2>&1 | grep '^{' | tail -1 | cut -c1-200
     $PY -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/stream_run.py "$G" --out "$R" \
-      --label "n$N-$io-t$t-$i" --distributed --ring-gb 1 --gpu-gb 2 --new-tokens 8 --io "$io" --threads "$t" 2>&1 \
-      | grep '^{' | cut -c1-200
+      --label "n$N-$io-t$t-h$hg-$i" --distributed --ring-gb 1 --gpu-gb 2 --new-tokens 8 --io "$io" --threads "$t" \
+      --host-gb "$hg" 2>&1 | grep '^{' | cut -c1-200
   done
 done

@@ -55,6 +55,7 @@ def main() -> int:
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
     p.add_argument("--no-embedding-rows", action="store_true",
                    help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
+    p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
     p.add_argument("--label", default="tiered")
@@ -79,7 +80,7 @@ def main() -> int:
         cuda_base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
-                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed,
+                        gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
                         **({"embedding_rows": False} if a.no_embedding_rows else {}))
     if model.device.type == "cuda":
         torch.cuda.synchronize()
@@ -114,6 +115,9 @@ def main() -> int:
         "world_size": snap.get("world_size", 1),
         "h2d_gb_per_token": h2d / 1e9 / max(1, out.shape[1] - ids.shape[1]),
         "gathered_gb": snap.get("gathered_bytes", 0) / 1e9,
+        "host_gb": a.host_gb,
+        "host_units": snap.get("host_units", 0),
+        "host_pinned_gb": snap.get("host_bytes", 0) / GiB,
         "aggregate_h2d_gbps": agg,
         "model_dir": str(a.model_dir),
         "device": str(model.device),

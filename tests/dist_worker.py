@@ -25,11 +25,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: cuda:$LOCAL_RANK (nccl)")
     ap.add_argument("--gpu-gb", type=float, default=None)
+    ap.add_argument("--host-gb", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))  # as the test process
     rss0 = proc_status()["VmRSS"]
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=None if a.device == "cuda" else a.device,
-                        gpu_gb=a.gpu_gb, distributed=True)
+                        gpu_gb=a.gpu_gb, host_gb=a.host_gb, distributed=True)
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -50,7 +51,8 @@ def main() -> None:
     s = st.snapshot()
     info = {"rank": rank, "device": str(model.device),
             "world_size": s["world_size"], "max_new_tokens": n, "forward_streamed_bytes": fwd,
-            "gathered_bytes": s["gathered_bytes"], "read_bytes": s["read_bytes"], "ring_bytes": s["ring_bytes"],
+            "gathered_bytes": s["gathered_bytes"], "host_units": s["host_units"],
+            "read_bytes": s["read_bytes"], "ring_bytes": s["ring_bytes"],
             "load_rss_growth": rss1 - rss0,
             "peak_rss_growth_in_passes": proc_status()["VmHWM"] - rss1}
     (a.out / f"rank{rank}.json").write_text(json.dumps(info))

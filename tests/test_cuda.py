@@ -208,15 +208,43 @@ def test_embedding_rows_on_cuda(tmp_path: Path) -> None:
         assert torch.equal(emb(ids), ref.embed_tokens(ids)) and emb.weight.device.type == "meta"
 
 
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gptj"])
+def test_host_tier_on_cuda(name: str, ckpts: Checkpoints) -> None:
+    """host_gb: streamed units read once into pinned host memory, copied to the GPU from there every pass:
+    stock's bits, and no disk read after load (bar embedding rows, which read their own ids' rows)."""
+    d = ckpts[name]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for host_gb in (1.0, None):  # everything in the host tier; then about half of it
+        if host_gb is None:
+            with tiered.load(d, device=DEV, ring_gb=0.0005, gpu_gb=0, host_gb=1.0) as probe:
+                host_gb = tiered.stats(probe).host_bytes / 2 / GiB
+        m = tiered.load(d, device=DEV, ring_gb=0.0005, gpu_gb=0, host_gb=host_gb)
+        with m, torch.no_grad():
+            s0 = tiered.stats(m).snapshot()
+            assert s0["host_units"] >= 1 and s0["resident_units"] == 0
+            assert torch.equal(m(_ids()).logits, want)
+            assert torch.equal(m.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+            s1 = tiered.stats(m).snapshot()
+            assert s1["host_used_bytes"] > 0
+            streams = s1["units"] - s1["resident_units"] - s1["row_units"] - s1["host_units"]
+            if streams == 0:  # all in the host tier: the disk is not touched after load (rows aside)
+                assert s1["read_bytes"] - s0["read_bytes"] == s1["embedding_bytes"] - s0["embedding_bytes"]
+            else:
+                assert s1["streamed_bytes"] > s0["streamed_bytes"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_two_gpus_under_torchrun_equal_stock(name: str, ckpts: Checkpoints, tmp_path: Path) -> None:
-    """Issue 11: two ranks (NCCL), each streaming half of every unit; each rank's own ids give stock's
-    logits and greedy tokens on the same GPU model bit for bit."""
+@pytest.mark.parametrize(("name", "host_gb"), [("llama", "0"), ("mixtral", "0"), ("llama", "1")])
+def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Checkpoints, tmp_path: Path) -> None:
+    """Issue 11: two ranks (NCCL), each streaming half of every unit (from disk, or from its host tier); each
+    rank's own ids give stock's logits and greedy tokens on the same GPU model bit for bit."""
     from test_dist import torchrun
 
     d = ckpts[name]
-    res = torchrun(tmp_path, str(d), "--ring-gb", "0.0005", "--gpu-gb", "0", "--device", "cuda")
+    res = torchrun(tmp_path, str(d), "--ring-gb", "0.0005", "--gpu-gb", "0", "--device", "cuda", "--host-gb", host_gb)
     ref = _ref(d)
     for r, got in enumerate(res):
         assert got["device"] == f"cuda:{r}" and got["world_size"] == 2 and got["gathered_bytes"] > 0

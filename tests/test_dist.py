@@ -108,6 +108,13 @@ def test_distributed_outside_torchrun_is_a_clear_error(ckpts, monkeypatch):
         tiered.load(ckpts["llama"], ring_gb=0.01, device="cpu", distributed=True)
 
 
+def test_host_tier_is_for_a_gpu(ckpts):
+    with pytest.raises(tiered.ConfigError, match="host_gb"):
+        tiered.load(ckpts["llama"], ring_gb=0.01, device="cpu", host_gb=1)
+    with pytest.raises(tiered.ConfigError, match="host_gb"):
+        tiered.load(ckpts["llama"], ring_gb=0.01, device="cpu", host_gb=-1)
+
+
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2) -> list[dict]:
     """Run ``tests/dist_worker.py`` on ``nproc`` ranks; each rank's JSON (its ``.pt`` lies beside it)."""
     # same intra-op threads as this process: a CPU GEMM's blocking (and so its rounding) depends on them

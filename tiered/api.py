@@ -54,6 +54,7 @@ class Options:
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
     distributed: bool = False  # each torchrun rank streams 1/N of every unit; all-gathered (tiered/dist.py)
+    host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
 
 
 #: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
@@ -72,6 +73,7 @@ class _Handle:
         self.stats = Stats()
         self.hooks: list[Any] = []
         self.ring: Ring | None = None
+        self.host_ring: Ring | None = None  # the host tier (host_gb)
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
@@ -101,7 +103,7 @@ class _Handle:
                 self.streamer.close()
             for rg in self.rows:
                 rg.close()
-            _release_resources(None, None, self.reader, self.ring)
+            _release_resources(None, None, self.reader, self.ring, self.host_ring)
             self.closed = True
         finally:
             if got:
@@ -207,7 +209,8 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb: object, io: object) -> None:
+def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb: object, io: object,
+                   host_gb: object = 0.0) -> None:
     """Reject option values a user could mistype, before anything is allocated (ConfigError / RingTooSmallError)."""
     if not _is_number(ring_gb):
         raise ConfigError(f"ring_gb must be a number of GiB (e.g. 1 or 0.5), got {ring_gb!r}")
@@ -219,6 +222,8 @@ def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb
         raise ConfigError(f"threads must be an integer >= 1 (reader threads), got {threads!r}")
     if gpu_gb is not None and (not _is_number(gpu_gb) or gpu_gb < 0):  # type: ignore[operator]
         raise ConfigError(f"gpu_gb must be a number of GiB >= 0 or None (all that fits), got {gpu_gb!r}")
+    if not _is_number(host_gb) or host_gb < 0:  # type: ignore[operator]
+        raise ConfigError(f"host_gb must be a number of GiB >= 0 (0: no host tier), got {host_gb!r}")
     if io not in ("mmap", "pread", "direct", "auto"):
         raise ConfigError(
             f"io={io!r}: use 'mmap' (page cache, default), 'pread' (page cache, copied by read(2)), 'direct' "
@@ -352,6 +357,7 @@ def attach(
     progress: bool | None = None,
     embedding_rows: bool = True,
     distributed: bool | Any = False,
+    host_gb: float = 0.0,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -360,8 +366,9 @@ def attach(
     conversion mapping is applied too). Parameter dtypes are the module's (cast on the fly).
     Returns ``module`` itself, now with ``.device``, ``.close()`` and a context manager.
 
-    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA) plus a
-    constant; device memory by the resident units plus ``prefetch + 1`` buffers of the largest
+    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA), plus the host tier
+    (``host_gb``: the streamed units it holds, exactly their size), plus a constant; device memory
+    by the resident units plus ``prefetch + 1`` buffers of the largest
     streamed unit.
 
     A streamed ``nn.Embedding`` reads only the rows its ids look up, on each call (``embedding_rows``;
@@ -380,14 +387,19 @@ def attach(
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
         ConfigError: an unknown device or io backend.
     """
-    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io)
+    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io, host_gb=host_gb)
     if distributed is not False and device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
+    if host_gb and dev.type != "cuda":
+        raise ConfigError(
+            f"host_gb={host_gb} is a pinned host tier for a GPU; on device={dev} the ring is host memory already: "
+            "raise ring_gb instead (everything stays in the ring when the whole model fits)"
+        )
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
-                   distributed=dist is not None)
+                   distributed=dist is not None, host_gb=host_gb)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
@@ -440,16 +452,40 @@ def attach(
         if dist is not None:  # rank 0's choice (rings may differ): the ranks must stream the same units
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
+        # The host tier: streamed units, in execution order, while host_gb lasts (every streamed byte costs
+        # the same per pass from disk/page cache, so any order saves the same per byte; each rank keeps only
+        # its own chunk). They are copied to the GPU from there every pass: no disk, no ring.
+        host: set[int] = set()
+        left = int(host_gb * GiB)
+        for u in plan.units:
+            n = page_up(slot_need[u.index])
+            if u.index not in resident and u.index not in rows and n <= left:
+                host.add(u.index)
+                left -= n
+        if host:
+            host_bytes = sum(page_up(slot_need[i]) for i in host)
+            avail, where = host_memory_available()  # the ring is pinned (and so counted) already
+            if avail is not None and host_bytes + HOST_HEADROOM_BYTES > avail:
+                raise HostMemoryError(
+                    f"host_gb={host_gb} pins {host_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB "
+                    f"is available ({where}) beside the ring, and {HOST_HEADROOM_BYTES >> 20} MiB is kept for the "
+                    f"runtime; pass host_gb <= {max(0, avail - HOST_HEADROOM_BYTES) / GiB:.3f}"
+                )
+            try:
+                h.host_ring = Ring(host_bytes, pin=True)
+            except (OSError, MemoryError) as e:
+                raise ConfigError(f"cannot pin a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") from None
         h.stats.model_bytes = plan.nbytes
         h.stats.units = len(plan.units)
         h.stats.resident_units = len(resident)
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
         h.stats.row_units = len(rows)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
-                              rows=rows, dist=dist)
+                              rows=rows, dist=dist, host=host, host_ring=h.host_ring)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)
+        h.streamer.load_host()
         s = h.streamer
         for u in plan.units:
             if u.index in resident:
@@ -469,7 +505,7 @@ def attach(
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
-        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring,
+        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring, h.host_ring,
                          *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
@@ -495,6 +531,7 @@ def load(
     progress: bool | None = None,
     embedding_rows: bool = True,
     distributed: bool | Any = False,
+    host_gb: float = 0.0,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -522,6 +559,10 @@ def load(
             it whole through the ring like any unit.
         distributed: under ``torchrun``, each rank reads and copies 1/N of every unit and the ranks
             all-gather it (NCCL between GPUs, gloo on the CPU); see :func:`attach` and ``tiered/dist.py``.
+        host_gb: CUDA only: GiB of pinned host memory (exact size, page-locked once) for a host tier:
+            streamed units (their 1/N chunks, distributed) read once at load and copied to the GPU from
+            there every pass, at the pinned H2D rate, touching neither disk nor page cache. Peak host RSS is
+            then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier.
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -540,7 +581,7 @@ def load(
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
-                  embedding_rows=embedding_rows, distributed=distributed, _rss_before=rss0)
+                  embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

@@ -209,7 +209,9 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str) -> Path:
 
 #: ``tiered.load``'s option names as they appear in its messages ("ring_gb=0.5", "pass ring_gb >= 1",
 #: "device 'tpu' is not", "io must"), and the flags that set them.
-_OPTION_NAME = re.compile(r"(?<![\w.-])(ring_gb|gpu_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))")
+_OPTION_NAME = re.compile(
+    r"(?<![\w.-])(ring_gb|gpu_gb|host_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))"
+)
 
 
 def flags_for_options(message: str) -> str:
@@ -292,6 +294,8 @@ def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser)
         _fail(parser, "--chat formats text with the tokenizer's chat template; it cannot be used with --ids")
     if a.gpu_gb is not None and a.device == "cpu":
         _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
+    if a.host_gb and a.device == "cpu":
+        _fail(parser, "--host-gb is a pinned host tier for a GPU; with --device cpu raise --ring-gb instead")
 
 
 def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path, cfg: dict) -> tuple[Any, Any]:
@@ -360,7 +364,7 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     t0 = time.perf_counter()
     with _option_errors_as_usage(parser):
         model = load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
-                     threads=a.threads, io=a.io)
+                     threads=a.threads, io=a.io, host_gb=a.host_gb)
     load_s = time.perf_counter() - t0
     with model:
         if not callable(getattr(model, "generate", None)) or not model.can_generate():
@@ -452,7 +456,7 @@ examples:
   tiered generate ~/models/llama --ids --prompt "1 15043 29892"      (token ids in, token ids out)
   tiered generate ~/models/llama --prompt "Hello" 2>/dev/null        (only the text)
 
-units: --ring-gb and --gpu-gb in GiB (2**30 bytes); bytes streamed in GB (1e9 bytes), rates in GB/s.
+units: --ring-gb, --gpu-gb and --host-gb in GiB (2**30 bytes); bytes streamed in GB (1e9 bytes), rates in GB/s.
 exit status: 0 done, 1 runtime error (a bad shard...), 2 usage error (a bad option, no tokenizer...), 130 interrupted
 """
 
@@ -530,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype, cast while streaming (default: config.json's)")
     r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
+    r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
+                   help="GiB of pinned host memory holding streamed units, copied to the GPU from there every "
+                   "token without touching the disk (default 0: none; host RSS grows by it)")
     r.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N",
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",

@@ -61,9 +61,11 @@ class Loader:
         device: torch.device,
         abort: Callable[[], BaseException | None],
         io: dict[int, IoPlan] | None = None,
+        host: dict | None = None,
     ) -> None:
         self.reader = reader
         self.io = io or {}  # distributed: how each unit is read on this rank (tiered/dist.py)
+        self.host = host if host is not None else {}  # unit index -> its host-tier Slot (read once, kept)
         self.ring = ring
         self.stage = stage
         self.stats = stats
@@ -166,6 +168,10 @@ class Loader:
 
     def _load(self, u: Unit, resident: bool) -> Loaded:
         io = self.io.get(u.index)
+        hs = self.host.get(u.index)
+        if hs is not None:  # in the host tier: no disk, no ring; H2D straight from its pinned slot
+            faults.hit("stage", unit=u.name)
+            return self.stage.stage(u, hs, resident=resident, abort=self._abort, io=io, keep=True)
         rd, size, at = (io.read, io.slot_bytes, io.read_at) if io is not None else (u, u.nbytes, 0)
         slot = self.ring.alloc(size, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
         try:

@@ -74,7 +74,8 @@ class CpuStage:
         self.dist = dist
 
     def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
-              io: IoPlan | None = None) -> Loaded:
+              io: IoPlan | None = None, keep: bool = False) -> Loaded:
+        assert not keep, "the host tier is CUDA-only"  # on the CPU the ring slot is the unit's memory
         gather = io if io is not None and io.gathered else None
         return Loaded(unit, views(unit, slot.view), slot=slot, io=gather, base=slot.view)
 
@@ -127,7 +128,7 @@ class CudaStage:
             b = DevBuf(torch.empty(buf_bytes, dtype=torch.uint8, device=device))
             self._ptrs.add(b.t.data_ptr())
             self._pool.put(b)
-        self._inflight: deque[tuple[torch.cuda.Event, torch.cuda.Event, Slot, int]] = deque()
+        self._inflight: deque[tuple[torch.cuda.Event, torch.cuda.Event, Slot | None, int]] = deque()
         self._lock = threading.Lock()  # _inflight: the loader retires, close() drains
 
     def _get_buf(self, abort: Callable[[], BaseException | None]) -> DevBuf:
@@ -139,8 +140,9 @@ class CudaStage:
                     raise err from None
 
     def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
-              io: IoPlan | None = None) -> Loaded:
-        """Issue ``slot`` -> device copy; the slot is retired when it completes. Loader thread.
+              io: IoPlan | None = None, keep: bool = False) -> Loaded:
+        """Issue ``slot`` -> device copy; the slot is retired when it completes (``keep``: a host-tier
+        slot, which stays). Loader thread.
 
         Distributed (``io.gathered``): the slot holds this rank's chunk, copied to its place in the
         full-size buffer; :meth:`gather` assembles the rest before first use.
@@ -159,7 +161,7 @@ class CudaStage:
             buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
             ready.record(self.copy_stream)
         with self._lock:
-            self._inflight.append((start, ready, slot, n))
+            self._inflight.append((start, ready, None if keep else slot, n))
         return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
 
     def gather(self, ld: Loaded) -> None:
@@ -180,23 +182,25 @@ class CudaStage:
 
     def retire(self, *, block: bool) -> bool:
         """Free the ring slots of finished H2D copies (oldest first; with ``block``, wait for the oldest
-        when none has finished). True if a slot was freed."""
+        when none has finished). True if a copy was retired."""
         freed = False
         while True:
             with self._lock:
                 if not self._inflight:
                     return freed
-                start, ready, slot, nbytes = self._inflight[0]
+                head = self._inflight[0]
+            start, ready, slot, nbytes = head
             if not ready.query():
                 if not block or freed:
                     return freed
                 ready.synchronize()  # releases the GIL
             with self._lock:
-                if self._inflight and self._inflight[0][2] is slot:
+                if self._inflight and self._inflight[0] is head:
                     self._inflight.popleft()
                 else:
                     continue
-            self.ring.free(slot)
+            if slot is not None:  # None: a host-tier slot, which stays
+                self.ring.free(slot)
             self.stats.add_h2d(nbytes, start.elapsed_time(ready) / 1e3)
             freed = True
 

@@ -128,6 +128,9 @@ class Stats:
     embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
         reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
         ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
+    host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
+        pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
+        pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
     world_size, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
         and ``h2d_bytes`` count only its own 1/N chunk of each unit.
@@ -155,6 +158,9 @@ class Stats:
     rss_before_load: int = 0
     world_size: int = 1
     gathered_bytes: int = 0
+    host_units: int = 0
+    host_bytes: int = 0
+    host_used_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
@@ -177,6 +183,12 @@ class Stats:
             self.read_bytes += nbytes
             self.streamed_bytes += nbytes
             self.embedding_bytes += nbytes
+
+    def add_host_used(self, nbytes: int) -> None:
+        """A forward pass bound a host-tier unit of ``nbytes`` (copied to the GPU from pinned host memory)."""
+        with self._lock:
+            self.host_used_bytes += nbytes
+            self.units_streamed += 1
 
     def add_gathered(self, nbytes: int) -> None:
         """Distributed: ``nbytes`` of a unit arrived from the other ranks (all-gather), not from this rank's disk."""
@@ -217,6 +229,9 @@ class Stats:
         parts = [read]
         if s["h2d_bytes"]:
             parts.append(f"H2D {gb(s['h2d_bytes'])} at {gbps(s['h2d_bytes'], s['h2d_s'])} (ring->GPU)")
+        if s["host_units"]:
+            parts.append(f"host tier {s['host_units']} units, {gib(s['host_bytes'])} pinned, "
+                         f"{gb(s['host_used_bytes'])} used by passes")
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
         parts += [

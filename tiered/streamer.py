@@ -77,6 +77,9 @@ class Streamer:
         stats: counters to update.
         dist: this rank of a distributed job (``tiered/dist.py``): each unit is read as this rank's
             chunk and all-gathered when a pass first binds it (resident units: once, at load).
+        host: indices of streamed units kept in the host tier (CUDA): read once into ``host_ring`` by
+            :meth:`load_host`, then copied to the GPU from there every pass (no disk, no ring).
+        host_ring: pinned host memory for them, exactly their size.
     """
 
     def __init__(
@@ -91,9 +94,14 @@ class Streamer:
         stats: Stats,
         rows: set[int] = frozenset(),  # type: ignore[assignment]
         dist: Dist | None = None,
+        host: set[int] = frozenset(),  # type: ignore[assignment]
+        host_ring: Ring | None = None,
     ) -> None:
         self.plan = plan
         self.dist = dist
+        self.host_ids = set(host)
+        self.host_ring = host_ring
+        self.host_slots: dict[int, object] = {}  # filled by load_host
         self.units = plan.units
         self.ring = ring
         self.device = device
@@ -134,7 +142,7 @@ class Streamer:
             return m() if m is not None else StreamerError("the model was garbage-collected")
 
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
-                             io=dict(enumerate(self.io_plans)) if self.io_plans else None)
+                             io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots)
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
@@ -250,6 +258,21 @@ class Streamer:
         if isinstance(self.stage, CudaStage) and futs:
             torch.cuda.synchronize(self.device)
 
+    def load_host(self) -> None:
+        """Read every host-tier unit (this rank's chunk of it, distributed) once into its slot of the pinned
+        host ring; from then on the loader copies it to the GPU from there. Caller thread; blocks."""
+        for i in sorted(self.host_ids):
+            u = self._io[i]
+            p = self.io_plans[i] if self.io_plans else None
+            rd, size, at = (p.read, p.slot_bytes, p.read_at) if p is not None else (u, u.nbytes, 0)
+            slot = self.host_ring.alloc(size, u.name, wait=False)  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            n = self.loader.reader.read_unit(rd, slot.view[at:] if at else slot.view)
+            self.stats.add_read(n, time.perf_counter() - t0, resident=True)
+            self.host_slots[i] = slot
+            self.stats.host_units += 1
+            self.stats.host_bytes += slot.size
+
     def acquire(self, i: int) -> None:
         """Bind unit ``i``'s tensors into its modules (pre-hook; any caller thread).
 
@@ -297,7 +320,10 @@ class Streamer:
                 h.counts[tid] = h.counts.get(tid, 0) + 1
                 return
             self._take(i, ld, tid)
-            self.stats.add_streamed(self.read_share[i])  # counted when used, not when read
+            if i in self.host_slots:
+                self.stats.add_host_used(self.read_share[i])
+            else:
+                self.stats.add_streamed(self.read_share[i])  # counted when used, not when read
 
     def _prefetch_after(self, i: int) -> None:
         for j in self.order.ahead(i, self.prefetch):
