@@ -205,6 +205,38 @@ def _wrap_class(module: nn.Module) -> None:
     module.__class__ = _CLASSES[cls]
 
 
+def _unit_hooks(s: Streamer, i: int, *, root: bool) -> tuple[Any, Any]:
+    """(pre, post) forward hooks that bind unit ``i`` for the length of a module's call.
+
+    ``torch.compile`` sees them as opaque: the unit's root module's hooks are ``torch.compiler.disable``d
+    (dynamo breaks the graph at the unit and runs them eagerly, so the compiled code in between never
+    changes with the streamer's state: no recompiles), and the hooks of modules *inside* the unit — there
+    so that calling ``layers[2].mlp`` directly binds its unit — are no-ops while dynamo traces (the root's
+    hook has bound the unit by then), so they add no graph break inside a layer.
+    """
+    if root:
+        @torch.compiler.disable
+        def pre(m: nn.Module, a: Any) -> None:
+            s.acquire(i)
+
+        @torch.compiler.disable
+        def post(m: nn.Module, a: Any, o: Any) -> Any:
+            return s.release(i, o)
+
+        return pre, post
+
+    def pre_inner(m: nn.Module, a: Any) -> None:
+        if not torch.compiler.is_compiling():
+            s.acquire(i)
+
+    def post_inner(m: nn.Module, a: Any, o: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return s.release(i, o)
+
+    return pre_inner, post_inner
+
+
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -493,15 +525,17 @@ def attach(
             if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
                 rg = RowGather(u, dev, h.stats)
                 h.rows.append(rg)
-                h.hooks.append(u.module.register_forward_pre_hook(rg.pre_hook, with_kwargs=True))
-                h.hooks.append(u.module.register_forward_hook(rg.post_hook, with_kwargs=True, always_call=True))
+                h.hooks.append(u.module.register_forward_pre_hook(torch.compiler.disable(rg.pre_hook), with_kwargs=True))
+                h.hooks.append(u.module.register_forward_hook(torch.compiler.disable(rg.post_hook), with_kwargs=True,
+                                                              always_call=True))
                 continue
             # The unit's root, and every module inside it that owns one of its tensors: calling such a
             # module directly (model.model.layers[2].mlp(x)) binds the unit too, instead of computing on
             # meta placeholders; inside the unit's own forward it is a reference count.
             for mod in _unique([u.module, *(t.module for t in u.targets)]):
-                h.hooks.append(mod.register_forward_pre_hook(lambda m, a, i=u.index: s.acquire(i)))
-                h.hooks.append(mod.register_forward_hook(lambda m, a, o, i=u.index: s.release(i, o), always_call=True))
+                pre, post = _unit_hooks(s, u.index, root=mod is u.module)
+                h.hooks.append(mod.register_forward_pre_hook(pre))
+                h.hooks.append(mod.register_forward_hook(post, always_call=True))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
