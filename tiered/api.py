@@ -53,7 +53,7 @@ class Options:
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
-    distributed: bool = False  # each torchrun rank streams 1/N of every unit; all-gathered (tiered/dist.py)
+    distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
 
 
@@ -345,12 +345,15 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:
 
 
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int,
-                     rows: set[int] = frozenset()) -> set[int]:  # type: ignore[assignment]
+                     rows: set[int] = frozenset(),  # type: ignore[assignment]
+                     slot_need: list[int] | None = None) -> set[int]:
     """Units to load once and keep. ``rows``: embeddings that can read their rows on demand instead: on CUDA
-    they are resident only when the whole model fits the budget (and the ring); otherwise they read rows."""
+    they are resident only when the whole model fits the budget (and the ring); otherwise they read rows.
+    ``slot_need``: ring bytes each unit's slot takes (distributed on the CPU: N equal chunks, a little more
+    than ``Unit.nbytes``); default ``Unit.nbytes``."""
     if device.type == "cpu":
         # The ring is the only memory: keep everything there when it all fits, else stream everything.
-        need = sum(page_up(u.nbytes) for u in plan.units)
+        need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
         return {u.index for u in plan.units} if need <= ring else set()
     too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
     if gpu_gb is None:
@@ -417,7 +420,9 @@ def attach(
             row-streamed embedding never is.
         MissingTensorError / ShapeMismatchError: the checkpoint does not match the module.
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
-        ConfigError: an unknown device or io backend.
+        ConfigError: an unknown device or io backend; a bad option value; ``host_gb`` off CUDA;
+            ``distributed`` outside ``torchrun`` or with ranks that built different plans.
+        HostMemoryError: the ring or host tier is more than the host or cgroup can give.
     """
     _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io, host_gb=host_gb)
     if distributed is not False and device is None and torch.cuda.is_available():
@@ -480,8 +485,11 @@ def attach(
         if dist is not None and dev.type == "cuda":  # one budget for all: the smallest
             local = int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(dev)[0] - GPU_HEADROOM_BYTES
             gpu_gb = _dist.min_over_ranks(dist, local) / GiB
-        resident = _choose_resident(plan, h.ring.size, dev, gpu_gb, prefetch, rows=eligible)
-        if dist is not None:  # rank 0's choice (rings may differ): the ranks must stream the same units
+        # Distributed: every rank must stream the same units, so all decide on the smallest ring and budget,
+        # and rank 0's choice is used (a choice one rank's ring cannot hold would wait forever for room).
+        ring_room = h.ring.size if dist is None else _dist.min_over_ranks(dist, h.ring.size)
+        resident = _choose_resident(plan, ring_room, dev, gpu_gb, prefetch, rows=eligible, slot_need=slot_need)
+        if dist is not None:
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
         # The host tier: streamed units, in execution order, while host_gb lasts (every streamed byte costs

@@ -23,8 +23,9 @@ runs the model, when a pass first binds a unit (:meth:`tiered.streamer.Streamer.
 runs the same modules in the same order — and, for resident units, once at load in unit order. Each
 rank runs its own batch (data parallel); ``generate`` then defaults to ``synced_gpus=True`` so that a
 rank whose sequences finished keeps running passes until every rank is done (as transformers does for
-DeepSpeed ZeRO-3). A rank that dies (an exception, Ctrl-C) leaves the others waiting in a collective:
-``torchrun`` stops the job when one rank fails.
+DeepSpeed ZeRO-3). A rank that dies (an exception, Ctrl-C) leaves the others waiting in a collective
+until ``torchrun`` stops the job (it does when a rank *exits*; a rank that hangs is not stopped, and the
+others wait for the backend's timeout).
 
 Units that cannot be cut (a conversion ``transformers`` computes from whole tensors, or a stacked
 source placed non-contiguously) are read whole by every rank and not gathered: correct, not faster.
@@ -98,23 +99,29 @@ def resolve(distributed: object, device: torch.device | None) -> Dist | None:
 
     if not tdist.is_available():
         raise ConfigError("distributed=True but this torch build has no torch.distributed")
+    if distributed is not True and not isinstance(distributed, tdist.ProcessGroup):
+        raise ConfigError(f"distributed must be True, False or a torch.distributed.ProcessGroup, got {distributed!r}")
     group = None if distributed is True else distributed
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     if not tdist.is_initialized():
         if group is not None:
             raise ConfigError("distributed=<ProcessGroup> but torch.distributed is not initialised")
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+        if missing:
             raise ConfigError(
-                "distributed=True needs one process per GPU started by torchrun (RANK and WORLD_SIZE are not "
+                f"distributed=True needs one process per GPU started by torchrun ({' and '.join(missing)} not "
                 "set): run `torchrun --nproc-per-node N script.py`, or call torch.distributed.init_process_group "
                 "first"
             )
         cuda = device is not None and device.type == "cuda"
-        if cuda:
-            tdist.init_process_group("nccl", device_id=device)
-        else:
-            tdist.init_process_group("gloo")
+        try:
+            if cuda:
+                tdist.init_process_group("nccl", device_id=device)
+            else:
+                tdist.init_process_group("gloo")
+        except ValueError as e:  # RANK/WORLD_SIZE set, but not the rest of torchrun's environment (MASTER_ADDR...)
+            raise ConfigError(f"distributed=True: cannot join the torchrun job ({e}); start it with torchrun") from None
     world = tdist.get_world_size(group)
     if world == 1:
         return None
@@ -200,21 +207,45 @@ def all_gather_bytes(dist: Dist, buf: torch.Tensor, at: int, chunk: int) -> None
         raise StreamerError(f"all-gather of a unit failed on rank {dist.rank} of {dist.world}: {e}") from e
 
 
+def _plan_signature(plan: Plan) -> list[tuple]:
+    """Per unit: what each of its bytes means (target names, dtypes, shapes, offsets; source names, dtypes,
+    shapes). Names and sizes alone are not enough: fp16 vs bf16, or two checkpoints of one architecture, give
+    equal names and byte counts. File paths and offsets are left out (a resharded copy is legitimate)."""
+    return [(u.name, u.nbytes,
+             tuple((t.key, str(t.dtype), t.shape, t.offset,
+                    tuple((c.src.name, str(c.src.dtype), tuple(c.src.shape)) for c in t.copies)) for t in u.targets),
+             tuple((s.name, str(s.dtype), tuple(s.shape)) for cv in u.converts for ss in cv.sources.values() for s in ss))
+            for u in plan.units]
+
+
 def check_same_plan(dist: Dist, plan: Plan, extra: tuple) -> None:
-    """Raise :class:`~tiered.errors.ConfigError` on every rank unless every rank built the same plan
-    (unit names and sizes) with the same ``extra`` options: otherwise the ranks' all-gathers would not
-    match and the job would hang or mix weights."""
+    """Raise :class:`~tiered.errors.ConfigError` on every rank unless every rank built the same plan (units,
+    and for each target its dtype, shape, offset and sources) with the same ``extra`` options: otherwise the
+    ranks' all-gathers would not match and the job would hang or mix weights. (Two checkpoints with equal
+    headers and different values are not told apart.)"""
+    import hashlib
+
     import torch.distributed as tdist
 
-    mine = (tuple((u.name, u.nbytes) for u in plan.units), extra)
+    sig = _plan_signature(plan)
+    mine = (hashlib.sha256(repr(extra).encode()).hexdigest(),
+            [hashlib.sha256(repr(x).encode()).hexdigest() for x in sig])
     got: list[object] = [None] * dist.world
     tdist.all_gather_object(got, mine, group=dist.group)
     bad = [r for r, g in enumerate(got) if g != got[0]]
     if bad:
+        ref = got[bad[0]] if dist.rank == 0 else got[0]  # the one to compare with: rank 0, or the first differing
+        opts, units = ref  # type: ignore[misc]
+        diff = next((i for i, (a, b) in enumerate(zip(mine[1], units, strict=False)) if a != b), None)
+        if opts != mine[0]:
+            what = f"their options differ (device type, embedding_rows; here {extra})"
+        elif diff is not None:
+            what = f"unit {plan.units[diff].name!r} differs (its tensors' names, dtypes or shapes)"
+        else:
+            what = f"{len(mine[1])} units here, {len(units)} there"
         raise ConfigError(
-            f"rank {bad[0]} built a different plan or options than rank 0 ({len(plan.units)} units here); "
-            "every rank must load the same checkpoint with the same dtype, ring_gb-independent options "
-            "(embedding_rows, device type) and transformers version"
+            f"rank {bad[0]} and rank 0 built different plans: {what}; every rank must load the same checkpoint "
+            "with the same dtype, embedding_rows and device type, and the same transformers version"
         )
 
 
