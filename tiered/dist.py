@@ -44,7 +44,7 @@ import torch
 from .errors import ConfigError, StreamerError
 from .plan import Copy, Plan, Target, Unit
 
-__all__ = ["Dist", "IoPlan", "resolve", "split_unit", "io_plans", "check_same_plan", "all_gather_bytes",
+__all__ = ["Dist", "IoPlan", "read_args", "resolve", "split_unit", "io_plans", "check_same_plan", "all_gather_bytes",
            "min_over_ranks", "from_rank0"]
 
 
@@ -78,6 +78,12 @@ class IoPlan:
     @property
     def gathered(self) -> bool:
         return self.at is not None
+
+
+def read_args(u: Unit, p: IoPlan | None) -> tuple[Unit, int, int]:
+    """(what the reader fills, ring bytes the slot takes, offset in the slot) for unit ``u`` read as ``p``
+    (None: the whole unit, as one process reads it)."""
+    return (p.read, p.slot_bytes, p.read_at) if p is not None else (u, u.nbytes, 0)
 
 
 def _align(n: int, a: int) -> int:

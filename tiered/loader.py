@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from . import faults
-from .dist import IoPlan
+from .dist import IoPlan, read_args
 from .errors import StreamerError
 from .plan import Unit
 from .reader import Reader
@@ -172,7 +172,7 @@ class Loader:
         if hs is not None:  # in the host tier: no disk, no ring; H2D straight from its pinned slot
             faults.hit("stage", unit=u.name)
             return self.stage.stage(u, hs, resident=resident, abort=self._abort, io=io, keep=True)
-        rd, size, at = (io.read, io.slot_bytes, io.read_at) if io is not None else (u, u.nbytes, 0)
+        rd, size, at = read_args(u, io)
         slot = self.ring.alloc(size, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
         try:
             t0 = time.perf_counter()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .binding import bind, copy_out_aliases, remember_placeholders, unbind
-from .dist import Dist, io_plans
+from .dist import Dist, io_plans, read_args
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
@@ -263,8 +263,7 @@ class Streamer:
         host ring; from then on the loader copies it to the GPU from there. Caller thread; blocks."""
         for i in sorted(self.host_ids):
             u = self._io[i]
-            p = self.io_plans[i] if self.io_plans else None
-            rd, size, at = (p.read, p.slot_bytes, p.read_at) if p is not None else (u, u.nbytes, 0)
+            rd, size, at = read_args(u, self.io_plans[i] if self.io_plans else None)
             slot = self.host_ring.alloc(size, u.name, wait=False)  # type: ignore[union-attr]
             t0 = time.perf_counter()
             n = self.loader.reader.read_unit(rd, slot.view[at:] if at else slot.view)
