@@ -429,9 +429,10 @@ def attach(
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
     if host_gb and dev.type != "cuda":
+        where = f"on device={dev}" if device is not None else "no CUDA device here, so device=cpu; there"
         raise ConfigError(
-            f"host_gb={host_gb} is a pinned host tier for a GPU; on device={dev} the ring is host memory already: "
-            "raise ring_gb instead (everything stays in the ring when the whole model fits)"
+            f"host_gb={host_gb} is a pinned host tier for a GPU (CUDA only); {where} the ring is host memory "
+            "already: raise ring_gb >= the model's size instead (the whole model then stays in the ring)"
         )
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
@@ -471,6 +472,8 @@ def attach(
     _LIVE.add(h)
     h.stats.rss_before_load = rss0
     h.stats.world_size = dist.world if dist is not None else 1
+    h.stats.rank = dist.rank if dist is not None else 0
+    h.stats.io = io
     try:
         _check_host_memory(ring_bytes, ring_gb, big.nbytes)
         try:

@@ -535,8 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
     r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
-                   help="GiB of pinned host memory holding streamed units, copied to the GPU from there every "
-                   "token without touching the disk (default 0: none; host RSS grows by it)")
+                   help="CUDA only: GiB of pinned host memory holding streamed units, copied to the GPU from "
+                   "there every token without touching the disk (default 0: none; host RSS grows by it)")
     r.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N",
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",

@@ -116,9 +116,9 @@ def resolve(distributed: object, device: torch.device | None) -> Dist | None:
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
             raise ConfigError(
-                f"distributed=True needs one process per GPU started by torchrun ({' and '.join(missing)} not "
-                "set): run `torchrun --nproc-per-node N script.py`, or call torch.distributed.init_process_group "
-                "first"
+                f"distributed=True needs its processes started by torchrun, one per GPU (or several on the CPU, "
+                f"with gloo) ({' and '.join(missing)} not set): run `torchrun --standalone --nproc-per-node N "
+                "script.py`, or call torch.distributed.init_process_group first"
             )
         cuda = device is not None and device.type == "cuda"
         try:

@@ -131,7 +131,8 @@ class Stats:
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
         pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
         pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
-    world_size, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
+    io: the reader backend the model uses (``io="auto"`` resolved).
+    world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
         and ``h2d_bytes`` count only its own 1/N chunk of each unit.
     """
@@ -157,7 +158,9 @@ class Stats:
     resident_units: int = 0
     rss_before_load: int = 0
     world_size: int = 1
+    rank: int = 0
     gathered_bytes: int = 0
+    io: str = ""  # the reader backend in use: "mmap", "pread" or "direct" ("auto" resolved)
     host_units: int = 0
     host_bytes: int = 0
     host_used_bytes: int = 0
@@ -217,7 +220,10 @@ class Stats:
     def __str__(self) -> str:
         """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
         s = self.snapshot()
-        read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring)"
+        via = f", io={s['io']}" if s["io"] else ""
+        read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
+        if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
+            read = f"rank {s['rank']}/{s['world_size']}, this rank's 1/{s['world_size']} of each unit: " + read
         if s["units"] and s["resident_units"] == s["units"]:
             read += f": all {s['units']} units resident, read once at load; nothing streams"
         else:
