@@ -148,7 +148,8 @@ def bert(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str 
 
 
 def mixtral(
-    path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "40KB", seed: int = 5
+    path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "40KB", seed: int = 5,
+    num_experts: int = 4, top_k: int = 2,
 ) -> Path:
     cfg = transformers.MixtralConfig(
         vocab_size=VOCAB,
@@ -157,8 +158,8 @@ def mixtral(
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
         max_position_embeddings=128,
     )
     save_model(transformers.MixtralForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
@@ -271,10 +272,22 @@ def deepseek_v3(path: Path, *, dtype: torch.dtype = torch.float32, max_shard_siz
     return save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
 
 
+def qwen3_moe(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+              seed: int = 10, num_experts: int = 8, top_k: int = 2) -> Path:
+    """Qwen3-MoE: every layer sparse, no shared expert, normalised top-k; checkpoints store per-expert tensors."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=num_experts,
+        num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=128,
+    )
+    return save_model(transformers.Qwen3MoeForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
 #: Checkpoints outside the equality sweep (not plain causal LMs or encoders): name -> (builder, kwargs, auto class)
 EXTRA_BUILDERS: dict[str, tuple[Callable[..., Path], dict, type]] = {
     "t5": (t5, {}, transformers.AutoModelForSeq2SeqLM),
     "deepseek_v3": (deepseek_v3, {}, transformers.AutoModelForCausalLM),
+    "qwen3_moe": (qwen3_moe, {}, transformers.AutoModelForCausalLM),
 }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import dist as _dist
 from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
+from .experts import STAGING_BYTES, ExpertGather, find_experts, route_out
 from .format import Checkpoint, open_checkpoint
 from .hostmem import host_memory_available, page_up
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
@@ -53,6 +54,7 @@ class Options:
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
+    routed_experts: bool = True  # a streamed MoE block reads only the experts its router picked (tiered/experts.py)
     distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
 
@@ -77,6 +79,8 @@ class _Handle:
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
+        self.experts: list[Any] = []  # ExpertGather per routed experts module
+        self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
         self.closed = False
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
@@ -95,7 +99,8 @@ class _Handle:
         got = self.call_lock.acquire(timeout=CLOSE_WAIT_S)
         try:
             if not self.closed_hooks:  # from here on the model and its units refuse to run
-                mods = [self.module, *(m for u in self.plan.units for m in (u.module, *(t.module for t in u.targets)))]
+                mods = [self.module, *(m for u in self.plan.units for m in (u.module, *(t.module for t in u.targets))),
+                        *(eg.spec.module for eg in self.experts)]
                 self.closed_hooks = [m.register_forward_pre_hook(_closed) for m in _unique(mods)]
             while self.hooks:
                 self.hooks.pop().remove()
@@ -103,7 +108,9 @@ class _Handle:
                 self.streamer.close()
             for rg in self.rows:
                 rg.close()
-            _release_resources(None, None, self.reader, self.ring, self.host_ring)
+            for eg in self.experts:
+                eg.close()
+            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging)
             self.closed = True
         finally:
             if got:
@@ -160,7 +167,7 @@ class _TieredMixin:
             depth = h.depth  # restored, not decremented: right wherever an interrupt lands
             if depth == 0 and h.streamer is not None:
                 h.streamer.release_all()  # what an interrupted earlier call may have left
-                for rg in h.rows:
+                for rg in (*h.rows, *h.experts):
                     rg.reset()  # rows this thread's interrupted call left bound (hooks don't run on Ctrl-C)
             try:
                 h.depth = depth + 1
@@ -169,7 +176,7 @@ class _TieredMixin:
                 h.depth = depth
                 if depth == 0 and h.streamer is not None:
                     h.streamer.release_all()
-                    for rg in h.rows:
+                    for rg in (*h.rows, *h.experts):
                         rg.reset()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -344,6 +351,16 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:
     )
 
 
+def _fits_whole(plan: Plan, ring_gb: float, device: torch.device, gpu_gb: float | None) -> bool:
+    """Whether the whole model would stay loaded: in the ring (CPU), or in the GPU budget with every unit
+    fitting the ring to be loaded through it (CUDA). Then nothing is routed: every expert stays."""
+    ring = int(ring_gb * GiB)
+    if device.type == "cpu":
+        return sum(page_up(u.nbytes) for u in plan.units) <= ring
+    budget = int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
+    return plan.nbytes <= budget and page_up(plan.max_unit.nbytes) <= ring
+
+
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int,
                      rows: set[int] = frozenset(),  # type: ignore[assignment]
                      slot_need: list[int] | None = None) -> set[int]:
@@ -393,6 +410,7 @@ def attach(
     embedding_rows: bool = True,
     distributed: bool | Any = False,
     host_gb: float = 0.0,
+    routed_experts: bool = True,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -408,6 +426,12 @@ def attach(
 
     A streamed ``nn.Embedding`` reads only the rows its ids look up, on each call (``embedding_rows``;
     see ``tiered/rows.py``): it needs no ring space, so a table larger than the ring is fine.
+
+    When the model does not fit (the ring on the CPU; the GPU budget or the ring on CUDA), each MoE block's
+    experts module reads only the experts its router picked, on each call (``routed_experts``; see
+    ``tiered/experts.py``): the experts need no ring space, so a MoE layer larger than the ring is fine.
+    Memory: the routed experts of one call (``U`` x one expert), on the device; on CUDA also a pinned
+    staging buffer of ``tiered.experts.STAGING_BYTES`` (128 MiB) on the host.
 
     ``distributed=True`` (one process per GPU under ``torchrun``; or a ``ProcessGroup``): every rank reads
     and copies only its 1/N chunk of each unit and the unit is all-gathered before it runs (NCCL on CUDA,
@@ -437,14 +461,24 @@ def attach(
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
-                   distributed=dist is not None, host_gb=host_gb)
+                   distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
     opts = dataclasses.replace(opts, io=io)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
     if dist is not None:  # every rank must issue the same all-gathers: same units, same options
-        _dist.check_same_plan(dist, plan, (dev.type, embedding_rows))
+        _dist.check_same_plan(dist, plan, (dev.type, embedding_rows, routed_experts))
+    # Routed experts: when the model does not fit, MoE experts leave their units and are read per call.
+    experts = {u.index: ss for u in plan.units if routed_experts and (ss := find_experts(u))}
+    if experts:
+        fits = _fits_whole(plan, ring_gb, dev, gpu_gb)
+        if dist is not None:
+            fits = bool(_dist.min_over_ranks(dist, int(fits)))
+        if fits:
+            experts = {}
+        for i, ss in experts.items():
+            route_out(plan.units[i], ss, plan.align)
     # Ring bytes each unit takes on this rank (distributed on CUDA: only this rank's chunk).
     slot_need = [p.slot_bytes for p in _dist.io_plans(plan.units, dist, dev, plan.align)] if dist is not None \
         else [u.nbytes for u in plan.units]
@@ -464,7 +498,8 @@ def attach(
     if not _ATEXIT:  # once per process, on first use (import has no side effects)
         atexit.register(_close_all)
         _ATEXIT = True
-    materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets})
+    materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets}
+                             | {p.target.key for ss in experts.values() for sp in ss for p in sp.parts})
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
@@ -518,11 +553,12 @@ def attach(
                 h.host_ring = Ring(host_bytes, pin=True)
             except (OSError, MemoryError) as e:
                 raise ConfigError(f"cannot pin a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") from None
-        h.stats.model_bytes = plan.nbytes
+        h.stats.model_bytes = plan.nbytes + sum(sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss)
         h.stats.units = len(plan.units)
         h.stats.resident_units = len(resident)
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
         h.stats.row_units = len(rows)
+        h.stats.expert_modules = sum(len(ss) for ss in experts.values())
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
                               rows=rows, dist=dist, host=host, host_ring=h.host_ring)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
@@ -547,11 +583,28 @@ def attach(
                 pre, post = _unit_hooks(s, u.index, root=mod is u.module)
                 h.hooks.append(mod.register_forward_pre_hook(pre))
                 h.hooks.append(mod.register_forward_hook(post, always_call=True))
+        if experts:
+            staging = None
+            if dev.type == "cuda":
+                try:
+                    h.expert_staging = Ring(STAGING_BYTES, pin=True)
+                except (OSError, MemoryError) as e:
+                    raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB of staging for routed experts ({e}); "
+                                      "pass routed_experts=False") from None
+                staging = (h.expert_staging.buf, threading.Lock())
+            for ss in experts.values():
+                for spec in ss:
+                    eg = ExpertGather(spec, h.reader, dev, h.stats, staging)
+                    h.experts.append(eg)
+                    h.hooks.append(spec.module.register_forward_pre_hook(torch.compiler.disable(eg.pre_hook),
+                                                                         with_kwargs=True))
+                    h.hooks.append(spec.module.register_forward_hook(torch.compiler.disable(eg.post_hook),
+                                                                     with_kwargs=True, always_call=True))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
         weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring, h.host_ring,
-                         *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+                         h.expert_staging, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
         raise
@@ -577,6 +630,7 @@ def load(
     embedding_rows: bool = True,
     distributed: bool | Any = False,
     host_gb: float = 0.0,
+    routed_experts: bool = True,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -608,6 +662,8 @@ def load(
             streamed units (their 1/N chunks, distributed) read once at load and copied to the GPU from
             there every pass, at the pinned H2D rate, touching neither disk nor page cache. Peak host RSS is
             then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier.
+        routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
+            router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -626,7 +682,8 @@ def load(
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
-                  embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb, _rss_before=rss0)
+                  embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
+                  routed_experts=routed_experts, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

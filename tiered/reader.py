@@ -264,28 +264,38 @@ class Reader:
             s.file for conv in unit.converts for ss in conv.sources.values() for s in ss
         }:
             self.maps[path].check()
+        pairs = []
+        for tgt in unit.targets:
+            whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
+            pairs += [(c.src, whole if c.place is None else c.place(whole)) for c in tgt.copies]
+        self.copy_all(unit, pairs, lambda: [self._convert(unit, conv, slot) for conv in unit.converts])
+        return unit.src_bytes
+
+    def copy_all(self, unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]], also=None) -> None:
+        """Copy each checkpoint tensor ``src`` of ``pairs`` into its ``dest`` (same numel; cast to ``dest``'s
+        dtype), split into chunks over the reader threads; ``also()`` runs on this thread meanwhile.
+
+        Returns (or raises the first copy's exception) only once every copy has finished, so the caller may
+        free the destinations as soon as this returns. ``unit`` names the copies for fault injection.
+        """
         jobs = []
         try:
-            for tgt in unit.targets:
-                whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
-                for c in tgt.copies:
-                    n = c.src.numel
-                    if n == 0:
-                        continue
-                    dest = whole if c.place is None else c.place(whole)
-                    step = max(1, (_CHUNK if self.io == "mmap" else DIRECT_CHUNK) // c.src.dtype.itemsize)
-                    if dest.is_contiguous() or n <= step:
-                        for lo in range(0, n, step):
-                            jobs.append(self.pool.submit(self._task, unit, c.src, dest, lo, min(n, lo + step)))
-                    else:
-                        jobs.append(self.pool.submit(self._task, unit, c.src, dest, 0, n))
-            for conv in unit.converts:
-                self._convert(unit, conv, slot)
+            for src, dest in pairs:
+                n = src.numel
+                if n == 0:
+                    continue
+                step = max(1, (_CHUNK if self.io == "mmap" else DIRECT_CHUNK) // src.dtype.itemsize)
+                if dest.is_contiguous() or n <= step:
+                    for lo in range(0, n, step):
+                        jobs.append(self.pool.submit(self._task, unit, src, dest, lo, min(n, lo + step)))
+                else:
+                    jobs.append(self.pool.submit(self._task, unit, src, dest, 0, n))
+            if also is not None:
+                also()
         finally:
-            done, _ = wait(jobs)  # never leave a copy writing into a slot the caller is about to free
+            done, _ = wait(jobs)  # never leave a copy writing into memory the caller is about to free
         for f in done:
             f.result()
-        return unit.src_bytes
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:
         """Run a non-placeable ``transformers`` conversion on mapped sources; copy the results in."""

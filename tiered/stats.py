@@ -128,6 +128,11 @@ class Stats:
     embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
         reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
         ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
+    expert_bytes, experts_read, expert_calls, expert_modules: routed experts (``tiered/experts.py``): a
+        streamed MoE block reads only the experts its router picked, each call. ``expert_bytes`` (also in
+        ``read_bytes`` and ``streamed_bytes``) are their checkpoint bytes, ``experts_read`` how many experts
+        were read over ``expert_calls`` calls of the ``expert_modules`` routed experts modules.
+        ``snapshot()["dense_bytes"]`` is ``streamed_bytes`` less expert and embedding bytes.
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
         pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
         pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
@@ -149,6 +154,10 @@ class Stats:
     units_streamed: int = 0
     embedding_bytes: int = 0
     row_units: int = 0
+    expert_bytes: int = 0
+    experts_read: int = 0
+    expert_calls: int = 0
+    expert_modules: int = 0
     ring_bytes: int = 0
     ring_high_water: int = 0
     device_buffer_bytes: int = 0
@@ -187,6 +196,15 @@ class Stats:
             self.streamed_bytes += nbytes
             self.embedding_bytes += nbytes
 
+    def add_experts(self, nbytes: int, n: int) -> None:
+        """A forward pass read ``n`` routed experts, ``nbytes`` of the checkpoint (read and used at once)."""
+        with self._lock:
+            self.read_bytes += nbytes
+            self.streamed_bytes += nbytes
+            self.expert_bytes += nbytes
+            self.experts_read += n
+            self.expert_calls += 1
+
     def add_host_used(self, nbytes: int) -> None:
         """A forward pass bound a host-tier unit of ``nbytes`` (copied to the GPU from pinned host memory)."""
         with self._lock:
@@ -208,6 +226,7 @@ class Stats:
         with self._lock:
             d: dict[str, float | int] = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         d["prefetch_idle_bytes"] = d["read_bytes"] - d["load_bytes"] - d["streamed_bytes"]
+        d["dense_bytes"] = d["streamed_bytes"] - d["expert_bytes"] - d["embedding_bytes"]
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
         st = proc_status()
@@ -225,11 +244,18 @@ class Stats:
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
             read = f"rank {s['rank']}/{s['world_size']}, this rank's 1/{s['world_size']} of each unit: " + read
         if s["units"] and s["resident_units"] == s["units"]:
-            read += f": all {s['units']} units resident, read once at load; nothing streams"
+            read += f": all {s['units']} units resident, read once at load; " + (
+                f"routed experts: {gb(s['expert_bytes'])} in {s['experts_read']} experts over {s['expert_calls']} calls"
+                if s["expert_modules"] else "nothing streams")
         else:
             read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
             read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units"
-            read += f", {gb(s['embedding_bytes'])} of embedding rows)" if s["row_units"] else ")"
+            read += f", {gb(s['embedding_bytes'])} of embedding rows" if s["row_units"] else ""
+            if s["expert_modules"]:
+                per = s["experts_read"] / s["expert_calls"] if s["expert_calls"] else 0.0
+                read += (f", {gb(s['expert_bytes'])} of routed experts: {s['experts_read']} read in "
+                         f"{s['expert_calls']} calls, {per:.3g} per call")
+            read += ")"
             if s["prefetch_idle_bytes"]:
                 read += f", {gb(s['prefetch_idle_bytes'])} read ahead and not used (yet)"
         parts = [read]

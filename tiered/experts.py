@@ -1,0 +1,352 @@
+"""Routed experts: a streamed mixture-of-experts block reads only the experts its router picked.
+
+``transformers`` >= 5 keeps a MoE block's experts in one module (``MixtralExperts``, ``Qwen2MoeExperts``,
+``Qwen3MoeExperts``, ``DeepseekV3Experts``, ... — the classes decorated with
+``transformers.integrations.moe.use_experts_implementation``) whose parameters are stacked, shape
+``(E, ...)`` (``gate_up_proj`` ``(E, 2I, D)``, ``down_proj`` ``(E, D, I)``, biases ``(E, ...)``), and which the
+block calls as ``experts(hidden_states, top_k_index, top_k_weights)`` *after* its router has run. When the
+model does not fit (the ring on the CPU, the GPU budget on CUDA), those parameters leave their decoder
+layer's ring unit, and on each call a forward pre-hook on the experts module
+
+1. moves ``top_k_index`` (``(tokens, k)``, int64) to the host — the one sync, the router's ids — and takes
+   its ``U`` distinct experts, sorted;
+2. reads only those experts' bytes from the checkpoint — from a stacked tensor (expert ``j`` is the byte
+   range ``[j * per, (j + 1) * per)``) or from per-expert tensors (a Mixtral checkpoint's
+   ``experts.j.w1/w3/w2``, placed the way ``transformers``' own conversion places them) — on the reader
+   threads, with the model's ``io`` backend, cast like the rest of the unit, into compact tensors of shape
+   ``(U, ...)``: on the CPU straight into them; on CUDA through a fixed pinned staging buffer
+   (:data:`STAGING_BYTES`, two halves: one is read into while the other's H2D runs on the compute
+   stream) into device tensors;
+3. binds the compact tensors as the module's parameters, sets ``num_experts = U`` for the call, and
+   replaces ``top_k_index`` by each id's rank among the ``U`` (``searchsorted``).
+
+The experts module's own forward (``eager``, ``grouped_mm`` or ``batched_mm``) then runs the same
+per-expert products on the same rows in the same order — the remap is monotone, so experts are visited,
+grouped and accumulated exactly as with all ``E`` — and outputs are bitwise equal to the whole
+module's. A forward hook (``always_call``) restores the ``meta`` placeholders and ``num_experts``.
+
+Bytes per call: ``U x`` (one expert's bytes); a decode step of batch ``B`` with top-``k`` routing reads at
+most ``B x k`` experts per block. Counted in ``Stats.expert_bytes`` (also in ``read_bytes`` and
+``streamed_bytes``); ``Stats.experts_read`` counts experts read, ``expert_calls`` the calls.
+
+Memory: the compact tensors live for the call: ``U x`` expert bytes on the device (CUDA) or the host
+(CPU; a prefill that routes to every expert holds all of that block's experts for the call). CUDA adds
+the pinned staging buffer, allocated once (host RSS).
+
+Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
+a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
+``use_experts_implementation`` attributes.
+
+Threads: the hooks run on the calling thread; a per-module lock is held from the pre-hook to the forward
+hook. A ``KeyboardInterrupt`` inside the call skips the forward hook; the next model call (or call of
+the module from this thread) restores it first (:meth:`ExpertGather.reset`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import StreamerError
+from .format import TensorInfo
+from .plan import Target, Unit
+
+__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES"]
+
+#: Pinned host staging per model on CUDA (bytes): two halves, one read into while the other is copied.
+STAGING_BYTES = 128 << 20
+
+Dest = Callable[[torch.Tensor], torch.Tensor] | None  # where a source lands inside one expert's slab (None: all of it)
+
+
+@dataclass(eq=False)
+class ExpertPart:
+    """One stacked parameter (or buffer) of an experts module: ``per[j]`` = what fills expert ``j``'s slab."""
+
+    target: Target
+    per: list[list[tuple[TensorInfo, Dest]]]
+
+    @property
+    def slab_shape(self) -> tuple[int, ...]:
+        return tuple(self.target.shape[1:])
+
+    @property
+    def slab_bytes(self) -> int:
+        return math.prod(self.slab_shape) * self.target.dtype.itemsize
+
+
+@dataclass(eq=False)
+class ExpertSpec:
+    """An experts module inside ``unit`` whose parameters can be read one expert at a time."""
+
+    unit: Unit
+    module: nn.Module
+    name: str
+    num_experts: int
+    parts: list[ExpertPart] = field(default_factory=list)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one expert takes in the model dtype (all parts)."""
+        return sum(p.slab_bytes for p in self.parts)
+
+    @property
+    def expert_src_bytes(self) -> int:
+        """Bytes of the checkpoint read for one expert (expert 0)."""
+        return sum(info.nbytes for p in self.parts for info, _ in p.per[0])
+
+
+def _is_experts_module(m: nn.Module) -> bool:
+    return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "has_gate", None), bool)
+            and isinstance(getattr(m, "is_transposed", None), bool) and m.num_experts > 0)
+
+
+def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorInfo, Dest]]] | None:
+    """Per expert, the sources that fill its slab of ``tgt`` (shape ``(E, ...)``); None if not expert-separable."""
+    if tgt.key in converted or not tgt.shape or tgt.shape[0] != E or not tgt.copies:
+        return None
+    per_el = math.prod(tgt.shape[1:])
+    out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]
+    full = torch.empty(tgt.shape, dtype=tgt.dtype, device="meta")
+    slab = torch.empty(tgt.shape[1:], dtype=tgt.dtype, device="meta")
+    for c in tgt.copies:
+        s = c.src
+        if c.place is None:
+            if tuple(s.shape) != tuple(tgt.shape):
+                return None
+            pb = per_el * s.dtype.itemsize
+            for j in range(E):
+                out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, tuple(s.shape[1:]), s.file, s.offset + j * pb, pb),
+                               None))
+            continue
+        try:
+            v = c.place(full)
+        except (RuntimeError, IndexError, TypeError):
+            return None
+        if v.numel() != s.numel or v.numel() == 0:
+            return None
+        off = v.storage_offset()
+        j = off // per_el if per_el else -1
+        end = off + sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True))
+        if not (0 <= j < E and end < (j + 1) * per_el):
+            return None
+
+        def dest(t: torch.Tensor, place=c.place, E=E) -> torch.Tensor:  # expert j's slab seen as every expert
+            return place(t.unsqueeze(0).expand(E, *t.shape))
+
+        try:
+            w = dest(slab)
+        except (RuntimeError, IndexError, TypeError):
+            return None
+        if not w.is_contiguous() or w.storage_offset() != off - j * per_el or tuple(w.shape) != tuple(v.shape):
+            return None
+        out[j].append((s, dest))
+    if any(not o for o in out):
+        return None
+    return out
+
+
+def find_experts(unit: Unit) -> list[ExpertSpec]:
+    """The experts modules of ``unit`` that can be routed (see the module docstring); [] if none."""
+    if unit.module is None:
+        return []
+    converted = {k for conv in unit.converts for k in conv.targets}
+    by_module: dict[int, list[Target]] = {}
+    for t in unit.targets:
+        by_module.setdefault(id(t.module), []).append(t)
+    specs = []
+    for name, m in unit.module.named_modules():
+        if not _is_experts_module(m) or id(m) not in by_module:
+            continue
+        tgts = by_module[id(m)]
+        if {t.attr for t in tgts if t.is_param} != set(m._parameters) or len(tgts) == len(unit.targets):
+            continue  # every parameter must be a target here, and the unit must keep something
+        parts = []
+        for t in tgts:
+            per = _slices(t, m.num_experts, converted)
+            if per is None:
+                break
+            parts.append(ExpertPart(t, per))
+        else:
+            specs.append(ExpertSpec(unit, m, f"{unit.name}.{name}" if name else unit.name, m.num_experts, parts))
+    return specs
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def route_out(unit: Unit, specs: list[ExpertSpec], align: int) -> None:
+    """Take the experts' targets out of ``unit`` and lay out what is left (offsets, ``nbytes``, ``src_bytes``)."""
+    gone = {id(p.target) for s in specs for p in s.parts}
+    unit.targets = [t for t in unit.targets if id(t) not in gone]
+    off = 0
+    for t in unit.targets:
+        off = _align(off, align)
+        t.offset = off
+        off += t.nbytes
+    unit.nbytes = _align(off, align)
+    unit.src_bytes = sum(c.src.nbytes for t in unit.targets for c in t.copies) + sum(
+        s.nbytes for c in unit.converts for ss in c.sources.values() for s in ss)
+
+
+class ExpertGather:
+    """Reads the routed experts of one experts module on each call (see the module docstring).
+
+    Args:
+        spec: from :func:`find_experts` (its targets already taken out of the unit by :func:`route_out`).
+        reader: the model's :class:`~tiered.reader.Reader` (its threads, its ``io`` backend, its shards).
+        device: where the experts run.
+        stats: the model's :class:`~tiered.stats.Stats`.
+        staging: CUDA: pinned host memory shared by the model's experts modules (uint8, even length),
+            and the lock that serialises its use; None on the CPU.
+    """
+
+    def __init__(self, spec: ExpertSpec, reader: Any, device: torch.device, stats: Any,
+                 staging: tuple[torch.Tensor, threading.Lock] | None = None) -> None:
+        self.spec = spec
+        self.reader = reader
+        self.device = device
+        self.stats = stats
+        self.staging = staging
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.lock = threading.Lock()
+        self._tls = threading.local()
+        self.placeholders = {p.target.attr: spec.module._parameters.get(p.target.attr) if p.target.is_param
+                             else spec.module._buffers.get(p.target.attr) for p in spec.parts}
+        self.closed = False
+        self.files = sorted({info.file for p in spec.parts for per in p.per for info, _ in per})
+
+    # ----------------------------------------------------------------------------------- reading
+
+    def _pairs(self, ids: list[int], out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
+        pairs = []
+        for p, t in zip(self.spec.parts, out, strict=True):
+            for u, j in enumerate(ids):
+                for info, dest in p.per[j]:
+                    pairs.append((info, t[u] if dest is None else dest(t[u])))
+        return pairs
+
+    def read(self, ids: list[int]) -> list[torch.Tensor]:
+        """Experts ``ids`` (sorted, distinct, in range) of every part, as ``(len(ids), ...)`` tensors on the device.
+
+        Raises:
+            ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
+        """
+        for f in self.files:
+            self.reader.maps[f].check()
+        parts = self.spec.parts
+        U = len(ids)
+        if self.device.type == "cpu":
+            out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype) for p in parts]
+            self.reader.copy_all(self.spec.unit, self._pairs(ids, out))
+        else:
+            out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
+            self._read_cuda(ids, out)
+        n = U * self.spec.expert_src_bytes if ids else 0
+        self.stats.add_experts(n, U)
+        return out
+
+    def _read_cuda(self, ids: list[int], out: list[torch.Tensor]) -> None:
+        """Read into the pinned staging halves, H2D on the current stream from each (double-buffered)."""
+        buf, lock = self.staging  # type: ignore[misc]
+        half = buf.numel() // 2
+        # (source, device destination) in chunks of at most half the staging, each a 1-D element range
+        chunks: list[tuple[TensorInfo, torch.Tensor]] = []
+        for info, d in self._pairs(ids, out):
+            flat = d.reshape(-1)
+            isz = d.element_size()
+            step = max(1, half // isz)
+            for lo in range(0, info.numel, step):
+                hi = min(info.numel, lo + step)
+                sub = TensorInfo(info.name, info.dtype, (hi - lo,), info.file, info.offset + lo * info.dtype.itemsize,
+                                 (hi - lo) * info.dtype.itemsize)
+                chunks.append((sub, flat[lo:hi]))
+        stream = torch.cuda.current_stream(self.device)
+        with lock:
+            h, i = 0, 0
+            while i < len(chunks):
+                base = buf[h * half:(h + 1) * half]
+                batch, used = [], 0
+                while i < len(chunks) and used + _align(chunks[i][1].numel() * chunks[i][1].element_size(), 512) <= half:
+                    d = chunks[i][1]
+                    n = d.numel() * d.element_size()
+                    batch.append((chunks[i][0], base[used:used + n].view(d.dtype), d))
+                    used += _align(n, 512)
+                    i += 1
+                ev = self.events[h]
+                if ev is not None:
+                    ev.synchronize()  # the H2D that last read this half is done
+                self.reader.copy_all(self.spec.unit, [(src, host) for src, host, _ in batch])
+                for _, host, d in batch:
+                    d.copy_(host, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self.events[h] = ev
+                h ^= 1
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.closed:
+            raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
+        if len(args) >= 2:
+            idx, where = args[1], ("args", 1)
+        else:
+            idx, where = kwargs.get("top_k_index"), ("kwargs", "top_k_index")
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(module).__name__}: expected the router's top_k_index (an integer tensor) as the "
+                            f"second argument, got {type(idx).__name__ if not isinstance(idx, torch.Tensor) else idx.dtype}")
+        if getattr(self._tls, "held", False):
+            self.reset()  # this thread's earlier call was interrupted (Ctrl-C skips the forward hook)
+        self.lock.acquire()
+        self._tls.held = True
+        try:
+            uniq = torch.unique(idx.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
+            E = self.spec.num_experts
+            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= E):
+                bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+                raise IndexError(f"expert {bad} is out of range for {self.spec.name!r} ({E} experts)")
+            tensors = self.read(uniq.tolist())
+            for p, t in zip(self.spec.parts, tensors, strict=True):
+                if p.target.is_param:
+                    module._parameters[p.target.attr] = nn.Parameter(t, requires_grad=False) \
+                        if t.is_floating_point() else t
+                else:
+                    module._buffers[p.target.attr] = t
+            module.num_experts = max(1, uniq.numel())
+            new_idx = torch.searchsorted(uniq.to(idx.device), idx.contiguous().to(torch.int64)).to(idx.dtype)
+        except BaseException:
+            self.reset()
+            raise
+        if where[0] == "args":
+            args = (*args[:1], new_idx, *args[2:])
+        else:
+            kwargs = {**kwargs, where[1]: new_idx}
+        return args, kwargs
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        """Also called when the forward (or a pre-hook) raised; acts only after this thread's own pre-hook."""
+        self.reset()
+
+    def reset(self) -> None:
+        """If this thread holds the module (its call bound experts), restore the placeholders and ``num_experts``
+        and release it; else nothing. Called by the forward hook and at the start and end of every model call."""
+        if not getattr(self._tls, "held", False):
+            return
+        m = self.spec.module
+        for p in self.spec.parts:
+            (m._parameters if p.target.is_param else m._buffers)[p.target.attr] = self.placeholders[p.target.attr]
+        m.num_experts = self.spec.num_experts
+        self._tls.held = False
+        self.lock.release()
+
+    def close(self) -> None:
+        """Idempotent: later calls of the module raise StreamerError."""
+        self.closed = True
