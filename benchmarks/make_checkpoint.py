@@ -235,6 +235,58 @@ ARCHS: dict[str, ArchSpec] = {
             "tie_word_embeddings": False,
         },
     ),
+    "mixtral-8x7b": ArchSpec(
+        description="Mixtral-8x7B: 32 layers, hidden 4096, 8 experts of intermediate 14336, top-2, 32 heads, "
+        "8 kv heads, vocab 32000, untied (~46.7 B params, 93.4 GB in bf16; ~2.9 GB per layer)",
+        family="llama",
+        config_class="MixtralConfig",
+        architecture="MixtralForCausalLM",
+        kwargs={
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "hidden_act": "silu",
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen3-30b-a3b": ArchSpec(
+        description="Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of intermediate 768, top-8, 32 heads, "
+        "4 kv heads, vocab 151936, untied (~30.5 B params, 61 GB in bf16; ~1.25 GB per layer)",
+        family="llama",
+        config_class="Qwen3MoeConfig",
+        architecture="Qwen3MoeForCausalLM",
+        kwargs={
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "tie_word_embeddings": False,
+        },
+    ),
     "llama-tall": ArchSpec(
         description="synthetic Llama for memory tests: 24 layers, hidden 1024, intermediate "
         "4096, 16 heads, 16 kv heads, vocab 8192, untied (~420 M params, 0.84 GB in bf16)",
@@ -337,8 +389,8 @@ def build_config(
         heads, kv = _scaled_heads(kw["num_attention_heads"], kw["num_key_value_heads"], scale)
         kw["num_attention_heads"] = heads
         kw["num_key_value_heads"] = kv
-        kw["hidden_size"] = heads * head_dim
-        if scale != 1.0:
+        if scale != 1.0:  # (at scale 1 keep the real hidden size: Qwen3-MoE's is not heads x head_dim)
+            kw["hidden_size"] = heads * head_dim
             kw["intermediate_size"] = _round64(kw["intermediate_size"] * scale)
         if layers is not None:
             kw["num_hidden_layers"] = layers

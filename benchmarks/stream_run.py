@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
     p.add_argument("--no-embedding-rows", action="store_true",
                    help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
+    p.add_argument("--no-routed-experts", action="store_true",
+                   help="stream MoE experts whole with their layer (routed_experts=False), as before issue 8")
     p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
@@ -81,7 +83,8 @@ def main() -> int:
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
-                        **({"embedding_rows": False} if a.no_embedding_rows else {}))
+                        **({"embedding_rows": False} if a.no_embedding_rows else {}),
+                        **({"routed_experts": False} if a.no_routed_experts else {}))
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -142,6 +145,12 @@ def main() -> int:
         "used_gb_per_token": (snap.get("streamed_bytes", 0) - used0.get("streamed_bytes", 0)) / 1e9 / max(1, n),
         "embedding_gb": (snap.get("embedding_bytes", 0) - used0.get("embedding_bytes", 0)) / 1e9,
         "row_units": snap.get("row_units", 0),
+        # routed experts (tiered/experts.py): bytes per token, experts read per call of a MoE block
+        "expert_modules": snap.get("expert_modules", 0),
+        "expert_gb_per_token": (snap.get("expert_bytes", 0) - used0.get("expert_bytes", 0)) / 1e9 / max(1, n),
+        "dense_gb_per_token": (snap.get("dense_bytes", 0) - used0.get("dense_bytes", 0)) / 1e9 / max(1, n),
+        "experts_per_call": ((snap.get("experts_read", 0) - used0.get("experts_read", 0))
+                             / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
         "read_gbps": snap["read_gbps"],
         "h2d_gbps": snap["h2d_gbps"],
         "end_to_end_gbps": (snap["read_bytes"] - s0) / total / 1e9,

@@ -44,7 +44,7 @@ def main() -> None:
         b = st.snapshot()
         logits = model(ids).logits
         e = st.snapshot()  # units through the ring only: embedding rows depend on each rank's own ids
-        fwd = (e["streamed_bytes"] - e["embedding_bytes"]) - (b["streamed_bytes"] - b["embedding_bytes"])
+        fwd = e["dense_bytes"] - b["dense_bytes"]  # units through the ring: not embedding rows, not routed experts
         n = 3 + 3 * rank
         generated = model.generate(ids, max_new_tokens=n, do_sample=False)
     torch.save({"ids": ids.cpu(), "logits": logits.cpu(), "generated": generated.cpu()}, a.out / f"rank{rank}.pt")

@@ -46,10 +46,12 @@ def test_bitwise_equal_to_stock_on_cuda(name: str, mode: str, ckpts: Checkpoints
         want = ref(_ids()).logits
         want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
     kw = {"resident": {"ring_gb": 0.05}, "streamed": {"ring_gb": 0.0005, "gpu_gb": 0}}.get(mode)
-    if kw is None:  # part resident: a budget one byte short of the whole model (the pool takes the rest)
+    if kw is None:  # part resident: a budget one byte short of the whole model (the pool takes the rest);
+        # experts stay in their layers (routed, the layers left without them would all fit: test_routed_* covers that)
         with tiered.load(d, device=DEV, ring_gb=0.05) as probe:
             plan = probe._tiered.plan
-        kw = {"ring_gb": 0.0005, "gpu_gb": (plan.nbytes - 1) / GiB, "prefetch": 1}  # just below the whole model
+        kw = {"ring_gb": 0.0005, "gpu_gb": (plan.nbytes - 1) / GiB, "prefetch": 1,  # just below the whole model
+              "routed_experts": False}
     with tiered.load(d, device=DEV, **kw) as m, torch.no_grad():
         s = tiered.stats(m)
         if mode == "resident":
@@ -208,6 +210,44 @@ def test_embedding_rows_on_cuda(tmp_path: Path) -> None:
         assert torch.equal(emb(ids), ref.embed_tokens(ids)) and emb.weight.device.type == "meta"
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> None:
+    """Streamed MoE blocks read only their routed experts (pinned staging, H2D on the compute stream):
+    stock's bits on the GPU with each experts implementation, for prefill, decode and generate."""
+    d = ckpts[name]
+    ref = _ref(d, experts_implementation=impl)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0) as m, torch.no_grad():
+        m.set_experts_implementation(impl)
+        s = tiered.stats(m)
+        assert s.expert_modules >= 2 and s.resident_units == 0
+        assert torch.equal(m(_ids()).logits, want)
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        s = tiered.stats(m).snapshot()
+        assert s["experts_read"] > 0 and s["expert_bytes"] > 0
+        # every expert module's parameters are the meta placeholders again between calls
+        for eg in m._tiered.experts:
+            assert all(p.device.type == "meta" for p in eg.spec.module.parameters(recurse=False))
+
+
+def test_routed_experts_staging_larger_than_half(ckpts: Checkpoints, monkeypatch) -> None:
+    """Experts larger than half the pinned staging are copied in pieces, double-buffered: same bits."""
+    import tiered.experts as ex
+
+    monkeypatch.setattr(ex, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(tiered.api, "STAGING_BYTES", 64 << 10)
+    d = ckpts["mixtral"]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids(3)).logits
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0) as m, torch.no_grad():
+        assert m._tiered.experts[0].spec.expert_bytes > (64 << 10) // 2
+        assert torch.equal(m(_ids(3)).logits, want)
+
+
 @pytest.mark.parametrize("name", ["llama", "mixtral", "gptj"])
 def test_host_tier_on_cuda(name: str, ckpts: Checkpoints) -> None:
     """host_gb: streamed units read once into pinned host memory, copied to the GPU from there every pass:
@@ -231,7 +271,8 @@ def test_host_tier_on_cuda(name: str, ckpts: Checkpoints) -> None:
             assert s1["host_used_bytes"] > 0
             streams = s1["units"] - s1["resident_units"] - s1["row_units"] - s1["host_units"]
             if streams == 0:  # all in the host tier: the disk is not touched after load (rows aside)
-                assert s1["read_bytes"] - s0["read_bytes"] == s1["embedding_bytes"] - s0["embedding_bytes"]
+                assert s1["read_bytes"] - s0["read_bytes"] == (s1["embedding_bytes"] - s0["embedding_bytes"]
+                                                               + s1["expert_bytes"] - s0["expert_bytes"])
             else:
                 assert s1["streamed_bytes"] > s0["streamed_bytes"]
 

@@ -431,7 +431,7 @@ def attach(
     experts module reads only the experts its router picked, on each call (``routed_experts``; see
     ``tiered/experts.py``): the experts need no ring space, so a MoE layer larger than the ring is fine.
     Memory: the routed experts of one call (``U`` x one expert), on the device; on CUDA also a pinned
-    staging buffer of ``tiered.experts.STAGING_BYTES`` (128 MiB) on the host.
+    staging buffer of ``tiered.experts.STAGING_BYTES`` (256 MiB; at most half the ring) on the host.
 
     ``distributed=True`` (one process per GPU under ``torchrun``; or a ``ProcessGroup``): every rank reads
     and copies only its 1/N chunk of each unit and the unit is all-gathered before it runs (NCCL on CUDA,
@@ -587,9 +587,9 @@ def attach(
             staging = None
             if dev.type == "cuda":
                 try:
-                    h.expert_staging = Ring(STAGING_BYTES, pin=True)
+                    h.expert_staging = Ring(min(STAGING_BYTES, max(16 << 20, h.ring.size // 2)), pin=True)
                 except (OSError, MemoryError) as e:
-                    raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB of staging for routed experts ({e}); "
+                    raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB (at most) of staging for routed experts ({e}); "
                                       "pass routed_experts=False") from None
                 staging = (h.expert_staging.buf, threading.Lock())
             for ss in experts.values():

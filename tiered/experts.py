@@ -15,7 +15,7 @@ layer's ring unit, and on each call a forward pre-hook on the experts module
    ``experts.j.w1/w3/w2``, placed the way ``transformers``' own conversion places them) — on the reader
    threads, with the model's ``io`` backend, cast like the rest of the unit, into compact tensors of shape
    ``(U, ...)``: on the CPU straight into them; on CUDA through a fixed pinned staging buffer
-   (:data:`STAGING_BYTES`, two halves: one is read into while the other's H2D runs on the compute
+   (:data:`STAGING_BYTES` at most, two halves: one is read into while the other's H2D runs on the compute
    stream) into device tensors;
 3. binds the compact tensors as the module's parameters, sets ``num_experts = U`` for the call, and
    replaces ``top_k_index`` by each id's rank among the ``U`` (``searchsorted``).
@@ -59,8 +59,11 @@ from .plan import Target, Unit
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES"]
 
-#: Pinned host staging per model on CUDA (bytes): two halves, one read into while the other is copied.
-STAGING_BYTES = 128 << 20
+#: Pinned host staging per model on CUDA (bytes, at most; and at most half the ring): two halves, one read
+#: into while the other is copied to the GPU.
+STAGING_BYTES = 256 << 20
+#: Bytes per reader task when reading experts: small enough that one expert keeps every reader thread busy.
+READ_CHUNK = 8 << 20
 
 Dest = Callable[[torch.Tensor], torch.Tensor] | None  # where a source lands inside one expert's slab (None: all of it)
 
@@ -245,7 +248,7 @@ class ExpertGather:
         U = len(ids)
         if self.device.type == "cpu":
             out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype) for p in parts]
-            self.reader.copy_all(self.spec.unit, self._pairs(ids, out))
+            self.reader.copy_all(self.spec.unit, self._pairs(ids, out), chunk=READ_CHUNK)
         else:
             out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
             self._read_cuda(ids, out)
@@ -283,7 +286,7 @@ class ExpertGather:
                 ev = self.events[h]
                 if ev is not None:
                     ev.synchronize()  # the H2D that last read this half is done
-                self.reader.copy_all(self.spec.unit, [(src, host) for src, host, _ in batch])
+                self.reader.copy_all(self.spec.unit, [(src, host) for src, host, _ in batch], chunk=READ_CHUNK)
                 for _, host, d in batch:
                     d.copy_(host, non_blocking=True)
                 ev = torch.cuda.Event()

@@ -271,9 +271,11 @@ class Reader:
         self.copy_all(unit, pairs, lambda: [self._convert(unit, conv, slot) for conv in unit.converts])
         return unit.src_bytes
 
-    def copy_all(self, unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]], also=None) -> None:
+    def copy_all(self, unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]], also=None, *,
+                 chunk: int | None = None) -> None:
         """Copy each checkpoint tensor ``src`` of ``pairs`` into its ``dest`` (same numel; cast to ``dest``'s
-        dtype), split into chunks over the reader threads; ``also()`` runs on this thread meanwhile.
+        dtype), split into chunks of ``chunk`` bytes (default: 32 MiB for mmap, ``DIRECT_CHUNK`` otherwise) over
+        the reader threads; ``also()`` runs on this thread meanwhile.
 
         Returns (or raises the first copy's exception) only once every copy has finished, so the caller may
         free the destinations as soon as this returns. ``unit`` names the copies for fault injection.
@@ -284,7 +286,8 @@ class Reader:
                 n = src.numel
                 if n == 0:
                     continue
-                step = max(1, (_CHUNK if self.io == "mmap" else DIRECT_CHUNK) // src.dtype.itemsize)
+                size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
+                step = max(1, min(size, DIRECT_CHUNK if self.io != "mmap" else size) // src.dtype.itemsize)
                 if dest.is_contiguous() or n <= step:
                     for lo in range(0, n, step):
                         jobs.append(self.pool.submit(self._task, unit, src, dest, lo, min(n, lo + step)))
