@@ -591,7 +591,7 @@ def attach(
                 except (OSError, MemoryError) as e:
                     raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB (at most) of staging for routed experts ({e}); "
                                       "pass routed_experts=False") from None
-                staging = (h.expert_staging.buf, threading.Lock())
+                staging = (h.expert_staging.buf, threading.Lock(), [None, None])
             for ss in experts.values():
                 for spec in ss:
                     eg = ExpertGather(spec, h.reader, dev, h.stats, staging)

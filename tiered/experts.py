@@ -207,18 +207,18 @@ class ExpertGather:
         reader: the model's :class:`~tiered.reader.Reader` (its threads, its ``io`` backend, its shards).
         device: where the experts run.
         stats: the model's :class:`~tiered.stats.Stats`.
-        staging: CUDA: pinned host memory shared by the model's experts modules (uint8, even length),
-            and the lock that serialises its use; None on the CPU.
+        staging: CUDA: pinned host memory shared by the model's experts modules (uint8, even length), the
+            lock that serialises its use, and the two halves' last H2D events (a list of two, shared too);
+            None on the CPU.
     """
 
     def __init__(self, spec: ExpertSpec, reader: Any, device: torch.device, stats: Any,
-                 staging: tuple[torch.Tensor, threading.Lock] | None = None) -> None:
+                 staging: tuple[torch.Tensor, threading.Lock, list] | None = None) -> None:
         self.spec = spec
         self.reader = reader
         self.device = device
         self.stats = stats
         self.staging = staging
-        self.events: list[torch.cuda.Event | None] = [None, None]
         self.lock = threading.Lock()
         self._tls = threading.local()
         self.placeholders = {p.target.attr: spec.module._parameters.get(p.target.attr) if p.target.is_param
@@ -258,7 +258,7 @@ class ExpertGather:
 
     def _read_cuda(self, ids: list[int], out: list[torch.Tensor]) -> None:
         """Read into the pinned staging halves, H2D on the current stream from each (double-buffered)."""
-        buf, lock = self.staging  # type: ignore[misc]
+        buf, lock, events = self.staging  # type: ignore[misc]
         half = buf.numel() // 2
         # (source, device destination) in chunks of at most half the staging, each a 1-D element range
         chunks: list[tuple[TensorInfo, torch.Tensor]] = []
@@ -283,15 +283,15 @@ class ExpertGather:
                     batch.append((chunks[i][0], base[used:used + n].view(d.dtype), d))
                     used += _align(n, 512)
                     i += 1
-                ev = self.events[h]
+                ev = events[h]
                 if ev is not None:
-                    ev.synchronize()  # the H2D that last read this half is done
+                    ev.synchronize()  # the H2D that last read this half (any experts module's) is done
                 self.reader.copy_all(self.spec.unit, [(src, host) for src, host, _ in batch], chunk=READ_CHUNK)
                 for _, host, d in batch:
                     d.copy_(host, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
-                self.events[h] = ev
+                events[h] = ev
                 h ^= 1
 
     # ----------------------------------------------------------------------------------- hooks
