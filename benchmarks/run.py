@@ -187,6 +187,15 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
     # O_DIRECT never uses the page cache: these are cold runs by nature (the cache is dropped anyway)
     runs += [R("io", "tiered", "streamed", io="direct", cache="cold", opts=streamed, new_tokens=slow),
              R("io", "tiered", "streamed", io="direct", cache="cold", limit=True, opts=streamed, new_tokens=slow)]
+    # buffered reads on a cold disk (kernel readahead), with and without dropping what was copied from the page
+    # cache (posix_fadvise DONTNEED: the cgroup never holds more page cache than is in flight); and a host tier
+    # inside the limit (half the ring moved to pinned host memory)
+    runs += [R("io", "tiered", "streamed", io="pread", cache="cold", limit=True, opts=streamed, new_tokens=slow),
+             R("io", "tiered", "streamed-drop", io="pread", cache="cold", limit=True,
+               opts={**streamed, "drop_page_cache": True}, new_tokens=slow)]
+    if cuda:
+        runs += [R("io", "tiered", "streamed-host", io="direct", cache="cold", limit=True,
+                   opts={**streamed, "ring_gb": a.ring_gb / 2, "host_gb": a.ring_gb / 2}, new_tokens=slow)]
     runs += [R("deepspeed", "deepspeed", "zero3-offload", new_tokens=slow)]
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
@@ -445,7 +454,8 @@ class Runner:
         spec = {"system": rd.system, "model_dir": str(model_dir), "prompt_ids": self.prompt_ids(c),
                 "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
-                **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")}}
+                **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
+                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb")}}
         sp = self.work / f"spec-{len(self.logs)}.json"
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"

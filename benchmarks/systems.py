@@ -66,9 +66,9 @@ class Spec:
     cpu_gb: float = 1.0  # accelerate: max_memory["cpu"]
     threads: int = 4  # tiered: reader threads
     prefetch: int = 2  # tiered: units of lookahead
-    io: str = "mmap"  # tiered: "mmap" or "direct"
+    io: str = "mmap"  # tiered: "mmap", "pread" or "direct"
     offload_folder: str | None = None  # accelerate / deepspeed scratch
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # tiered: drop_page_cache, host_gb
 
 
 def _status() -> dict[str, int]:
@@ -240,7 +240,8 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     b.start_load()
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,
-                            threads=spec.threads, prefetch=spec.prefetch, io=spec.io)
+                            threads=spec.threads, prefetch=spec.prefetch, io=spec.io,
+                            **{k: v for k, v in spec.extra.items() if k in ("drop_page_cache", "host_gb")})
     except ConfigError as e:
         if "io=" in str(e):
             raise NotRun(f"io={spec.io!r} not available in this tiered: {e}") from e

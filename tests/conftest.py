@@ -71,10 +71,26 @@ def page_align(n: int) -> int:
 
 
 def streaming_ring_gb(model: torch.nn.Module) -> float:
-    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan)."""
+    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan).
+
+    For a mixture-of-experts model the units are counted without their routed experts (as ``tiered.load``
+    lays them out when the model does not fit: ``tiered/experts.py``), so that the layers stream too.
+    Call it on a probe model that is closed afterwards (the probe's plan is laid out again).
+    """
+    import dataclasses
+
+    from tiered.experts import find_experts, route_out
+
     plan = model._tiered.plan
-    big = page_align(plan.max_unit.nbytes)
-    whole = sum(page_align(u.nbytes) for u in plan.units)
+    sizes = []
+    for u in plan.units:
+        specs = find_experts(u)
+        if specs:
+            u = dataclasses.replace(u, targets=list(u.targets))
+            route_out(u, specs, plan.align)
+        sizes.append(u.nbytes)
+    big = page_align(max(sizes))
+    whole = sum(page_align(n) for n in sizes)
     ring = max(big, min(3 * big, whole - PAGE))
     assert big <= ring < whole, (big, ring, whole)
     return ring / 2**30

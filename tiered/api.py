@@ -32,9 +32,14 @@ from .streamer import Streamer
 
 __all__ = ["Options", "load", "attach", "stats", "close", "build_meta_model", "meta_model_from_dir"]
 
-#: Host memory left to the process beyond the ring (Python, torch, CUDA runtime, activations) when
-#: checking ``ring_gb`` against what the host or cgroup has: a ring that leaves less is refused.
+#: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
+#: against what the host or cgroup has: a ring that leaves less is refused.
 HOST_HEADROOM_BYTES = 512 << 20
+#: The same on CUDA: the runtime keeps growing after the check (lazily loaded kernel images, cuBLAS
+#: workspaces). Measured on the H200 (GPT-J-6B, cgroup memory.max = 2 GiB, 1.37 GiB available at the check,
+#: ``benchmarks/results/2026-11-30-h200-cold2g*.md``): ring_gb=0.8 (0.57 GiB left) was OOM-killed in its first
+#: pass; ring_gb=0.45 (0.92 GiB left) ran, peak RSS 2.12 GiB.
+CUDA_HOST_HEADROOM_BYTES = 896 << 20
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -338,15 +343,20 @@ def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
         )
 
 
-def _check_host_memory(ring_bytes: int, ring_gb: float, need: int) -> None:
+def _headroom(device: torch.device) -> int:
+    return CUDA_HOST_HEADROOM_BYTES if device.type == "cuda" else HOST_HEADROOM_BYTES
+
+
+def _check_host_memory(ring_bytes: int, ring_gb: float, need: int, device: torch.device) -> None:
     """Refuse a ring the host or cgroup cannot give (HostMemoryError) rather than be OOM-killed filling it."""
     avail, where = host_memory_available()
-    if avail is None or ring_bytes + HOST_HEADROOM_BYTES <= avail:
+    room = _headroom(device)
+    if avail is None or ring_bytes + room <= avail:
         return
-    most = max(0, avail - HOST_HEADROOM_BYTES)
+    most = max(0, avail - room)
     raise HostMemoryError(
         f"ring_gb={ring_gb} needs {ring_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB is "
-        f"available ({where}) and {HOST_HEADROOM_BYTES >> 20} MiB is kept for the runtime; pass ring_gb <= "
+        f"available ({where}) and {room >> 20} MiB is kept for the runtime; pass ring_gb <= "
         f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(need)} GiB)"
     )
 
@@ -510,7 +520,7 @@ def attach(
     h.stats.rank = dist.rank if dist is not None else 0
     h.stats.io = io
     try:
-        _check_host_memory(ring_bytes, ring_gb, big.nbytes)
+        _check_host_memory(ring_bytes, ring_gb, big.nbytes, dev)
         try:
             h.ring = Ring(ring_bytes, pin=dev.type == "cuda")
         except (OSError, MemoryError) as e:
@@ -543,11 +553,11 @@ def attach(
         if host:
             host_bytes = sum(page_up(slot_need[i]) for i in host)
             avail, where = host_memory_available()  # the ring is pinned (and so counted) already
-            if avail is not None and host_bytes + HOST_HEADROOM_BYTES > avail:
+            if avail is not None and host_bytes + _headroom(dev) > avail:
                 raise HostMemoryError(
                     f"host_gb={host_gb} pins {host_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB "
-                    f"is available ({where}) beside the ring, and {HOST_HEADROOM_BYTES >> 20} MiB is kept for the "
-                    f"runtime; pass host_gb <= {max(0, avail - HOST_HEADROOM_BYTES) / GiB:.3f}"
+                    f"is available ({where}) beside the ring, and {_headroom(dev) >> 20} MiB is kept for the "
+                    f"runtime; pass host_gb <= {max(0, avail - _headroom(dev)) / GiB:.3f}"
                 )
             try:
                 h.host_ring = Ring(host_bytes, pin=True)

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Where a routed-experts decode step spends its time (diagnostic; one process, CUDA).
+
+    python benchmarks/moe_profile.py MODEL_DIR [--gpu-gb 2] [--ring-gb 6] [--threads 4]
+
+Loads the model twice: all resident (``gpu_gb=100``: the compute floor) and streamed with routed experts,
+decodes the same greedy tokens, and reports the median decode s/token of each plus, for the routed run,
+the seconds per token spent in the experts pre-hooks (ids to host, reads, H2D issue) and in the reads alone.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import tiered
+from tiered import experts as ex
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _decode(model, ids, n):
+    c = _Clock()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=c, pad_token_id=0)
+    steps = [b - a for a, b in zip(c.times[1:], c.times[2:], strict=False)]
+    return statistics.median(steps), out[0, ids.shape[1]:].tolist()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir")
+    p.add_argument("--gpu-gb", type=float, default=2.0)
+    p.add_argument("--ring-gb", type=float, default=6.0)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=8)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    ids = torch.randint(100, 30000, (1, 16)).cuda()
+    res = {}
+    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=100, threads=a.threads) as m:
+        res["resident_s_per_token"], toks_r = _decode(m, ids, a.new_tokens)
+    acc = {"hook": 0.0, "read": 0.0, "ids": 0.0}
+    real_pre, real_copy = ex.ExpertGather.pre_hook, None
+
+    def pre(self, module, args, kwargs):
+        t = time.perf_counter()
+        try:
+            return real_pre(self, module, args, kwargs)
+        finally:
+            acc["hook"] += time.perf_counter() - t
+
+    ex.ExpertGather.pre_hook = pre
+    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads) as m:
+        real_copy = m._tiered.reader.copy_all
+
+        def copy_all(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return real_copy(*args, **kw)
+            finally:
+                acc["read"] += time.perf_counter() - t
+
+        m._tiered.reader.copy_all = copy_all
+        _decode(m, ids, 2)  # warm-up
+        for k in acc:
+            acc[k] = 0.0
+        t0 = time.perf_counter()
+        res["routed_s_per_token"], toks = _decode(m, ids, a.new_tokens)
+        total = time.perf_counter() - t0
+        s = tiered.stats(m).snapshot()
+    res.update({"routed_total_s": total, "hook_s": acc["hook"], "read_s": acc["read"],
+                "tokens_equal": toks == toks_r, "experts_read": s["experts_read"], "expert_calls": s["expert_calls"],
+                "expert_gb": s["expert_bytes"] / 1e9})
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
