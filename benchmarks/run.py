@@ -176,6 +176,8 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
 
     runs: list[RunDef] = []
     runs += four("core")
+    if not cuda:  # the CPU's streamed default computes on the file mapping (zero copy); the ring copy beside it
+        runs.insert(1, R("core", "tiered", "streamed-ring", opts={**streamed, "zero_copy": False}, new_tokens=fast))
     runs += four("cold", cache="cold")
     runs += four("limit", cache="cold", limit=True)
     for key in ckpts:
@@ -455,7 +457,7 @@ class Runner:
                 "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
-                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb")}}
+                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy")}}
         sp = self.work / f"spec-{len(self.logs)}.json"
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"

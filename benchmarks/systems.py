@@ -241,7 +241,7 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,
                             threads=spec.threads, prefetch=spec.prefetch, io=spec.io,
-                            **{k: v for k, v in spec.extra.items() if k in ("drop_page_cache", "host_gb")})
+                            **{k: v for k, v in spec.extra.items() if k in ("drop_page_cache", "host_gb", "zero_copy")})
     except ConfigError as e:
         if "io=" in str(e):
             raise NotRun(f"io={spec.io!r} not available in this tiered: {e}") from e

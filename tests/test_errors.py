@@ -28,6 +28,7 @@ GiB = 2**30
 def _load(d: Path, **kw) -> torch.nn.Module:
     kw.setdefault("device", "cpu")
     kw.setdefault("ring_gb", 1.0)
+    kw.setdefault("zero_copy", False)  # these are the ring's and the reader's errors (zero copy: test_zero_copy.py)
     return tiered.load(d, **kw)
 
 

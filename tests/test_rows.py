@@ -69,8 +69,8 @@ def test_decode_step_reads_only_its_rows(ckpts):
 
 def test_embedding_larger_than_the_ring(tmp_path):
     """A Llama base model (no head) whose embedding (vocab 8192 x 64 fp32 = 2 MiB) is 4x the ring: that was
-    RingTooSmallError, now it runs, equal to stock; embedding_rows=False still refuses, naming the unit.
-    (A head of the same size still needs the ring: units larger than the ring are capability 1, not done.)"""
+    RingTooSmallError, now it runs, equal to stock; embedding_rows=False still refuses, naming the unit, when
+    units go through the ring (zero_copy=False; with zero copy on the CPU a unit needs no ring: test_zero_copy.py)."""
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
     m = transformers.LlamaModel(cfg)
@@ -79,7 +79,7 @@ def test_embedding_larger_than_the_ring(tmp_path):
     emb_bytes = 8192 * 64 * 4
     ring_gb = emb_bytes / 4 / 2**30
     with pytest.raises(tiered.RingTooSmallError, match="embed_tokens"):
-        tiered.load(tmp_path / "m", ring_gb=ring_gb, device="cpu", embedding_rows=False)
+        tiered.load(tmp_path / "m", ring_gb=ring_gb, device="cpu", embedding_rows=False, zero_copy=False)
     ids = torch.tensor([[7, 8191, 0, 4000, 7]])
     with torch.no_grad(), tiered.load(tmp_path / "m", ring_gb=ring_gb, device="cpu") as model:
         want = ref(ids).last_hidden_state

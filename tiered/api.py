@@ -24,7 +24,7 @@ from .format import Checkpoint, open_checkpoint
 from .hostmem import host_memory_available, page_up
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
 from .plan import Plan, build_plan
-from .reader import Reader
+from .reader import Reader, zero_copy_eligible
 from .ring import GiB, Ring, gib_up
 from .rows import RowGather, row_eligible
 from .stats import Stats, page_cache_room, proc_status
@@ -60,6 +60,7 @@ class Options:
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
     routed_experts: bool = True  # a streamed MoE block reads only the experts its router picked (tiered/experts.py)
+    zero_copy: bool = True  # CPU, io="mmap": streamed units compute on views of the file mapping (no ring copy)
     distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
 
@@ -421,6 +422,7 @@ def attach(
     distributed: bool | Any = False,
     host_gb: float = 0.0,
     routed_experts: bool = True,
+    zero_copy: bool = True,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -471,7 +473,7 @@ def attach(
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
-                   distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts)
+                   distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts, zero_copy=zero_copy)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
@@ -496,9 +498,14 @@ def attach(
     whole = sum(page_up(n) for n in slot_need)
     ring_bytes = page_up(min(int(ring_gb * GiB), whole))
     eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
-    ring_units = [u for u in plan.units if u.index not in eligible] or plan.units
-    big = max(ring_units, key=lambda u: slot_need[u.index])
+    # CPU zero copy: streamed units that need no conversion compute on views of the file mapping (no ring)
+    mappable = {u.index for u in plan.units if zero_copy and dev.type == "cpu" and io == "mmap" and dist is None
+                and drop_pages and u.index not in eligible and zero_copy_eligible(u)}
+    ring_units = [u for u in plan.units if u.index not in eligible | mappable]
+    big = max(ring_units or plan.units, key=lambda u: slot_need[u.index])
     need = page_up(slot_need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
+    if not ring_units:  # everything is mapped (or read by rows) when it streams: the ring only holds a resident model
+        need = min(need, ring_bytes)
     if need > ring_bytes:
         raise RingTooSmallError(
             f"unit {big.name!r} needs {gib_up(need)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
@@ -540,6 +547,7 @@ def attach(
         if dist is not None:
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
+        mapped = mappable - resident
         # The host tier: streamed units, in execution order, while host_gb lasts (every streamed byte costs
         # the same per pass from disk/page cache, so any order saves the same per byte; each rank keeps only
         # its own chunk). They are copied to the GPU from there every pass: no disk, no ring.
@@ -569,8 +577,9 @@ def attach(
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)
         h.stats.row_units = len(rows)
         h.stats.expert_modules = sum(len(ss) for ss in experts.values())
+        h.stats.mapped_units = len(mapped)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
-                              rows=rows, dist=dist, host=host, host_ring=h.host_ring)
+                              rows=rows, dist=dist, host=host, host_ring=h.host_ring, mapped=mapped)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)
@@ -641,6 +650,7 @@ def load(
     distributed: bool | Any = False,
     host_gb: float = 0.0,
     routed_experts: bool = True,
+    zero_copy: bool = True,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -674,6 +684,10 @@ def load(
             then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier.
         routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
             router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
+        zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
+            tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
+            copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS
+            holds at most the units running at once. Units that convert still go through the ring.
 
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
@@ -693,7 +707,7 @@ def load(
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
                   embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
-                  routed_experts=routed_experts, _rss_before=rss0)
+                  routed_experts=routed_experts, zero_copy=zero_copy, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

@@ -30,6 +30,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
+from torch import nn
 
 from . import faults
 from .dist import IoPlan, read_args
@@ -62,8 +63,10 @@ class Loader:
         abort: Callable[[], BaseException | None],
         io: dict[int, IoPlan] | None = None,
         host: dict | None = None,
+        mapped: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         self.reader = reader
+        self.mapped = set(mapped)  # CPU zero copy: units bound as views of the file mapping (no ring, no copy)
         self.io = io or {}  # distributed: how each unit is read on this rank (tiered/dist.py)
         self.host = host if host is not None else {}  # unit index -> its host-tier Slot (read once, kept)
         self.ring = ring
@@ -166,7 +169,29 @@ class Loader:
             self._closed = True
             self._cancel_queued()
 
+    def _map(self, u: Unit, resident: bool) -> Loaded:
+        """A mapped unit: views of the checkpoint's file mapping (after the shards' checks), and readahead of
+        their pages into the page cache (``MADV_WILLNEED``: asynchronous; RSS grows only when they run)."""
+        t0 = time.perf_counter()
+        params: dict[str, torch.Tensor] = {}
+        ranges = []
+        for tgt in u.targets:
+            s = tgt.copies[0].src
+            faults.hit("read", unit=u.name, tensor=s.name, offset=s.offset)
+            m = self.reader.maps[s.file]
+            m.check()
+            v = m.tensor(s)
+            params[tgt.key] = nn.Parameter(v, requires_grad=False) if tgt.is_param and v.is_floating_point() else v
+            ranges.append((m, s.offset, s.nbytes))
+        for m, off, n in ranges:
+            m.willneed(off, n)
+        self.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
+        faults.hit("stage", unit=u.name)
+        return Loaded(u, params, mapped=ranges)
+
     def _load(self, u: Unit, resident: bool) -> Loaded:
+        if u.index in self.mapped and not resident:
+            return self._map(u, resident)
         io = self.io.get(u.index)
         hs = self.host.get(u.index)
         if hs is not None:  # in the host tier: no disk, no ring; H2D straight from its pinned slot

@@ -110,6 +110,14 @@ class ShardMap:
             if page_cache:
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
+    def willneed(self, offset: int, nbytes: int) -> None:
+        """Ask the kernel to read ``[offset, offset + nbytes)`` into the page cache now, asynchronously
+        (``MADV_WILLNEED``: readahead; nothing is mapped into the process, so RSS does not grow)."""
+        lo = offset // _PAGE * _PAGE
+        hi = min(len(self.mm), (offset + nbytes + _PAGE - 1) // _PAGE * _PAGE)
+        if hi > lo:
+            self.mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+
     def close(self) -> None:
         """Close the file; unmap now unless a tensor still points into the mapping (then its last reference
         does). Idempotent."""
@@ -119,6 +127,21 @@ class ShardMap:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def zero_copy_eligible(unit: Unit) -> bool:
+    """Whether ``unit`` can compute on views of the file mapping as it is (CPU zero copy): every target is one
+    checkpoint tensor of the same dtype and shape, at an offset that is a multiple of its itemsize (as
+    ``from_pretrained`` maps it), and nothing is converted."""
+    if unit.converts or not unit.targets:
+        return False
+    for t in unit.targets:
+        if len(t.copies) != 1 or t.copies[0].place is not None:
+            return False
+        s = t.copies[0].src
+        if s.dtype != t.dtype or tuple(s.shape) != tuple(t.shape) or s.offset % max(1, s.dtype.itemsize):
+            return False
+    return True
 
 
 class Reader:

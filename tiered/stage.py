@@ -60,6 +60,7 @@ class Loaded:
     job_ref: Callable[[], object] = lambda: None  # weakref to the loader's Future that produced it (no cycle)
     io: IoPlan | None = None  # distributed: this rank's chunk, to be all-gathered before first use
     base: torch.Tensor | None = None  # the full layout buffer the views live in (uint8)
+    mapped: list | None = None  # CPU zero copy: (ShardMap, offset, nbytes) the views of the file mapping cover
 
     @property
     def job(self) -> object:
@@ -67,11 +68,16 @@ class Loaded:
 
 
 class CpuStage:
-    """The CPU no-op stage: modules compute on views of the ring slot."""
+    """The CPU no-op stage: modules compute on views of the ring slot — or, for a mapped unit (zero copy),
+    on views of the checkpoint's file mapping, whose pages :meth:`release` drops from the process
+    (``MADV_DONTNEED``: they stay in the page cache, not in RSS)."""
 
-    def __init__(self, ring: Ring, dist: Dist | None = None) -> None:
+    def __init__(self, ring: Ring, dist: Dist | None = None, *, drop_pages: bool = True,
+                 drop_page_cache: bool = False) -> None:
         self.ring = ring
         self.dist = dist
+        self.drop_pages = drop_pages
+        self.drop_page_cache = drop_page_cache
 
     def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
               io: IoPlan | None = None, keep: bool = False) -> Loaded:
@@ -86,13 +92,19 @@ class CpuStage:
             all_gather_bytes(self.dist, ld.base, io.at, io.chunk)  # type: ignore[arg-type]
 
     def before_compute(self, ld: Loaded) -> None:
-        pass
+        if ld.mapped:  # a shard truncated since the unit was prefetched would SIGBUS: an error instead
+            for m in {id(m): m for m, _, _ in ld.mapped}.values():
+                m.check()
 
     def release(self, ld: Loaded) -> None:
         if not ld.given_back:
             ld.given_back = True
             if ld.slot is not None:
                 self.ring.free(ld.slot)
+            if ld.mapped and self.drop_pages:
+                for m, off, n in ld.mapped:
+                    if getattr(m, "mm", None) is not None and not m.mm.closed:
+                        m.drop(off, n, page_cache=self.drop_page_cache)
 
     drop = release
 

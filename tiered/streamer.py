@@ -80,6 +80,8 @@ class Streamer:
         host: indices of streamed units kept in the host tier (CUDA): read once into ``host_ring`` by
             :meth:`load_host`, then copied to the GPU from there every pass (no disk, no ring).
         host_ring: pinned host memory for them, exactly their size.
+        mapped: CPU zero copy: indices of streamed units bound as views of the checkpoint's file mapping
+            (no ring slot, no copy); their pages are dropped from the process when the unit is released.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class Streamer:
         dist: Dist | None = None,
         host: set[int] = frozenset(),  # type: ignore[assignment]
         host_ring: Ring | None = None,
+        mapped: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         self.plan = plan
         self.dist = dist
@@ -127,7 +130,7 @@ class Streamer:
                                                          dist=dist)
             stats.device_buffer_bytes = n_bufs * streamed_max
         else:
-            self.stage = CpuStage(ring, dist)
+            self.stage = CpuStage(ring, dist, drop_pages=reader.drop_pages, drop_page_cache=reader.drop_page_cache)
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
         self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
@@ -142,7 +145,8 @@ class Streamer:
             return m() if m is not None else StreamerError("the model was garbage-collected")
 
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
-                             io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots)
+                             io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
+                             mapped=mapped)
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
