@@ -238,3 +238,18 @@ def test_out_of_range_expert_id(ckpts):
             experts(torch.zeros(1, 64, dtype=torch.bfloat16), torch.tensor([[0, 9]]),
                     torch.ones(1, 2, dtype=torch.bfloat16))
         assert torch.equal(m(_ids(7)).logits, _ref(path)(_ids(7)).logits)
+
+
+def test_inspect_reports_experts_and_routed_bytes(ckpts):
+    """`tiered inspect`: MoE blocks, experts, their layout on disk, and the routed bytes per decode token, which
+    the one-token test above measures for real."""
+    from tiered.cli import inspect_dir
+
+    info = inspect_dir(ckpts["mixtral16"])["experts"]
+    assert info["blocks"] == 3 and info["experts_per_block"] == 16 and info["top_k"] == 2
+    # the legacy per-expert layout: w1, w2, w3 of one expert are three tensors
+    assert info["spans_per_expert"] >= 1
+    assert info["routed_bytes_per_token"] == info["dense_bytes"] + 3 * 2 * info["expert_bytes"]
+    assert info["dense_bytes"] + info["experts_bytes"] > 4 * info["routed_bytes_per_token"] / 2
+    assert inspect_dir(ckpts["mixtral"])["experts"]["experts_per_block"] == 4
+    assert inspect_dir(ckpts["qwen3_moe"])["experts"]["top_k"] == 2

@@ -362,14 +362,18 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int, device: torch
     )
 
 
+def _gpu_budget(device: torch.device, gpu_gb: float | None) -> int:
+    """Bytes of GPU memory for resident units: ``gpu_gb``, or what is free minus ``GPU_HEADROOM_BYTES``."""
+    return int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
+
+
 def _fits_whole(plan: Plan, ring_gb: float, device: torch.device, gpu_gb: float | None) -> bool:
     """Whether the whole model would stay loaded: in the ring (CPU), or in the GPU budget with every unit
     fitting the ring to be loaded through it (CUDA). Then nothing is routed: every expert stays."""
     ring = int(ring_gb * GiB)
     if device.type == "cpu":
         return sum(page_up(u.nbytes) for u in plan.units) <= ring
-    budget = int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
-    return plan.nbytes <= budget and page_up(plan.max_unit.nbytes) <= ring
+    return plan.nbytes <= _gpu_budget(device, gpu_gb) and page_up(plan.max_unit.nbytes) <= ring
 
 
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int,
@@ -384,11 +388,7 @@ def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float 
         need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
         return {u.index for u in plan.units} if need <= ring else set()
     too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
-    if gpu_gb is None:
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free - GPU_HEADROOM_BYTES
-    else:
-        budget = int(gpu_gb * GiB)
+    budget = _gpu_budget(device, gpu_gb)
     if plan.nbytes <= budget and not too_big:
         return {u.index for u in plan.units}
     # Largest units first: what streams then needs the smallest device buffers. Embeddings that read their
@@ -538,7 +538,7 @@ def attach(
         h.stats.ring_bytes = h.ring.size
         h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
         if dist is not None and dev.type == "cuda":  # one budget for all: the smallest
-            local = int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(dev)[0] - GPU_HEADROOM_BYTES
+            local = _gpu_budget(dev, gpu_gb)
             gpu_gb = _dist.min_over_ranks(dist, local) / GiB
         # Distributed: every rank must stream the same units, so all decide on the smallest ring and budget,
         # and rank 0's choice is used (a choice one rank's ring cannot hold would wait forever for room).

@@ -77,6 +77,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
     big = plan.max_unit
     return {
+        "experts": _experts_info(config, plan),
         "model_dir": str(model_dir),
         "architecture": (config.architectures or ["?"])[0],
         "shards": [{"file": s.path.name, "bytes": s.file_size, "tensors": len(s.tensors), "data_start": s.data_start}
@@ -99,6 +100,30 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "skipped_tensors": {n: f"{t.dtype_name} {list(t.shape)}: {t.reason}" for n, t in ckpt.skipped.items()},
         "index_names_missing_from_shards": ckpt.index_missing,
     }
+
+
+def _experts_info(config, plan) -> dict | None:
+    """MoE blocks whose experts can be routed (``tiered/experts.py``): their layout on disk and the bytes a decode
+    token of batch 1 needs when routed (dense part + top-k experts per block) against all of them. None if none."""
+    from .experts import find_experts
+
+    specs = [s for u in plan.units for s in find_experts(u)]
+    if not specs:
+        return None
+    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+    first = [info for p in specs[0].parts for info, _ in p.per[0]]
+    spans = 0
+    end = None
+    for info in sorted(first, key=lambda i: (str(i.file), i.offset)):
+        if end != (str(info.file), info.offset):
+            spans += 1
+        end = (str(info.file), info.offset + info.nbytes)
+    experts_total = sum(s.num_experts * s.expert_src_bytes for s in specs)
+    dense = sum(u.src_bytes for u in plan.units) - experts_total
+    return {"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
+            "expert_bytes": specs[0].expert_src_bytes, "spans_per_expert": spans,
+            "dense_bytes": dense, "experts_bytes": experts_total,
+            "routed_bytes_per_token": dense + sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)}
 
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -127,6 +152,13 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
           + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"] and info["stream_ordered"]
              else " (`tiered reshard` writes a layout that streams each unit as one span)"))
+    ex = info["experts"]
+    if ex:
+        print(f"experts: {ex['blocks']} MoE blocks x {ex['experts_per_block']} experts (top-{ex['top_k']}), "
+              f"{ex['expert_bytes'] / 2**20:.2f} MiB per expert in {ex['spans_per_expert']} span(s) on disk; when the "
+              f"model does not fit they are routed: a decode token of batch 1 reads about "
+              f"{ex['routed_bytes_per_token'] / 1e9:.3g} GB (dense {ex['dense_bytes'] / 1e9:.3g} GB + top-{ex['top_k']} "
+              f"experts per block) instead of {(ex['dense_bytes'] + ex['experts_bytes']) / 1e9:.3g} GB")
     if info["unused_checkpoint_tensors"]:
         print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
     for name, why in list(info["skipped_tensors"].items())[:5]:

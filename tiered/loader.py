@@ -175,11 +175,12 @@ class Loader:
         t0 = time.perf_counter()
         params: dict[str, torch.Tensor] = {}
         ranges = []
+        for path in {t.copies[0].src.file for t in u.targets}:
+            self.reader.maps[path].check()
         for tgt in u.targets:
             s = tgt.copies[0].src
             faults.hit("read", unit=u.name, tensor=s.name, offset=s.offset)
             m = self.reader.maps[s.file]
-            m.check()
             v = m.tensor(s)
             params[tgt.key] = nn.Parameter(v, requires_grad=False) if tgt.is_param and v.is_floating_point() else v
             ranges.append((m, s.offset, s.nbytes))

@@ -310,7 +310,9 @@ class Reader:
                 if n == 0:
                     continue
                 size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
-                step = max(1, min(size, DIRECT_CHUNK if self.io != "mmap" else size) // src.dtype.itemsize)
+                if self.io != "mmap":  # a piece must fit the per-thread staging buffer
+                    size = min(size, DIRECT_CHUNK)
+                step = max(1, size // src.dtype.itemsize)
                 if dest.is_contiguous() or n <= step:
                     for lo in range(0, n, step):
                         jobs.append(self.pool.submit(self._task, unit, src, dest, lo, min(n, lo + step)))
