@@ -448,16 +448,22 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
     rate = f"{n_new} tokens in {gen_s:.2f} s: {sig3(n_new / gen_s) if gen_s > 0 else 'n/a'} tokens/s " \
            f"({sig3(gen_s / n)} s/token)"
     streamed = after["streamed_bytes"] - before["streamed_bytes"]
-    if n_res == n_units:
+    if n_res == n_units and not after["expert_modules"]:
         lines.append(f"{rate}; all {n_units} units resident in {where} (read once, at load: "
                      f"{gb(after['load_bytes'])}); nothing streamed per token")
     else:
         ring_units = model._tiered.streamer.streamed  # through the ring (row-read embeddings apart)
         src = sum(plan.units[i].src_bytes for i in ring_units)
-        part = f"the {len(ring_units)} streamed units are {gb(src)}"
+        part = f"the {len(ring_units)} streamed units are {gb(src)}" if ring_units else "no unit streams whole"
         if after["row_units"]:
             rows = after["embedding_bytes"] - before["embedding_bytes"]
             part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"
+        if after["mapped_units"]:
+            part += f"; {after['mapped_units']} of them compute on the file mapping (zero copy)"
+        if after["expert_modules"]:
+            ex = after["expert_bytes"] - before["expert_bytes"]
+            part += (f", plus {gb(ex)} of routed experts ({after['expert_modules']} MoE blocks read only the "
+                     "experts their router picked)")
         if n_res:
             part += f"; {n_res} units resident in {where}"
         lines.append(f"{rate}; streamed {gb(streamed)} ({gb(streamed / n)}/token; {part}) at "

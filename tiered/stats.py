@@ -243,7 +243,11 @@ class Stats:
         """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
         s = self.snapshot()
         via = f", io={s['io']}" if s["io"] else ""
-        read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
+        if s["mapped_units"]:  # their bytes are faulted in by the compute itself: no copy, no read time of their own
+            read = (f"read {gb(s['read_bytes'])} (disk->ring{via}; {s['mapped_units']} units compute on the file "
+                    "mapping, zero copy)")
+        else:
+            read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
             read = f"rank {s['rank']}/{s['world_size']}, this rank's 1/{s['world_size']} of each unit: " + read
         if s["units"] and s["resident_units"] == s["units"]:

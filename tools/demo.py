@@ -98,7 +98,8 @@ def part_b(cache: Path, ring_gb: float, new_tokens: int, threads: int) -> None:
           f"{s.resident_units == 0}); load {load_s:.2f} s")
     print(f"    {n} tokens in {dt:.2f} s: {n / dt:.2f} tokens/s; streamed {streamed / 1e9:.2f} GB "
           f"({streamed / n / 1e9:.2f} GB/token) at {streamed / dt / 1e9:.2f} GB/s end to end, "
-          f"disk->ring copy {s.read_bytes / s.read_s / 1e9:.2f} GB/s; stalls {s.stall_s:.2f} s")
+          + (f"{s.mapped_units} units computed on the file mapping (zero copy)" if s.mapped_units else
+             f"disk->ring copy {s.read_bytes / s.read_s / 1e9:.2f} GB/s") + f"; stalls {s.stall_s:.2f} s")
     print(f"    peak RSS {peak / GiB:.2f} GiB = {base / GiB:.2f} GiB before load (python+torch+transformers) + "
           f"{(peak - base) / GiB:.2f} GiB; model {size / GiB:.2f} GiB, ring {ring_gb:.2f} GiB")
 
