@@ -313,9 +313,14 @@ class ExpertGather:
         try:
             uniq = torch.unique(idx.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
             E = self.spec.num_experts
-            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= E):
+            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) > E):
                 bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
                 raise IndexError(f"expert {bad} is out of range for {self.spec.name!r} ({E} experts)")
+            # an id == E is the expert-parallel sentinel (no expert: grouped_mm/batched_mm mask it): it maps to
+            # U, the sentinel of the U bound experts; a call with no token still binds one expert (no id uses it)
+            uniq = uniq[uniq < E]
+            if not uniq.numel():
+                uniq = torch.zeros(1, dtype=torch.int64)
             tensors = self.read(uniq.tolist())
             for p, t in zip(self.spec.parts, tensors, strict=True):
                 if p.target.is_param:
@@ -323,7 +328,7 @@ class ExpertGather:
                         if t.is_floating_point() else t
                 else:
                     module._buffers[p.target.attr] = t
-            module.num_experts = max(1, uniq.numel())
+            module.num_experts = uniq.numel()
             new_idx = torch.searchsorted(uniq.to(idx.device), idx.contiguous().to(torch.int64)).to(idx.dtype)
         except BaseException:
             self.reset()

@@ -58,7 +58,10 @@ class ShardMap:
         self.fd = os.open(path, os.O_RDONLY)
         st = os.fstat(self.fd)
         self._ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        self.mm = mmap.mmap(self.fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
+        # copy-on-write (MAP_PRIVATE), as safetensors maps a file for from_pretrained: a module that writes a weight
+        # it computes on in place (zero copy: tiered/loader.py) gets a private page, never a SIGSEGV, and the file
+        # is never written; MADV_DONTNEED drops such pages too (the next pass sees the file's bytes again)
+        self.mm = mmap.mmap(self.fd, st.st_size, access=mmap.ACCESS_COPY) if st.st_size else None
         if sequential and self.mm is not None:  # aggressive readahead; reclaimed first under pressure
             self.mm.madvise(mmap.MADV_SEQUENTIAL)
         self.u8 = map_tensor(self.mm) if self.mm is not None else torch.empty(0, dtype=torch.uint8)  # (file_size,)

@@ -73,9 +73,10 @@ class CpuStage:
     (``MADV_DONTNEED``: they stay in the page cache, not in RSS)."""
 
     def __init__(self, ring: Ring, dist: Dist | None = None, *, drop_pages: bool = True,
-                 drop_page_cache: bool = False) -> None:
+                 drop_page_cache: bool = False, maps: dict | None = None) -> None:
         self.ring = ring
         self.dist = dist
+        self.maps = maps if maps is not None else {}  # the reader's ShardMaps: mapped units' memory
         self.drop_pages = drop_pages
         self.drop_page_cache = drop_page_cache
 
@@ -112,7 +113,13 @@ class CpuStage:
         return False
 
     def owns(self, t: torch.Tensor) -> bool:
-        return self.ring.owns(t)
+        """Whether ``t`` lives in the ring or in a shard mapping (an output aliasing either is copied out)."""
+        if self.ring.owns(t):
+            return True
+        if t.device.type != "cpu" or not self.maps:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(getattr(m, "u8", None) is not None and m.u8.data_ptr() == ptr for m in list(self.maps.values()))
 
     def close(self) -> None:
         pass

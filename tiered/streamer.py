@@ -130,7 +130,8 @@ class Streamer:
                                                          dist=dist)
             stats.device_buffer_bytes = n_bufs * streamed_max
         else:
-            self.stage = CpuStage(ring, dist, drop_pages=reader.drop_pages, drop_page_cache=reader.drop_page_cache)
+            self.stage = CpuStage(ring, dist, drop_pages=reader.drop_pages, drop_page_cache=reader.drop_page_cache,
+                                  maps=reader.maps if mapped else None)
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
         self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
