@@ -56,16 +56,16 @@ def main() -> int:
     with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=100, threads=a.threads) as m:
         res["resident_s_per_token"], toks_r = _decode(m, ids, a.new_tokens)
     acc = {"hook": 0.0, "read": 0.0, "ids": 0.0}
-    real_pre, real_copy = ex.ExpertGather.pre_hook, None
+    real_pre, real_copy = ex.ExpertGather.bind, None
 
-    def pre(self, module, args, kwargs):
+    def pre(self, args, kwargs):
         t = time.perf_counter()
         try:
-            return real_pre(self, module, args, kwargs)
+            return real_pre(self, args, kwargs)
         finally:
             acc["hook"] += time.perf_counter() - t
 
-    ex.ExpertGather.pre_hook = pre
+    ex.ExpertGather.bind = pre
     with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads) as m:
         real_copy = m._tiered.reader.copy_all
 

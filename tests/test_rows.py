@@ -213,6 +213,15 @@ def test_keyboard_interrupt_inside_the_embedding(ckpts, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             model.transformer.wte(ids)
         monkeypatch.setattr(F, "embedding", real)
+        # the interrupted direct call left nothing behind: another thread's call runs (it used to wait forever)
+        assert all(not rg.lock.locked() for rg in model._tiered.rows)
+        assert model.transformer.wte.weight.device.type == "meta"
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(out=model(ids).logits), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "a call from another thread waited on the embedding's lock"
+        assert torch.equal(got["out"], ref(ids).logits)
         assert torch.equal(model.transformer.wte(ids), ref.transformer.wte(ids))
 
 

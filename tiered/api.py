@@ -21,6 +21,7 @@ from . import dist as _dist
 from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
 from .experts import STAGING_BYTES, ExpertGather, find_experts, route_out
 from .format import Checkpoint, open_checkpoint
+from .guard import CallGuard
 from .hostmem import host_memory_available, page_up
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
 from .plan import Plan, build_plan
@@ -173,8 +174,6 @@ class _TieredMixin:
             depth = h.depth  # restored, not decremented: right wherever an interrupt lands
             if depth == 0 and h.streamer is not None:
                 h.streamer.release_all()  # what an interrupted earlier call may have left
-                for rg in (*h.rows, *h.experts):
-                    rg.reset()  # rows this thread's interrupted call left bound (hooks don't run on Ctrl-C)
             try:
                 h.depth = depth + 1
                 return super().__call__(*args, **kwargs)
@@ -182,8 +181,6 @@ class _TieredMixin:
                 h.depth = depth
                 if depth == 0 and h.streamer is not None:
                     h.streamer.release_all()
-                    for rg in (*h.rows, *h.experts):
-                        rg.reset()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``transformers``' ``generate``; distributed (several ranks), ``synced_gpus`` defaults to True: a
@@ -591,9 +588,7 @@ def attach(
             if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
                 rg = RowGather(u, dev, h.stats)
                 h.rows.append(rg)
-                h.hooks.append(u.module.register_forward_pre_hook(torch.compiler.disable(rg.pre_hook), with_kwargs=True))
-                h.hooks.append(u.module.register_forward_hook(torch.compiler.disable(rg.post_hook), with_kwargs=True,
-                                                              always_call=True))
+                h.hooks.append(CallGuard(u.module, rg.bind, rg.restore, u.name, rg.lock))
                 continue
             # The unit's root, and every module inside it that owns one of its tensors: calling such a
             # module directly (model.model.layers[2].mlp(x)) binds the unit too, instead of computing on
@@ -615,10 +610,7 @@ def attach(
                 for spec in ss:
                     eg = ExpertGather(spec, h.reader, dev, h.stats, staging)
                     h.experts.append(eg)
-                    h.hooks.append(spec.module.register_forward_pre_hook(torch.compiler.disable(eg.pre_hook),
-                                                                         with_kwargs=True))
-                    h.hooks.append(spec.module.register_forward_hook(torch.compiler.disable(eg.post_hook),
-                                                                     with_kwargs=True, always_call=True))
+                    h.hooks.append(CallGuard(spec.module, eg.bind, eg.restore, spec.name, eg.lock))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.

@@ -6,7 +6,8 @@
 ``(E, ...)`` (``gate_up_proj`` ``(E, 2I, D)``, ``down_proj`` ``(E, D, I)``, biases ``(E, ...)``), and which the
 block calls as ``experts(hidden_states, top_k_index, top_k_weights)`` *after* its router has run. When the
 model does not fit (the ring on the CPU, the GPU budget on CUDA), those parameters leave their decoder
-layer's ring unit, and on each call a forward pre-hook on the experts module
+layer's ring unit, and on each call of the experts module (its ``forward`` is wrapped by
+:class:`~tiered.guard.CallGuard`), before its own forward,
 
 1. moves ``top_k_index`` (``(tokens, k)``, int64) to the host — the one sync, the router's ids — and takes
    its ``U`` distinct experts, sorted;
@@ -23,7 +24,7 @@ layer's ring unit, and on each call a forward pre-hook on the experts module
 The experts module's own forward (``eager``, ``grouped_mm`` or ``batched_mm``) then runs the same
 per-expert products on the same rows in the same order — the remap is monotone, so experts are visited,
 grouped and accumulated exactly as with all ``E`` — and outputs are bitwise equal to the whole
-module's. A forward hook (``always_call``) restores the ``meta`` placeholders and ``num_experts``.
+module's. Then the ``meta`` placeholders and ``num_experts`` are restored, however the call ended.
 
 Bytes per call: ``U x`` (one expert's bytes); a decode step of batch ``B`` with top-``k`` routing reads at
 most ``B x k`` experts per block. Counted in ``Stats.expert_bytes`` (also in ``read_bytes`` and
@@ -37,9 +38,9 @@ Not routed (the experts stay in their unit, read whole): a parameter assembled b
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
 ``use_experts_implementation`` attributes.
 
-Threads: the hooks run on the calling thread; a per-module lock is held from the pre-hook to the forward
-hook. A ``KeyboardInterrupt`` inside the call skips the forward hook; the next model call (or call of
-the module from this thread) restores it first (:meth:`ExpertGather.reset`).
+Threads: the experts are read and bound on the calling thread, inside the module's call; concurrent calls
+of one experts module are serialised by its lock, released however the call ends (``KeyboardInterrupt``
+included: :class:`~tiered.guard.CallGuard`).
 """
 
 from __future__ import annotations
@@ -219,8 +220,7 @@ class ExpertGather:
         self.device = device
         self.stats = stats
         self.staging = staging
-        self.lock = threading.Lock()
-        self._tls = threading.local()
+        self.lock = threading.Lock()  # held for each call by its CallGuard
         self.placeholders = {p.target.attr: spec.module._parameters.get(p.target.attr) if p.target.is_param
                              else spec.module._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
@@ -294,9 +294,12 @@ class ExpertGather:
                 events[h] = ev
                 h ^= 1
 
-    # ----------------------------------------------------------------------------------- hooks
+    # ----------------------------------------------------------------------------------- the call
 
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Read the routed experts, bind them and renumber ``top_k_index`` (``CallGuard``: the module's lock is
+        held and :meth:`restore` follows whatever happens)."""
+        module = self.spec.module
         if self.closed:
             raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
         if len(args) >= 2:
@@ -306,54 +309,37 @@ class ExpertGather:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(module).__name__}: expected the router's top_k_index (an integer tensor) as the "
                             f"second argument, got {type(idx).__name__ if not isinstance(idx, torch.Tensor) else idx.dtype}")
-        if getattr(self._tls, "held", False):
-            self.reset()  # this thread's earlier call was interrupted (Ctrl-C skips the forward hook)
-        self.lock.acquire()
-        self._tls.held = True
-        try:
-            uniq = torch.unique(idx.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
-            E = self.spec.num_experts
-            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) > E):
-                bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
-                raise IndexError(f"expert {bad} is out of range for {self.spec.name!r} ({E} experts)")
-            # an id == E is the expert-parallel sentinel (no expert: grouped_mm/batched_mm mask it): it maps to
-            # U, the sentinel of the U bound experts; a call with no token still binds one expert (no id uses it)
-            uniq = uniq[uniq < E]
-            if not uniq.numel():
-                uniq = torch.zeros(1, dtype=torch.int64)
-            tensors = self.read(uniq.tolist())
-            for p, t in zip(self.spec.parts, tensors, strict=True):
-                if p.target.is_param:
-                    module._parameters[p.target.attr] = nn.Parameter(t, requires_grad=False) \
-                        if t.is_floating_point() else t
-                else:
-                    module._buffers[p.target.attr] = t
-            module.num_experts = uniq.numel()
-            new_idx = torch.searchsorted(uniq.to(idx.device), idx.contiguous().to(torch.int64)).to(idx.dtype)
-        except BaseException:
-            self.reset()
-            raise
+        uniq = torch.unique(idx.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
+        E = self.spec.num_experts
+        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) > E):
+            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+            raise IndexError(f"expert {bad} is out of range for {self.spec.name!r} ({E} experts)")
+        # an id == E is the expert-parallel sentinel (no expert: grouped_mm/batched_mm mask it): it maps to
+        # U, the sentinel of the U bound experts; a call with no token still binds one expert (no id uses it)
+        uniq = uniq[uniq < E]
+        if not uniq.numel():
+            uniq = torch.zeros(1, dtype=torch.int64)
+        tensors = self.read(uniq.tolist())
+        for p, t in zip(self.spec.parts, tensors, strict=True):
+            if p.target.is_param:
+                module._parameters[p.target.attr] = nn.Parameter(t, requires_grad=False) \
+                    if t.is_floating_point() else t
+            else:
+                module._buffers[p.target.attr] = t
+        module.num_experts = uniq.numel()
+        new_idx = torch.searchsorted(uniq.to(idx.device), idx.contiguous().to(torch.int64)).to(idx.dtype)
         if where[0] == "args":
             args = (*args[:1], new_idx, *args[2:])
         else:
             kwargs = {**kwargs, where[1]: new_idx}
         return args, kwargs
 
-    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        """Also called when the forward (or a pre-hook) raised; acts only after this thread's own pre-hook."""
-        self.reset()
-
-    def reset(self) -> None:
-        """If this thread holds the module (its call bound experts), restore the placeholders and ``num_experts``
-        and release it; else nothing. Called by the forward hook and at the start and end of every model call."""
-        if not getattr(self._tls, "held", False):
-            return
+    def restore(self) -> None:
+        """Put the placeholders and ``num_experts`` back (idempotent; ``CallGuard`` calls it after every call)."""
         m = self.spec.module
         for p in self.spec.parts:
             (m._parameters if p.target.is_param else m._buffers)[p.target.attr] = self.placeholders[p.target.attr]
         m.num_experts = self.spec.num_experts
-        self._tls.held = False
-        self.lock.release()
 
     def close(self) -> None:
         """Idempotent: later calls of the module raise StreamerError."""

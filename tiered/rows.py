@@ -1,7 +1,8 @@
 """Embedding rows: a streamed embedding reads only the rows its input looks up, never the table.
 
 An ``nn.Embedding`` (or a subclass whose forward goes through ``nn.Embedding.forward``, such as a
-scaled embedding) whose weight streams is not a ring unit. On each call a forward pre-hook
+scaled embedding) whose weight streams is not a ring unit. On each call (its ``forward`` is wrapped by
+:class:`~tiered.guard.CallGuard`), before the module's own forward,
 
 1. takes the ids (the first positional argument, or ``input`` / ``input_ids``), moves them to the CPU
    and computes ``torch.unique(ids, return_inverse=True)``: ``U`` distinct ids, sorted;
@@ -13,8 +14,8 @@ scaled embedding) whose weight streams is not a ring unit. On each call a forwar
    (it only affects gradients; ``F.embedding`` refuses a ``padding_idx >= U``).
 
 The module's own forward then computes ``F.embedding(inverse, rows)``, which is ``table[ids]`` element
-for element: outputs are bitwise equal to the whole table's, in any dtype. A forward hook
-(``always_call``) restores the ``meta`` placeholder and ``padding_idx``.
+for element: outputs are bitwise equal to the whole table's, in any dtype. Then the ``meta`` placeholder
+and ``padding_idx`` are restored, however the call ended.
 
 Bytes read per call: ``U x embedding_dim x itemsize`` (a decode step of batch ``B``: at most ``B`` rows),
 counted in ``Stats.embedding_bytes`` and ``Stats.read_bytes``. Reads are plain buffered ``preadv``
@@ -28,11 +29,9 @@ sparse gradients, a weight assembled from several checkpoint tensors, or a subcl
 ``forward`` without calling ``nn.Embedding.forward`` on its input (detected: the class's ``forward``
 must be ``nn.Embedding.forward`` or call ``super().forward``).
 
-Threads: the hooks run on the calling thread; a per-embedding lock is held from the pre-hook to the
-forward hook, so concurrent direct calls of one embedding are serialised. A ``KeyboardInterrupt`` inside
-the call skips the forward hook (torch runs ``always_call`` hooks for ``Exception`` only): the rows stay
-bound until this thread's next model call or next call of the embedding, which restore them first
-(:meth:`RowGather.reset`).
+Threads: the rows are read and bound on the calling thread, inside the embedding's own call
+(:class:`~tiered.guard.CallGuard` wraps its ``forward``): concurrent calls of one embedding are serialised by
+its lock, and the placeholder is restored however the call ends (``KeyboardInterrupt`` included).
 """
 
 from __future__ import annotations
@@ -106,8 +105,7 @@ class RowGather:
         # the shard, opened once: its fd for preadv, its check() before each read (a file truncated, replaced or
         # rewritten under the model is an error, as for every other unit)
         self.shard = ShardMap(self.src.file, sequential=False)
-        self.lock = threading.Lock()
-        self._tls = threading.local()  # .held: this thread's pre-hook took the lock and bound rows
+        self.lock = threading.Lock()  # held for each call by its CallGuard
         self.placeholder = unit.module._parameters["weight"]
         self.padding_idx = unit.module.padding_idx
         self.closed = False
@@ -157,9 +155,12 @@ class RowGather:
         self.stats.add_rows(n * self.row_bytes)
         return out
 
-    # ----------------------------------------------------------------------------------- hooks
+    # ----------------------------------------------------------------------------------- the call
 
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Read the rows ``ids`` look up, bind them as the weight and renumber ``ids`` (``CallGuard``: the
+        embedding's lock is held and :meth:`restore` follows whatever happens)."""
+        module = self.unit.module
         if self.closed:
             from .errors import StreamerError
 
@@ -172,47 +173,27 @@ class RowGather:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(module).__name__}: expected integer ids (LongTensor/IntTensor), got "
                             f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
-        if getattr(self._tls, "held", False):
-            self.reset()  # this thread's earlier call was interrupted (Ctrl-C skips the forward hook)
-        self.lock.acquire()
-        self._tls.held = True
-        try:
-            flat = ids.reshape(-1).to("cpu", torch.int64)
-            uniq, inv = torch.unique(flat, sorted=True, return_inverse=True)
-            if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.rows):
-                bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
-                raise IndexError(f"index {bad} is out of range for {self.unit.name!r} ({self.rows} rows)")
-            rows = self.read(uniq).to(self.target.dtype)
-            if self.device.type != "cpu":
-                rows = rows.pin_memory().to(self.device, non_blocking=False) if rows.numel() else rows.to(self.device)
-            module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
-            module.padding_idx = None
-            new_ids = inv.reshape(ids.shape).to(ids.device)
-        except BaseException:
-            self.reset()
-            raise
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        uniq, inv = torch.unique(flat, sorted=True, return_inverse=True)
+        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.rows):
+            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+            raise IndexError(f"index {bad} is out of range for {self.unit.name!r} ({self.rows} rows)")
+        rows = self.read(uniq).to(self.target.dtype)
+        if self.device.type != "cpu":
+            rows = rows.pin_memory().to(self.device, non_blocking=False) if rows.numel() else rows.to(self.device)
+        module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+        module.padding_idx = None
+        new_ids = inv.reshape(ids.shape).to(ids.device)
         if where[0] == "args":
             args = (new_ids, *args[1:])
         else:
             kwargs = {**kwargs, where[1]: new_ids}
         return args, kwargs
 
-    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        """Also called when the forward (or a pre-hook) raised; does something only after this
-        thread's own successful pre-hook."""
-        self.reset()
-
-    def reset(self) -> None:
-        """If this thread holds the embedding (its call bound rows), restore the placeholder and
-        ``padding_idx`` and release it; else nothing. Called by the forward hook, and at the start and
-        end of every model call (a ``KeyboardInterrupt`` skips forward hooks: torch runs ``always_call``
-        hooks for ``Exception`` only)."""
-        if not getattr(self._tls, "held", False):
-            return
+    def restore(self) -> None:
+        """Put the placeholder weight and ``padding_idx`` back (idempotent; ``CallGuard`` calls it after every call)."""
         self.unit.module._parameters["weight"] = self.placeholder
         self.unit.module.padding_idx = self.padding_idx
-        self._tls.held = False
-        self.lock.release()
 
     def close(self) -> None:
         """Idempotent: later calls of the embedding raise StreamerError."""
