@@ -212,6 +212,30 @@ ARCHS: dict[str, ArchSpec] = {
             "tie_word_embeddings": False,
         },
     ),
+    "llama3-70b": ArchSpec(
+        description="Meta-Llama-3-70B: 80 layers, hidden 8192, intermediate 28672, 64 heads, 8 kv heads, "
+        "vocab 128256, rope_theta 5e5, untied (~70.6 B params, 141 GB in bf16; 1.71 GB per layer, "
+        "2.10 GB embedding and head)",
+        family="llama",
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        kwargs={
+            "vocab_size": 128256,
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "tie_word_embeddings": False,
+        },
+    ),
     "tinyllama-1.1b": ArchSpec(
         description="TinyLlama-1.1B: 22 layers, hidden 2048, intermediate 5632, 32 heads, "
         "4 kv heads, vocab 32000, untied (~1.10 B params, 2.2 GB in bf16)",

@@ -51,6 +51,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="mmap")
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded at once (tokens/s counts all of them)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
     p.add_argument("--no-embedding-rows", action="store_true",
@@ -91,7 +92,7 @@ def main() -> int:
     vocab = model.config.vocab_size
     if a.distributed:  # start together: load times differ by rank
         torch.distributed.barrier()
-    ids = torch.randint(100, min(vocab, 30000), (1, a.prompt_len), device=model.device)
+    ids = torch.randint(100, min(vocab, 30000), (a.batch, a.prompt_len), device=model.device)
     clock = _Clock()
     s0 = tiered.stats(model).read_bytes
     used0 = tiered.stats(model).snapshot()
@@ -138,6 +139,9 @@ def main() -> int:
         "ttft_s": clock.times[0] - t1 if clock.times else None,
         "decode_s_per_token_median": statistics.median(steps) if steps else None,
         "tokens": n,
+        "batch": a.batch,
+        "tokens_per_s": a.batch / statistics.median(steps) if steps else None,
+        "piece_units": snap.get("piece_units", 0),
         "generate_s": total,
         "streamed_gb": (snap["read_bytes"] - s0) / 1e9,
         "streamed_gb_per_token": (snap["read_bytes"] - s0) / 1e9 / max(1, n),

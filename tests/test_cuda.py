@@ -210,6 +210,84 @@ def test_embedding_rows_on_cuda(tmp_path: Path) -> None:
         assert torch.equal(emb(ids), ref.embed_tokens(ids)) and emb.weight.device.type == "meta"
 
 
+def _big_layers(root: Path, dtype=torch.float32, tie: bool = False) -> Path:
+    """A Llama whose decoder layers (~1.3 MB in fp32) and untied head (1 MB) are several times the 0.3 MiB pieces
+    the tests below allow."""
+    import models
+
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=704, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    models.save_model(transformers.LlamaForCausalLM(cfg), root, seed=11, dtype=dtype, max_shard_size="700KB")
+    return root
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread", "direct"])
+@pytest.mark.parametrize("mode", ["streamed", "resident"])
+def test_units_larger_than_the_ring_stream_in_pieces(io: str, mode: str, tmp_path: Path, monkeypatch) -> None:
+    """Issue 8, capability 1 on CUDA: every layer and the head are larger than the ring; each is read through it
+    in pieces into one full-size device buffer. Logits and greedy generate equal stock's on the GPU bit for bit,
+    the ring never holds more than its size, and RingTooSmallError is gone."""
+    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    d = _big_layers(tmp_path / "m")
+    ref = _ref(d)
+    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_gen = ref.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ring_gb = (640 << 10) / GiB  # 0.625 MiB: pieces of < 0.3 MiB
+    kw = {"gpu_gb": 0} if mode == "streamed" else {"gpu_gb": 1}
+    with tiered.load(d, device=DEV, ring_gb=ring_gb, io=io, **kw) as m, torch.no_grad():
+        h = m._tiered
+        s = tiered.stats(m)
+        rows = {rg.unit.index for rg in h.rows}  # the embedding reads its rows (no ring, no pieces)
+        big = [u for u in h.plan.units if u.nbytes > h.ring.size and u.index not in rows]
+        assert len(big) >= 4, [(u.name, u.nbytes) for u in h.plan.units]  # 3 layers and the head
+        assert s.piece_units == len(big)
+        assert all(len(h.streamer.loader.pieces[u.index]) >= 4 for u in big)
+        if mode == "resident":
+            assert s.resident_units == s.units - s.row_units
+        for _ in range(2):
+            assert torch.equal(m(ids).logits, want)
+        assert torch.equal(m.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+        assert h.ring.high_water <= h.ring.size
+        if mode == "streamed":
+            assert s.h2d_bytes >= sum(u.nbytes for u in big)
+
+
+def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
+    """Pieces of a unit cast on the fly (fp32 checkpoint run in bf16) give stock's bits; a read that fails part-way
+    through a unit's pieces is an error in the caller, the device buffer goes back to the pool, and the next
+    pass is equal again."""
+    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    d = _big_layers(tmp_path / "m")
+    ref = _ref(d, dtype=torch.bfloat16)
+    ids = _ids(5)
+    with torch.no_grad():
+        want = ref(ids).logits
+    with tiered.load(d, device=DEV, ring_gb=(640 << 10) / GiB, gpu_gb=0, dtype=torch.bfloat16) as m, torch.no_grad():
+        assert tiered.stats(m).piece_units >= 4
+        assert torch.equal(m(ids).logits, want)
+        n = {"k": 0}
+
+        def boom(**info):
+            n["k"] += 1
+            if n["k"] == 5:
+                raise OSError("injected: the disk went away")
+
+        with faults.inject("read", boom), pytest.raises((OSError, StreamerError)):
+            m(ids)
+        pool = m._tiered.streamer.stage
+        for _ in range(2):
+            assert torch.equal(m(ids).logits, want)
+        assert pool._pool.qsize() == pool.n_bufs  # every device buffer is back
+
+
+def test_ring_too_small_for_a_piece_says_so(tmp_path: Path) -> None:
+    d = _big_layers(tmp_path / "m")
+    with pytest.raises(tiered.RingTooSmallError, match="two pieces"):
+        tiered.load(d, device=DEV, ring_gb=(640 << 10) / GiB, gpu_gb=0)  # MIN_PIECE_BYTES is 4 MiB
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> None:

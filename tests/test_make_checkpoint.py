@@ -184,6 +184,7 @@ def test_real_hyperparameters():
         "gptj-6b": 6_050_882_784,
         "llama3-8b": 8_030_261_248,
         "llama2-13b": 13_015_864_320,
+        "llama3-70b": 70_553_706_496,
         "tinyllama-1.1b": 1_100_048_384,
         "llama-tall": 419_480_576,
     }

@@ -22,9 +22,9 @@ from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerErr
 from .experts import STAGING_BYTES, ExpertGather, find_experts, route_out
 from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
-from .hostmem import host_memory_available, page_up
+from .hostmem import PAGE_SIZE, host_memory_available, page_up
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
-from .plan import Plan, build_plan
+from .plan import Plan, Unit, build_plan
 from .reader import Reader, zero_copy_eligible
 from .ring import GiB, Ring, gib_up
 from .rows import RowGather, row_eligible
@@ -41,6 +41,9 @@ HOST_HEADROOM_BYTES = 512 << 20
 #: ``benchmarks/results/2026-11-30-h200-cold2g*.md``): ring_gb=0.8 (0.57 GiB left) was OOM-killed in its first
 #: pass; ring_gb=0.45 (0.92 GiB left) ran, peak RSS 2.12 GiB.
 CUDA_HOST_HEADROOM_BYTES = 896 << 20
+
+#: CUDA: the smallest piece a unit larger than the ring is read in (two must fit the ring).
+MIN_PIECE_BYTES = 4 << 20
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -359,6 +362,31 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int, device: torch
     )
 
 
+def _pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> dict[int, int]:
+    """CUDA, one process: for each unit larger than the ring that can be cut (no whole-tensor conversion; see
+    :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most half the ring,
+    so the next piece is read while the last one's H2D runs.
+
+    Raises:
+        RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.
+    """
+    room = ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # a piece's slot, page-rounded, fits here
+    out: dict[int, int] = {}
+    for u in units:
+        if page_up(u.nbytes) <= ring_bytes:
+            continue
+        if room < MIN_PIECE_BYTES:
+            raise RingTooSmallError(
+                f"unit {u.name!r} ({u.nbytes / GiB:.3f} GiB) is larger than the ring and is read in pieces, but "
+                f"ring_gb={ring_gb} cannot hold two pieces of {MIN_PIECE_BYTES >> 20} MiB; pass ring_gb >= "
+                f"{gib_up(2 * (MIN_PIECE_BYTES + 2 * PAGE_SIZE))}"
+            )
+        n = math.ceil(u.nbytes / (room - align))
+        if _dist.split_unit(u, 0, n, align) is not None:
+            out[u.index] = n
+    return out
+
+
 def _gpu_budget(device: torch.device, gpu_gb: float | None) -> int:
     """Bytes of GPU memory for resident units: ``gpu_gb``, or what is free minus ``GPU_HEADROOM_BYTES``."""
     return int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
@@ -499,13 +527,22 @@ def attach(
     mappable = {u.index for u in plan.units if zero_copy and dev.type == "cpu" and io == "mmap" and dist is None
                 and drop_pages and u.index not in eligible and zero_copy_eligible(u)}
     ring_units = [u for u in plan.units if u.index not in eligible | mappable]
-    big = max(ring_units or plan.units, key=lambda u: slot_need[u.index])
+    pieces = _pieces(ring_units, ring_bytes, ring_gb, plan.align) if dev.type == "cuda" and dist is None else {}
+    whole_units = [u for u in ring_units if u.index not in pieces]
+    big = max(whole_units or ring_units or plan.units, key=lambda u: slot_need[u.index])
     need = page_up(slot_need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
-    if not ring_units:  # everything is mapped (or read by rows) when it streams: the ring only holds a resident model
+    if not whole_units:  # everything is mapped, read by rows or in pieces when it streams
         need = min(need, ring_bytes)
     if need > ring_bytes:
+        why = ""
+        if dev.type == "cuda" and dist is None:
+            why = (" and cannot be read in pieces (transformers builds it from whole tensors, e.g. fused, or stacked "
+                   "from per-expert ones)")
+        elif dev.type == "cpu" and zero_copy and io == "mmap" and dist is None:
+            why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
+                   "tensors)")
         raise RingTooSmallError(
-            f"unit {big.name!r} needs {gib_up(need)} GiB but ring_gb={ring_gb}; pass ring_gb >= "
+            f"unit {big.name!r} needs {gib_up(need)} GiB but ring_gb={ring_gb}{why}; pass ring_gb >= "
             f"{gib_up(need)} (>= {gib_up(2 * need)} lets the next unit load while one runs)"
         )
     global _ATEXIT
@@ -575,8 +612,10 @@ def attach(
         h.stats.row_units = len(rows)
         h.stats.expert_modules = sum(len(ss) for ss in experts.values())
         h.stats.mapped_units = len(mapped)
+        h.stats.piece_units = len(pieces)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
-                              rows=rows, dist=dist, host=host, host_ring=h.host_ring, mapped=mapped)
+                              rows=rows, dist=dist, host=host, host_ring=h.host_ring, mapped=mapped,
+                              pieces={i: n for i, n in pieces.items() if i not in host})
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)

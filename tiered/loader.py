@@ -38,7 +38,7 @@ from .errors import StreamerError
 from .plan import Unit
 from .reader import Reader
 from .ring import Ring
-from .stage import CpuStage, CudaStage, Loaded
+from .stage import CpuStage, CudaStage, Loaded, views
 from .stats import Stats
 
 __all__ = ["Loader"]
@@ -64,8 +64,11 @@ class Loader:
         io: dict[int, IoPlan] | None = None,
         host: dict | None = None,
         mapped: set[int] = frozenset(),  # type: ignore[assignment]
+        pieces: dict[int, list[tuple[Unit, int, int]]] | None = None,
     ) -> None:
         self.reader = reader
+        # CUDA: units larger than the ring, as (piece, offset in the unit's layout, bytes) read one at a time
+        self.pieces = pieces or {}
         self.mapped = set(mapped)  # CPU zero copy: units bound as views of the file mapping (no ring, no copy)
         self.io = io or {}  # distributed: how each unit is read on this rank (tiered/dist.py)
         self.host = host if host is not None else {}  # unit index -> its host-tier Slot (read once, kept)
@@ -198,6 +201,8 @@ class Loader:
         if hs is not None:  # in the host tier: no disk, no ring; H2D straight from its pinned slot
             faults.hit("stage", unit=u.name)
             return self.stage.stage(u, hs, resident=resident, abort=self._abort, io=io, keep=True)
+        if u.index in self.pieces:
+            return self._load_pieces(u, resident)
         rd, size, at = read_args(u, io)
         slot = self.ring.alloc(size, u.name, abort=self._abort, reclaim=lambda: self.stage.retire(block=True))
         try:
@@ -209,3 +214,32 @@ class Loader:
         except BaseException:
             self.ring.free(slot)
             raise
+
+    def _load_pieces(self, u: Unit, resident: bool) -> Loaded:
+        """CUDA, a unit larger than the ring: each piece (a few whole-element runs of its targets, see
+        :func:`tiered.dist.split_unit`) is read into a ring slot and copied (H2D, copy stream) into its place in
+        one full-size device buffer; reading piece ``k + 1`` overlaps the H2D of piece ``k``, and the ring
+        holds at most two pieces of this unit. The unit is ready when its last piece's copy is (the copy
+        stream runs in order), so its views are exactly the whole unit's: outputs stay bitwise equal."""
+        stage = self.stage
+        assert isinstance(stage, CudaStage)
+        buf = stage.buffer(u.nbytes, resident=resident, abort=self._abort)
+        ready = None
+        try:
+            for piece, at, n in self.pieces[u.index]:
+                slot = self.ring.alloc(piece.nbytes, u.name, abort=self._abort,
+                                       reclaim=lambda: stage.retire(block=True))
+                try:
+                    t0 = time.perf_counter()
+                    got = self.reader.read_unit(piece, slot.view)
+                    self.stats.add_read(got, time.perf_counter() - t0, resident=resident)
+                except BaseException:
+                    self.ring.free(slot)
+                    raise
+                ready = stage.put(buf, slot, at, n)
+            faults.hit("stage", unit=u.name)
+        except BaseException:
+            if not resident:
+                stage.give_back(buf, ready)
+            raise
+        return Loaded(u, views(u, buf.t), dev=None if resident else buf, ready=ready, base=buf.t)

@@ -171,7 +171,22 @@ class CudaStage:
         gather = io if io is not None and io.gathered else None
         size = gather.full if gather is not None else unit.nbytes
         at, n = (gather.at, gather.chunk) if gather is not None else (0, unit.nbytes)
-        buf = DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
+        buf = self.buffer(size, resident=resident, abort=abort)
+        ready = self.put(buf, slot, at, n, keep=keep)
+        return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
+
+    def buffer(self, size: int, *, resident: bool, abort: Callable[[], BaseException | None]) -> DevBuf:
+        """A device buffer for one unit: a new one of ``size`` bytes (resident), else one of the pool (waits for
+        one, polling ``abort``). Loader thread."""
+        return DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
+
+    def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False) -> torch.cuda.Event:
+        """Issue the H2D copy ``slot.view[:n]`` -> ``buf.t[at:at + n]`` on the copy stream, after the compute
+        stream is done with ``buf`` (its ``free`` event); returns the copy's *ready* event. The slot is freed
+        by :meth:`retire` once the copy has finished (``keep``: a host-tier slot, which stays). Loader thread.
+
+        A unit larger than the ring is put piece by piece into one buffer (:meth:`tiered.loader.Loader`):
+        the copy stream runs in order, so the last piece's event says the whole unit is there."""
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             if buf.free is not None:
@@ -181,7 +196,15 @@ class CudaStage:
             ready.record(self.copy_stream)
         with self._lock:
             self._inflight.append((start, ready, None if keep else slot, n))
-        return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
+        return ready
+
+    def give_back(self, buf: DevBuf, after: torch.cuda.Event | None) -> None:
+        """A pool buffer that will not be used (a piecewise load failed part-way): reusable once ``after`` (the
+        last copy issued into it) has fired."""
+        if buf.t.data_ptr() in self._ptrs:
+            if after is not None:
+                buf.free = after
+            self._pool.put(buf)
 
     def gather(self, ld: Loaded) -> None:
         """Distributed: all-gather the unit's chunks into its buffer on the gather stream, after its H2D

@@ -135,6 +135,7 @@ class Stats:
         ``snapshot()["dense_bytes"]`` is ``streamed_bytes`` less expert and embedding bytes.
     mapped_units: CPU zero copy: streamed units that compute on views of the checkpoint's file mapping (no
         ring copy; their bytes still count in ``read_bytes`` and ``streamed_bytes`` when a pass uses them).
+    piece_units: CUDA: units larger than the ring, read through it in pieces into one full-size device buffer.
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
         pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
         pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
@@ -161,6 +162,7 @@ class Stats:
     expert_calls: int = 0
     expert_modules: int = 0
     mapped_units: int = 0
+    piece_units: int = 0
     ring_bytes: int = 0
     ring_high_water: int = 0
     device_buffer_bytes: int = 0

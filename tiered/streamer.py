@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .binding import bind, copy_out_aliases, remember_placeholders, unbind
-from .dist import Dist, io_plans, read_args
+from .dist import Dist, io_plans, read_args, split_unit
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
@@ -82,6 +82,8 @@ class Streamer:
         host_ring: pinned host memory for them, exactly their size.
         mapped: CPU zero copy: indices of streamed units bound as views of the checkpoint's file mapping
             (no ring slot, no copy); their pages are dropped from the process when the unit is released.
+        pieces: CUDA, one process: unit index -> number of pieces, for units larger than the ring; each is
+            read piece by piece through the ring into one full-size device buffer (:meth:`Loader._load_pieces`).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Streamer:
         host: set[int] = frozenset(),  # type: ignore[assignment]
         host_ring: Ring | None = None,
         mapped: set[int] = frozenset(),  # type: ignore[assignment]
+        pieces: dict[int, int] | None = None,
     ) -> None:
         self.plan = plan
         self.dist = dist
@@ -145,9 +148,17 @@ class Streamer:
             m = wself()
             return m() if m is not None else StreamerError("the model was garbage-collected")
 
+        cut: dict[int, list[tuple[Unit, int, int]]] = {}
+        for i, n in (pieces or {}).items():
+            u = self._io[i]
+            cut[i] = []
+            for k in range(n):
+                piece, chunk = split_unit(u, k, n, plan.align)  # type: ignore[misc]  # checked cuttable by attach
+                if k * chunk < u.nbytes:
+                    cut[i].append((piece, k * chunk, min(chunk, u.nbytes - k * chunk)))
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
-                             mapped=mapped)
+                             mapped=mapped, pieces=cut)
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
