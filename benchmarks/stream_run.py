@@ -40,6 +40,32 @@ from systems import _drop_caches as drop_caches  # noqa: E402
 GiB = 1 << 30
 
 
+def _cuda_warmup(a: argparse.Namespace) -> int:
+    """Run the model's architecture with one decoder layer (random weights created on the GPU, no host copy)
+    through ``generate`` with the run's batch, prompt length and new tokens, free it, and reset VmHWM
+    (``/proc/self/clear_refs``). Returns the RSS then: the CUDA runtime with this model's kernels loaded (cuBLAS,
+    attention, sampling), which grows the RSS by about 1 GiB on the first forward whatever holds the weights."""
+    import gc
+
+    cfg = transformers.AutoConfig.from_pretrained(a.model_dir)
+    for k in ("num_hidden_layers", "n_layer"):
+        if hasattr(cfg, k):
+            setattr(cfg, k, 1)
+    dtype = getattr(cfg, "dtype", None) or torch.bfloat16
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    ids = torch.randint(100, min(cfg.vocab_size, 30000), (a.batch, a.prompt_len), device="cuda")
+    with torch.no_grad():
+        m.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+    del m
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status()["VmRSS"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", type=Path)
@@ -61,6 +87,10 @@ def main() -> int:
     p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
+    p.add_argument("--cuda-warmup", action="store_true",
+                   help="before loading, run the same architecture (one layer, random weights already on the GPU) "
+                        "through generate with the same shapes, then reset VmHWM: peak_rss_over_cuda_model_base_gb is "
+                        "then the RSS the weights' path adds over a CUDA runtime that has run this model's kernels")
     p.add_argument("--label", default="tiered")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     a = p.parse_args()
@@ -81,6 +111,10 @@ def main() -> int:
         x = torch.ones(256, 256, device="cuda", dtype=torch.float16)
         (x @ x).sum().item()
         cuda_base = proc_status()["VmRSS"]
+    model_base = None
+    if a.cuda_warmup and cuda_base is not None:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):  # the prompt stays the same
+            model_base = _cuda_warmup(a)
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
@@ -167,6 +201,8 @@ def main() -> int:
         "peak_rss_gb": snap["peak_rss"] / GiB,
         "rss_cuda_base_gb": cuda_base / GiB if cuda_base else None,
         "peak_rss_over_cuda_base_gb": (snap["peak_rss"] - cuda_base) / GiB if cuda_base else None,
+        "rss_cuda_model_base_gb": model_base / GiB if model_base else None,
+        "peak_rss_over_cuda_model_base_gb": (snap["peak_rss"] - model_base) / GiB if model_base else None,
         "gpu_peak_gb": torch.cuda.max_memory_allocated() / GiB if model.device.type == "cuda" else None,
         "tokens_out": out[0, ids.shape[1]:].tolist(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
