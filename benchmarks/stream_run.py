@@ -84,6 +84,9 @@ def main() -> int:
                    help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
     p.add_argument("--no-routed-experts", action="store_true",
                    help="stream MoE experts whole with their layer (routed_experts=False), as before issue 8")
+    p.add_argument("--expert-cache-gb", type=float, default=None,
+                   help="GiB of routed experts kept on the GPU (default: what --gpu-gb leaves; 0: none)")
+    p.add_argument("--expert-cache-policy", choices=["layer", "lru"], default="layer")
     p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
@@ -115,9 +118,11 @@ def main() -> int:
     if a.cuda_warmup and cuda_base is not None:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()]):  # the prompt stays the same
             model_base = _cuda_warmup(a)
+    tiered.expert_cache.POLICY = a.expert_cache_policy
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
+                        expert_cache_gb=a.expert_cache_gb,
                         **({"embedding_rows": False} if a.no_embedding_rows else {}),
                         **({"routed_experts": False} if a.no_routed_experts else {}))
     if model.device.type == "cuda":
@@ -187,6 +192,12 @@ def main() -> int:
         "expert_modules": snap.get("expert_modules", 0),
         "expert_gb_per_token": (snap.get("expert_bytes", 0) - used0.get("expert_bytes", 0)) / 1e9 / max(1, n),
         "dense_gb_per_token": (snap.get("dense_bytes", 0) - used0.get("dense_bytes", 0)) / 1e9 / max(1, n),
+        "expert_cache_slots": snap.get("expert_cache_slots", 0),
+        "expert_cache_gb": snap.get("expert_cache_bytes", 0) / GiB,
+        "expert_cache_policy": a.expert_cache_policy,
+        "expert_cache_hit_rate": ((snap.get("expert_cache_hits", 0) - used0.get("expert_cache_hits", 0))
+                                  / max(1, snap.get("expert_cache_hits", 0) + snap.get("expert_cache_misses", 0)
+                                        - used0.get("expert_cache_hits", 0) - used0.get("expert_cache_misses", 0))),
         "experts_per_call": ((snap.get("experts_read", 0) - used0.get("experts_read", 0))
                              / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
         "read_gbps": snap["read_gbps"],

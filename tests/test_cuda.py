@@ -312,6 +312,34 @@ def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> Non
             assert all(p.device.type == "meta" for p in eg.spec.module.parameters(recurse=False))
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("policy", ["layer", "lru"])
+def test_expert_cache_on_cuda(name: str, policy: str, ckpts: Checkpoints, monkeypatch) -> None:
+    """Routed experts with a GPU expert cache (hits copied device to device on the compute stream, misses read
+    through the staging and then stored): stock's bits on the GPU for prefill, decode and generate; a default
+    cache from what gpu_gb leaves."""
+    monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
+    d = ckpts[name]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, expert_cache_gb=0) as m0:
+        e = m0._tiered.experts[0].spec.expert_bytes
+        total = sum(eg.spec.num_experts for eg in m0._tiered.experts)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, expert_cache_gb=(total // 3 + 0.5) * e / GiB) as m, \
+            torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(_ids()).logits, want)
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        s = tiered.stats(m).snapshot()
+        assert s["expert_cache_slots"] == total // 3 and s["expert_cache_hits"] > 0
+        assert m._tiered.expert_cache.store.device.type == "cuda"
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.05) as m, torch.no_grad():  # the default: what is left
+        assert tiered.stats(m).expert_cache_slots > 0
+        assert torch.equal(m(_ids()).logits, want)
+
+
 def test_routed_experts_staging_larger_than_half(ckpts: Checkpoints, monkeypatch) -> None:
     """Experts larger than half the pinned staging are copied in pieces, double-buffered: same bits."""
     import tiered.experts as ex

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from . import dist as _dist
+from . import expert_cache as _expert_cache_mod
 from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
-from .experts import STAGING_BYTES, ExpertGather, find_experts, route_out
+from .expert_cache import ExpertCache
+from .experts import STAGING_BYTES, ExpertGather, ExpertSpec, find_experts, route_out, slot_layout
 from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
 from .hostmem import PAGE_SIZE, host_memory_available, page_up
@@ -67,6 +69,7 @@ class Options:
     zero_copy: bool = True  # CPU, io="mmap": streamed units compute on views of the file mapping (no ring copy)
     distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
+    expert_cache_gb: float | None = None  # routed experts kept on the device (None: CUDA, what gpu_gb leaves; CPU 0)
 
 
 #: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
@@ -91,6 +94,7 @@ class _Handle:
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
         self.experts: list[Any] = []  # ExpertGather per routed experts module
         self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
+        self.expert_cache: ExpertCache | None = None  # routed experts kept on the device
         self.closed = False
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
@@ -120,7 +124,7 @@ class _Handle:
                 rg.close()
             for eg in self.experts:
                 eg.close()
-            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging)
+            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache)
             self.closed = True
         finally:
             if got:
@@ -255,7 +259,7 @@ def _is_number(x: object) -> bool:
 
 
 def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb: object, io: object,
-                   host_gb: object = 0.0) -> None:
+                   host_gb: object = 0.0, expert_cache_gb: object = None) -> None:
     """Reject option values a user could mistype, before anything is allocated (ConfigError / RingTooSmallError)."""
     if not _is_number(ring_gb):
         raise ConfigError(f"ring_gb must be a number of GiB (e.g. 1 or 0.5), got {ring_gb!r}")
@@ -269,6 +273,8 @@ def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb
         raise ConfigError(f"gpu_gb must be a number of GiB >= 0 or None (all that fits), got {gpu_gb!r}")
     if not _is_number(host_gb) or host_gb < 0:  # type: ignore[operator]
         raise ConfigError(f"host_gb must be a number of GiB >= 0 (0: no host tier), got {host_gb!r}")
+    if expert_cache_gb is not None and (not _is_number(expert_cache_gb) or expert_cache_gb < 0):  # type: ignore[operator]
+        raise ConfigError(f"expert_cache_gb must be a number of GiB >= 0 or None (what gpu_gb leaves), got {expert_cache_gb!r}")
     if io not in ("mmap", "pread", "direct", "auto"):
         raise ConfigError(
             f"io={io!r}: use 'mmap' (page cache, default), 'pread' (page cache, copied by read(2)), 'direct' "
@@ -387,6 +393,29 @@ def _pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> d
     return out
 
 
+def _expert_cache(experts: dict[int, list[ExpertSpec]], device: torch.device, gb: float | None,
+                  left: int) -> ExpertCache | None:
+    """The model's expert cache: ``gb`` GiB, or (None, CUDA) the GPU budget ``left`` after resident units and
+    device buffers, less room for one call's compact tensors (every expert of the largest block: a prefill can
+    route to all of them); never more than all the experts. None when that is not one expert."""
+    specs = [sp for ss in experts.values() for sp in ss]
+    slot = max(slot_layout(sp)[1] for sp in specs)
+    if gb is None:
+        if device.type != "cuda":
+            return None
+        room = left - max(sp.num_experts * sp.expert_bytes for sp in specs)
+    else:
+        room = int(gb * GiB)
+    n = min(max(0, room) // slot, sum(sp.num_experts for sp in specs)) if slot else 0
+    if n < 1:
+        return None
+    try:
+        return ExpertCache(slot, n, device, policy=_expert_cache_mod.POLICY)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise ConfigError(f"cannot allocate an expert cache of {n} experts ({n * slot / GiB:.3f} GiB) on {device} ({e}); "
+                          "pass a smaller expert_cache_gb (0: none) or gpu_gb") from None
+
+
 def _gpu_budget(device: torch.device, gpu_gb: float | None) -> int:
     """Bytes of GPU memory for resident units: ``gpu_gb``, or what is free minus ``GPU_HEADROOM_BYTES``."""
     return int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
@@ -448,6 +477,7 @@ def attach(
     host_gb: float = 0.0,
     routed_experts: bool = True,
     zero_copy: bool = True,
+    expert_cache_gb: float | None = None,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -468,7 +498,8 @@ def attach(
     experts module reads only the experts its router picked, on each call (``routed_experts``; see
     ``tiered/experts.py``): the experts need no ring space, so a MoE layer larger than the ring is fine.
     Memory: the routed experts of one call (``U`` x one expert), on the device; on CUDA also a pinned
-    staging buffer of ``tiered.experts.STAGING_BYTES`` (256 MiB; at most half the ring) on the host.
+    staging buffer of ``tiered.experts.STAGING_BYTES`` (256 MiB; at most half the ring) on the host, and the
+    expert cache (``expert_cache_gb``; by default what ``gpu_gb`` leaves) on the GPU.
 
     ``distributed=True`` (one process per GPU under ``torchrun``; or a ``ProcessGroup``): every rank reads
     and copies only its 1/N chunk of each unit and the unit is all-gathered before it runs (NCCL on CUDA,
@@ -485,7 +516,8 @@ def attach(
             ``distributed`` outside ``torchrun`` or with ranks that built different plans.
         HostMemoryError: the ring or host tier is more than the host or cgroup can give.
     """
-    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io, host_gb=host_gb)
+    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io, host_gb=host_gb,
+                   expert_cache_gb=expert_cache_gb)
     if distributed is not False and device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
@@ -498,7 +530,8 @@ def attach(
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
-                   distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts, zero_copy=zero_copy)
+                   distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts, zero_copy=zero_copy,
+                   expert_cache_gb=expert_cache_gb)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     io = _choose_io(io, ckpt)
@@ -576,6 +609,7 @@ def attach(
             gpu_gb = _dist.min_over_ranks(dist, local) / GiB
         # Distributed: every rank must stream the same units, so all decide on the smallest ring and budget,
         # and rank 0's choice is used (a choice one rank's ring cannot hold would wait forever for room).
+        budget = _gpu_budget(dev, gpu_gb) if dev.type == "cuda" else 0
         ring_room = h.ring.size if dist is None else _dist.min_over_ranks(dist, h.ring.size)
         resident = _choose_resident(plan, ring_room, dev, gpu_gb, prefetch, rows=eligible, slot_need=slot_need)
         if dist is not None:
@@ -645,16 +679,24 @@ def attach(
                     raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB (at most) of staging for routed experts ({e}); "
                                       "pass routed_experts=False") from None
                 staging = (h.expert_staging.buf, threading.Lock(), [None, None])
+            h.expert_cache = _expert_cache(experts, dev, expert_cache_gb, budget - h.stats.resident_bytes
+                                           - h.stats.device_buffer_bytes)
+            if h.expert_cache is not None:
+                h.stats.expert_cache_slots = h.expert_cache.slots
+                h.stats.expert_cache_bytes = h.expert_cache.nbytes
+            cache_lock = threading.Lock()
             for ss in experts.values():
                 for spec in ss:
-                    eg = ExpertGather(spec, h.reader, dev, h.stats, staging)
+                    eg = ExpertGather(spec, h.reader, dev, h.stats, staging, cache=h.expert_cache, cache_lock=cache_lock,
+                                      block=len(h.experts))
                     h.experts.append(eg)
                     h.hooks.append(CallGuard(spec.module, eg.bind, eg.restore, spec.name, eg.lock))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
         weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring, h.host_ring,
-                         h.expert_staging, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+                         h.expert_staging, h.expert_cache,
+                         *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
         raise
@@ -682,6 +724,7 @@ def load(
     host_gb: float = 0.0,
     routed_experts: bool = True,
     zero_copy: bool = True,
+    expert_cache_gb: float | None = None,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -715,6 +758,11 @@ def load(
             then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier.
         routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
             router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
+        expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):
+            a call that picks a cached expert copies it device to device instead of reading it. None (default):
+            on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts
+            (room for a prefill's compact tensors); on the CPU none. 0: no cache. On the CPU a value > 0 keeps
+            them in host memory (RSS grows by it).
         zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
             tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
             copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS
@@ -738,7 +786,8 @@ def load(
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
                   embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
-                  routed_experts=routed_experts, zero_copy=zero_copy, _rss_before=rss0)
+                  routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
+                  _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:

@@ -55,10 +55,11 @@ import torch
 from torch import nn
 
 from .errors import StreamerError
+from .expert_cache import ExpertCache
 from .format import TensorInfo
 from .plan import Target, Unit
 
-__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES"]
+__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES", "merge_adjacent"]
 
 #: Pinned host staging per model on CUDA (bytes, at most; and at most half the ring): two halves, one read
 #: into while the other is copied to the GPU.
@@ -200,6 +201,47 @@ def route_out(unit: Unit, specs: list[ExpertSpec], align: int) -> None:
         s.nbytes for c in unit.converts for ss in c.sources.values() for s in ss)
 
 
+def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[TensorInfo, torch.Tensor]]:
+    """``pairs`` (checkpoint source, destination) in file order, each run of sources that are adjacent in one file
+    *and* land adjacent in one destination tensor merged into one pair: the reader copies a pair as one range
+    (chunked), so such a run is one request instead of one per tensor. Same bytes to the same places: the copies
+    are disjoint, so their order and grouping do not change the result.
+
+    Merged when: same file, the next source starts where the last ends, same source dtype, and the destinations
+    are contiguous, of one dtype, in one storage, the next starting where the last ends (Mixtral's ``w1, w3`` of
+    one expert written adjacent by ``tiered reshard`` fill the two halves of its ``gate_up_proj`` slab; experts
+    ``j, j + 1`` of a stacked tensor when both are routed). Sources adjacent in the file whose destinations are
+    not (``w3`` then ``w2``: ``gate_up_proj`` and ``down_proj``) stay separate pairs, read one after the other.
+    """
+    order = sorted(pairs, key=lambda p: (str(p[0].file), p[0].offset))
+    out: list[tuple[TensorInfo, torch.Tensor]] = []
+    for info, dest in order:
+        if out:
+            last, ld = out[-1]
+            if (info.file == last.file and info.offset == last.offset + last.nbytes and info.dtype == last.dtype
+                    and info.numel and last.numel and dest.dtype == ld.dtype and dest.device == ld.device
+                    and dest.is_contiguous() and ld.is_contiguous()
+                    and dest.untyped_storage().data_ptr() == ld.untyped_storage().data_ptr()
+                    and dest.storage_offset() == ld.storage_offset() + ld.numel()):
+                n = last.numel + info.numel
+                merged = TensorInfo(f"{last.name.partition(' .. ')[0]} .. {info.name}", info.dtype, (n,), info.file,
+                                    last.offset, last.nbytes + info.nbytes)
+                out[-1] = (merged, ld.as_strided((n,), (1,), ld.storage_offset()))
+                continue
+        out.append((info, dest))
+    return out
+
+
+def slot_layout(spec: ExpertSpec) -> tuple[list[int], int]:
+    """Where each part of one expert sits in an :class:`~tiered.expert_cache.ExpertCache` slot (byte offsets,
+    512-aligned) and the bytes the slot needs."""
+    offs, at = [], 0
+    for p in spec.parts:
+        offs.append(at)
+        at += _align(p.slab_bytes, 512)
+    return offs, at
+
+
 class ExpertGather:
     """Reads the routed experts of one experts module on each call (see the module docstring).
 
@@ -211,11 +253,18 @@ class ExpertGather:
         staging: CUDA: pinned host memory shared by the model's experts modules (uint8, even length), the
             lock that serialises its use, and the two halves' last H2D events (a list of two, shared too);
             None on the CPU.
+        cache: the model's :class:`~tiered.expert_cache.ExpertCache` (None: none), with ``cache_lock`` (shared by
+            the model's experts modules) and ``block``, this module's position in the forward order.
     """
 
     def __init__(self, spec: ExpertSpec, reader: Any, device: torch.device, stats: Any,
-                 staging: tuple[torch.Tensor, threading.Lock, list] | None = None) -> None:
+                 staging: tuple[torch.Tensor, threading.Lock, list] | None = None, *,
+                 cache: ExpertCache | None = None, cache_lock: threading.Lock | None = None, block: int = 0) -> None:
         self.spec = spec
+        self.cache = cache
+        self.cache_lock = cache_lock or threading.Lock()
+        self.block = block
+        self.slot_offsets = slot_layout(spec)[0]
         self.reader = reader
         self.device = device
         self.stats = stats
@@ -228,13 +277,15 @@ class ExpertGather:
 
     # ----------------------------------------------------------------------------------- reading
 
-    def _pairs(self, ids: list[int], out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
+    def _pairs(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
+        """(source, destination) of expert ``j`` into row ``u`` of each part's compact tensor, for ``(u, j)`` in
+        ``todo``."""
         pairs = []
         for p, t in zip(self.spec.parts, out, strict=True):
-            for u, j in enumerate(ids):
+            for u, j in todo:
                 for info, dest in p.per[j]:
                     pairs.append((info, t[u] if dest is None else dest(t[u])))
-        return pairs
+        return merge_adjacent(pairs)
 
     def read(self, ids: list[int]) -> list[torch.Tensor]:
         """Experts ``ids`` (sorted, distinct, in range) of every part, as ``(len(ids), ...)`` tensors on the device.
@@ -246,23 +297,48 @@ class ExpertGather:
             self.reader.maps[f].check()
         parts = self.spec.parts
         U = len(ids)
-        if self.device.type == "cpu":
-            out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype) for p in parts]
-            self.reader.copy_all(self.spec.unit, self._pairs(ids, out), chunk=READ_CHUNK)
+        out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
+        cache = self.cache
+        todo = list(enumerate(ids))
+        if cache is None:
+            self._read_into(todo, out)
         else:
-            out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
-            self._read_cuda(ids, out)
-        n = U * self.spec.expert_src_bytes if ids else 0
-        self.stats.add_experts(n, U)
+            with self.cache_lock:  # one call at a time across the model's experts modules (they share the slots)
+                slots = cache.lookup(self.block, ids)
+                for u, s in enumerate(slots):  # hits: device to device, on the current stream
+                    if s is not None:
+                        for p, off, t in zip(parts, self.slot_offsets, out, strict=True):
+                            t[u].copy_(cache.view(s, off, p.slab_shape, p.target.dtype))
+                todo = [(u, j) for u, (j, s) in enumerate(zip(ids, slots, strict=True)) if s is None]
+                self._read_into(todo, out)
+                keep = {s for s in slots if s is not None}
+                for u, j in todo:
+                    s = cache.admit(self.block, j, keep)
+                    if s is not None:
+                        keep.add(s)
+                        for p, off, t in zip(parts, self.slot_offsets, out, strict=True):
+                            cache.view(s, off, p.slab_shape, p.target.dtype).copy_(t[u])
+                self.stats.add_expert_cache(U - len(todo), len(todo))
+        self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
         return out
 
-    def _read_cuda(self, ids: list[int], out: list[torch.Tensor]) -> None:
+    def _read_into(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
+        """Read expert ``j`` into row ``u`` of ``out`` for each ``(u, j)`` of ``todo`` (CPU: straight; CUDA:
+        through the pinned staging)."""
+        if not todo:
+            return
+        if self.device.type == "cpu":
+            self.reader.copy_all(self.spec.unit, self._pairs(todo, out), chunk=READ_CHUNK)
+        else:
+            self._read_cuda(todo, out)
+
+    def _read_cuda(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
         """Read into the pinned staging halves, H2D on the current stream from each (double-buffered)."""
         buf, lock, events = self.staging  # type: ignore[misc]
         half = buf.numel() // 2
         # (source, device destination) in chunks of at most half the staging, each a 1-D element range
         chunks: list[tuple[TensorInfo, torch.Tensor]] = []
-        for info, d in self._pairs(ids, out):
+        for info, d in self._pairs(todo, out):
             flat = d.reshape(-1)
             isz = d.element_size()
             step = max(1, half // isz)

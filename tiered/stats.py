@@ -132,6 +132,10 @@ class Stats:
         streamed MoE block reads only the experts its router picked, each call. ``expert_bytes`` (also in
         ``read_bytes`` and ``streamed_bytes``) are their checkpoint bytes, ``experts_read`` how many experts
         were read over ``expert_calls`` calls of the ``expert_modules`` routed experts modules.
+    expert_cache_slots, expert_cache_bytes, expert_cache_hits, expert_cache_misses: the expert cache
+        (``tiered/expert_cache.py``): experts it holds at most, its device bytes, and how many of the experts the
+        calls picked were found in it (not read: not in ``experts_read``) or not. ``snapshot()["expert_cache_hit_rate"]``
+        is hits / (hits + misses).
         ``snapshot()["dense_bytes"]`` is ``streamed_bytes`` less expert and embedding bytes.
     mapped_units: CPU zero copy: streamed units that compute on views of the checkpoint's file mapping (no
         ring copy; their bytes still count in ``read_bytes`` and ``streamed_bytes`` when a pass uses them).
@@ -160,6 +164,10 @@ class Stats:
     expert_bytes: int = 0
     experts_read: int = 0
     expert_calls: int = 0
+    expert_cache_slots: int = 0
+    expert_cache_bytes: int = 0
+    expert_cache_hits: int = 0
+    expert_cache_misses: int = 0
     expert_modules: int = 0
     mapped_units: int = 0
     piece_units: int = 0
@@ -201,6 +209,12 @@ class Stats:
             self.streamed_bytes += nbytes
             self.embedding_bytes += nbytes
 
+    def add_expert_cache(self, hits: int, misses: int) -> None:
+        """One call of a routed experts module found ``hits`` of its experts in the GPU expert cache."""
+        with self._lock:
+            self.expert_cache_hits += hits
+            self.expert_cache_misses += misses
+
     def add_experts(self, nbytes: int, n: int) -> None:
         """A forward pass read ``n`` routed experts, ``nbytes`` of the checkpoint (read and used at once)."""
         with self._lock:
@@ -232,6 +246,8 @@ class Stats:
             d: dict[str, float | int] = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         d["prefetch_idle_bytes"] = d["read_bytes"] - d["load_bytes"] - d["streamed_bytes"]
         d["dense_bytes"] = d["streamed_bytes"] - d["expert_bytes"] - d["embedding_bytes"]
+        looked = d["expert_cache_hits"] + d["expert_cache_misses"]
+        d["expert_cache_hit_rate"] = d["expert_cache_hits"] / looked if looked else 0.0
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
         st = proc_status()
@@ -252,10 +268,12 @@ class Stats:
             read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
             read = f"rank {s['rank']}/{s['world_size']}, this rank's 1/{s['world_size']} of each unit: " + read
+        cache = (f"; expert cache {s['expert_cache_slots']} experts ({gib(s['expert_cache_bytes'])}), hit rate "
+                 f"{s['expert_cache_hit_rate']:.1%}") if s["expert_cache_slots"] else ""
         if s["units"] and s["resident_units"] == s["units"]:
             read += f": all {s['units']} units resident, read once at load; " + (
                 f"routed experts: {gb(s['expert_bytes'])} in {s['experts_read']} experts over {s['expert_calls']} calls"
-                if s["expert_modules"] else "nothing streams")
+                + cache if s["expert_modules"] else "nothing streams")
         else:
             read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
             read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units"
@@ -263,7 +281,7 @@ class Stats:
             if s["expert_modules"]:
                 per = s["experts_read"] / s["expert_calls"] if s["expert_calls"] else 0.0
                 read += (f", {gb(s['expert_bytes'])} of routed experts: {s['experts_read']} read in "
-                         f"{s['expert_calls']} calls, {per:.3g} per call")
+                         f"{s['expert_calls']} calls, {per:.3g} per call") + cache
             read += ")"
             if s["prefetch_idle_bytes"]:
                 read += f", {gb(s['prefetch_idle_bytes'])} read ahead and not used (yet)"
