@@ -4,7 +4,8 @@
 # page cache, ring_gb=6: routed and dense streaming at gpu_gb=2 (no room for a cache) and at gpu_gb=10 (routed:
 # the experts cache takes what the dense part leaves, "layer" policy and LRU), alternating; then the Llama-3-70B
 # shape (6 layers) with ring_gb=1 after --cuda-warmup. Results go to $OUT.
-#   MIXTRAL_LAYERS=6 L70=6 REPS=1 SKIP_TESTS=0 bash benchmarks/gpu_cache_check.sh
+# Last, compiled decoding with a static cache against eager (benchmarks/compile_check.py, TinyLlama shape).
+#   MIXTRAL_LAYERS=6 L70=6 REPS=1 SKIP_TESTS=0 SKIP_COMPILE=0 bash benchmarks/gpu_cache_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tiered-out}; mkdir -p "$OUT"
@@ -41,3 +42,11 @@ $PY benchmarks/make_checkpoint.py --arch llama3-70b --dtype bf16 --layers "$L" -
 cat "$G"/*.safetensors > /dev/null
 timeout 300 $PY benchmarks/stream_run.py "$G" --out "$OUT/big_units_warm.jsonl" --label "llama70-L$L-ring1-gpu0-warmup" \
   --ring-gb 1 --gpu-gb 0 --new-tokens 8 --cuda-warmup 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-200
+rm -rf "$G"
+[ "${SKIP_COMPILE:-0}" = 1 ] && exit 0
+# compiled decoding (static cache) against eager on a streamed TinyLlama-shaped model
+G="$CACHE/tinyllama-bf16"
+$PY benchmarks/make_checkpoint.py --arch tinyllama-1.1b --dtype bf16 --quiet "$G" 2>&1 | tail -1
+timeout 400 $PY benchmarks/compile_check.py "$G" --ring-gb 0.5 --gpu-gb 0.5 --new-tokens 16 --out "$OUT/compile.jsonl" \
+  2>"$OUT/compile.log" | cut -c1-1500
+tail -5 "$OUT/compile.log"
