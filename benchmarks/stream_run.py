@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tiered  # noqa: E402
+import tiered.expert_cache  # noqa: E402
 from tiered.stats import proc_status  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

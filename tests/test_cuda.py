@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from test_reliability import USE_AFTER_CLOSE, _run_child, _Tables
 
 import tiered
+import tiered.expert_cache
 from tiered import faults
 from tiered.errors import StreamerError
 from tiered.stage import CudaStage
@@ -277,10 +278,12 @@ def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
 
         with faults.inject("read", boom), pytest.raises((OSError, StreamerError)):
             m(ids)
-        pool = m._tiered.streamer.stage
+        st = m._tiered.streamer
         for _ in range(2):
             assert torch.equal(m(ids).logits, want)
-        assert pool._pool.qsize() == pool.n_bufs  # every device buffer is back
+        # every device buffer is back in the pool, or holds a prefetch of the next pass
+        ahead = [f.result() for f in list(st.pending.values())]
+        assert st.stage._pool.qsize() + sum(ld.dev is not None for ld in ahead) == st.stage.n_bufs
 
 
 def test_ring_too_small_for_a_piece_says_so(tmp_path: Path) -> None:
@@ -324,19 +327,26 @@ def test_expert_cache_on_cuda(name: str, policy: str, ckpts: Checkpoints, monkey
     with torch.no_grad():
         want = ref(_ids()).logits
         want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    from tiered.experts import slot_layout
+
     with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, expert_cache_gb=0) as m0:
         e = m0._tiered.experts[0].spec.expert_bytes
         total = sum(eg.spec.num_experts for eg in m0._tiered.experts)
+        dense = sum(u.nbytes for u in m0._tiered.plan.units)  # the units without their routed experts
+        reserve = max(eg.spec.num_experts * eg.spec.expert_bytes for eg in m0._tiered.experts)
+        slot = max(slot_layout(eg.spec)[1] for eg in m0._tiered.experts)
     with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, expert_cache_gb=(total // 3 + 0.5) * e / GiB) as m, \
             torch.no_grad():
         for _ in range(2):
             assert torch.equal(m(_ids()).logits, want)
         assert torch.equal(m.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
         s = tiered.stats(m).snapshot()
-        assert s["expert_cache_slots"] == total // 3 and s["expert_cache_hits"] > 0
+        assert s["expert_cache_slots"] == total // 3
+        assert s["expert_cache_hits"] > 0 or policy == "lru"  # LRU on this cycle may never hit (see expert_cache.py)
         assert m._tiered.expert_cache.store.device.type == "cuda"
-    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.05) as m, torch.no_grad():  # the default: what is left
-        assert tiered.stats(m).expert_cache_slots > 0
+    # the default: what gpu_gb leaves after the (all resident) dense part and one block's experts for a prefill
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=(dense + reserve + 3.5 * slot) / GiB) as m, torch.no_grad():
+        assert tiered.stats(m).expert_cache_slots == 3
         assert torch.equal(m(_ids()).logits, want)
 
 
