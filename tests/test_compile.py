@@ -36,3 +36,40 @@ def test_compiled_forward_equals_stock_and_breaks_only_at_units(ckpts):
     # model's own lock
     assert not [r for r in breaks if "tiered" in r and "disable" not in r and "lock" not in r], dict(breaks)
     assert sum(breaks.values()) <= 2 * s["units"], dict(breaks)
+
+
+def test_deep_model_compiles_each_layer_without_hitting_the_recompile_limit(tmp_path):
+    """Issue 9, capability 6: the graph breaks at each unit, so dynamo compiles each decoder layer (specialised on
+    its layer_idx) as an entry of one code object; on a 12-layer model that passed dynamo's default limit of 8
+    and the later layers fell back to eager with a warning. tiered raises the limit to fit its units."""
+    import logging
+
+    import models
+
+    dynamo = pytest.importorskip("torch._dynamo")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=1, dtype=torch.float32,
+                             max_shard_size="40KB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    seen: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("torch._dynamo")
+    handler = Catch(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        with tiered.load(path, ring_gb=0.0003, device="cpu") as m, torch.no_grad():
+            assert tiered.stats(m).resident_units == 0
+            dynamo.reset()
+            compiled = torch.compile(m, backend="eager")
+            for n in (6, 1, 1, 9):  # a prefill, then other shapes
+                ids = torch.arange(1, n + 1).reshape(1, n)
+                assert torch.equal(compiled(ids).logits, ref(ids).logits)
+    finally:
+        log.removeHandler(handler)
+        dynamo.reset()
+    assert not [s for s in seen if "recompile_limit" in s or "cache_size_limit" in s], seen

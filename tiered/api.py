@@ -222,6 +222,21 @@ def _wrap_class(module: nn.Module) -> None:
     module.__class__ = _CLASSES[cls]
 
 
+def _allow_one_compile_per_unit(n: int) -> None:
+    """Under ``torch.compile`` the graph breaks at each unit's root hooks, so dynamo compiles each decoder layer's
+    forward as a frame of its own, specialised on the layer (its ``layer_idx`` indexes the KV cache): one compile
+    per layer (and per input shape: a prefill, the decode steps), all of them entries of one code object, which
+    passes dynamo's default ``recompile_limit`` (8) on any model deeper than a few layers and sends the later
+    layers back to eager with a warning. Raise the limit to 4 per unit (+ 8), never lower it."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    want = 4 * n + 8
+    if getattr(cfg, name, want) < want:
+        setattr(cfg, name, want)
+
+
 def _unit_hooks(s: Streamer, i: int, *, root: bool) -> tuple[Any, Any]:
     """(pre, post) forward hooks that bind unit ``i`` for the length of a module's call.
 
@@ -691,6 +706,7 @@ def attach(
                                       block=len(h.experts))
                     h.experts.append(eg)
                     h.hooks.append(CallGuard(spec.module, eg.bind, eg.restore, spec.name, eg.lock))
+        _allow_one_compile_per_unit(len(plan.units))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
