@@ -309,3 +309,23 @@ class MLPStack(nn.Module):
         for b in self.blocks:
             x = x + b(x)
         return self.head(self.norm(x))
+
+
+def fused_experts(src: Path, path: Path) -> Path:
+    """``src`` (a per-expert MoE checkpoint: Mixtral's ``experts.j.w1/w3/w2``, Qwen's ``experts.j.gate_proj/...``)
+    rewritten in the stacked layout ``transformers`` holds in memory (``mlp.experts.gate_up_proj`` ``(E, 2I, D)``,
+    ``mlp.experts.down_proj`` ``(E, D, I)``): the state dict ``from_pretrained`` builds from ``src``, saved as is
+    (one ``model.safetensors``) with ``src``'s other files. Same weights, so the same logits as ``src``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    path.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, path / f.name)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd), sorted(sd)[:20]
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 import tiered
 from tiered.cli import inspect_dir
 from tiered.errors import DuplicateTensorError, ShardNotFoundError, TieredError
+from tiered.experts import find_experts
 from tiered.format import open_checkpoint, read_header
 from tiered.meta import build_meta_model
 from tiered.plan import build_plan
@@ -125,11 +126,18 @@ def _check_layout(dst: Path, *, max_shard_size: int | None = None, planned: bool
     seen: set[str] = set()
     sequence: list[str] = []
     spans = []
+    pos = 0
     for u in plan.units:
         names = [c.src.name for t in u.targets for c in t.copies] + [
             s.name for c in u.converts for ss in c.sources.values() for s in ss]
         own = [n for n in dict.fromkeys(names) if n not in seen]
         seen.update(own)
+        # a unit's tensors are written together; inside a unit, a MoE block's experts come last, expert by
+        # expert (tests/test_reshard_experts.py checks that order)
+        assert sorted(written[pos:pos + len(own)]) == sorted(own), f"unit {u.name}: tensors not written together"
+        if not find_experts(u):
+            assert written[pos:pos + len(own)] == own, f"unit {u.name}: tensors not written in plan order"
+        pos += len(own)
         sequence += own
         if not own:
             continue
@@ -140,7 +148,7 @@ def _check_layout(dst: Path, *, max_shard_size: int | None = None, planned: bool
         assert hi - lo == sum(i.nbytes for i in infos), f"unit {u.name} not contiguous"
         spans.append((shards.index(files.pop()), lo, hi, u.name))
     assert spans == sorted(spans), "units not in execution order on disk"
-    assert written[: len(sequence)] == sequence, "tensors not written in unit order"
+    assert sorted(written[: len(sequence)]) == sorted(sequence), "tensors not written in unit order"
     assert set(written[len(sequence):]) == set(plan.unused)
     if max_shard_size is not None:
         for name in shards:

@@ -102,28 +102,65 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     }
 
 
+def _expert_layout(spec) -> tuple[int, int]:
+    """(ranges of the file, reader requests) for each expert of ``spec`` — the most over its experts.
+
+    Ranges: the expert's source bytes merged where adjacent in one file. Requests: as
+    :func:`tiered.experts.merge_adjacent` groups them (adjacent in the file *and* in one destination tensor),
+    worked out on ``meta`` tensors (no memory).
+    """
+    import torch
+
+    slabs = [torch.empty(p.slab_shape, dtype=p.target.dtype, device="meta") for p in spec.parts]
+    most_spans = most_reads = 0
+    for j in range(spec.num_experts):
+        items = []
+        for k, (p, slab) in enumerate(zip(spec.parts, slabs, strict=True)):
+            for info, dest in p.per[j]:
+                d = slab if dest is None else dest(slab)
+                items.append((str(info.file), info.offset, info.nbytes, info.dtype, k, d.storage_offset(), d.numel()))
+        items.sort(key=lambda i: (i[0], i[1]))
+        spans = reads = 0
+        prev = None
+        for it in items:
+            adjacent = prev is not None and prev[0] == it[0] and it[1] == prev[1] + prev[2]
+            spans += not adjacent
+            reads += not (adjacent and prev[3] == it[3] and prev[4] == it[4] and it[5] == prev[5] + prev[6])
+            prev = it
+        most_spans, most_reads = max(most_spans, spans), max(most_reads, reads)
+    return most_spans, most_reads
+
+
 def _experts_info(config, plan) -> dict | None:
     """MoE blocks whose experts can be routed (``tiered/experts.py``): their layout on disk and the bytes a decode
-    token of batch 1 needs when routed (dense part + top-k experts per block) against all of them. None if none."""
+    token of batch 1 needs when routed (dense part + top-k experts per block) against all of them. None if none.
+
+    ``spans_per_expert``: the most ranges of the file one expert's bytes take (1: contiguous, one read);
+    ``reads_per_expert``: the requests the reader makes for one expert (adjacent ranges that land in two
+    different stacked parameters are two copies); ``layout``: ``"per-expert"`` (checkpoint tensors per expert,
+    as Mixtral's ``experts.j.w1``), ``"stacked"`` (``(E, ...)`` tensors: one range per stacked tensor, which
+    ``tiered reshard`` keeps) or ``"mixed"``.
+    """
     from .experts import find_experts
 
     specs = [s for u in plan.units for s in find_experts(u)]
     if not specs:
         return None
     k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
-    first = [info for p in specs[0].parts for info, _ in p.per[0]]
-    spans = 0
-    end = None
-    for info in sorted(first, key=lambda i: (str(i.file), i.offset)):
-        if end != (str(info.file), info.offset):
-            spans += 1
-        end = (str(info.file), info.offset + info.nbytes)
+    spans = reads = 0
+    for s in specs:
+        a, b = _expert_layout(s)
+        spans, reads = max(spans, a), max(reads, b)
+    kinds = {dest is None for s in specs for p in s.parts for per in p.per for _, dest in per}
+    layout = "mixed" if len(kinds) > 1 else "stacked" if kinds == {True} else "per-expert"
     experts_total = sum(s.num_experts * s.expert_src_bytes for s in specs)
     dense = sum(u.src_bytes for u in plan.units) - experts_total
+    routed = sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)
     return {"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
-            "expert_bytes": specs[0].expert_src_bytes, "spans_per_expert": spans,
-            "dense_bytes": dense, "experts_bytes": experts_total,
-            "routed_bytes_per_token": dense + sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)}
+            "expert_bytes": specs[0].expert_src_bytes, "layout": layout, "spans_per_expert": spans,
+            "experts_contiguous": spans == 1, "reads_per_expert": reads,
+            "dense_bytes": dense, "experts_bytes": experts_total, "routed_experts_bytes": routed,
+            "routed_bytes_per_token": dense + routed}
 
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -155,10 +192,19 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ex = info["experts"]
     if ex:
         print(f"experts: {ex['blocks']} MoE blocks x {ex['experts_per_block']} experts (top-{ex['top_k']}), "
-              f"{ex['expert_bytes'] / 2**20:.2f} MiB per expert in {ex['spans_per_expert']} span(s) on disk; when the "
-              f"model does not fit they are routed: a decode token of batch 1 reads about "
-              f"{ex['routed_bytes_per_token'] / 1e9:.3g} GB (dense {ex['dense_bytes'] / 1e9:.3g} GB + top-{ex['top_k']} "
-              f"experts per block) instead of {(ex['dense_bytes'] + ex['experts_bytes']) / 1e9:.3g} GB")
+              f"{ex['expert_bytes'] / 2**20:.2f} MiB per expert; when the model does not fit they are routed: a decode "
+              f"token of batch 1 reads about {ex['routed_bytes_per_token'] / 1e9:.3g} GB (dense "
+              f"{ex['dense_bytes'] / 1e9:.3g} GB + {ex['top_k']}/{ex['experts_per_block']} of the experts' "
+              f"{ex['experts_bytes'] / 1e9:.3g} GB) instead of {(ex['dense_bytes'] + ex['experts_bytes']) / 1e9:.3g} GB")
+        where = f"{ex['spans_per_expert']} span(s) on disk, {ex['reads_per_expert']} read(s)"
+        if ex["layout"] == "stacked":
+            note = ("stacked (E, ...) tensors: an expert is one range of each; `tiered reshard` keeps them "
+                    "(per-expert tensors would need transformers' load-time conversion)")
+        elif ex["experts_contiguous"]:
+            note = "per-expert tensors, each expert's adjacent: contiguous"
+        else:
+            note = "per-expert tensors, not contiguous (`tiered reshard` writes each expert's tensors adjacent)"
+        print(f"expert layout: {ex['layout']}, {where} per expert; {note}")
     if info["unused_checkpoint_tensors"]:
         print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
     for name, why in list(info["skipped_tensors"].items())[:5]:

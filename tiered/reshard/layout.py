@@ -5,6 +5,10 @@
   inside one shard. Without ``config.json``, or with an architecture ``transformers`` does not know,
   units are ordered by the layer index in tensor names (``…layers.12.…``, ``…h.12.…``) and a note says so.
   A tensor read by two units is written with the first; tensors the model does not use are written last.
+* Experts (a MoE block's experts module that :mod:`tiered.experts` routes): written last in their unit, so
+  the dense part is one span when the experts are read one at a time; per-expert tensors expert by expert
+  (``experts.j.w1, w3, w2`` adjacent: one expert is one range of the file); stacked ``(E, ...)`` tensors as
+  they are (:func:`_expert_order`).
 * Shards ``model-0000i-of-0000N.safetensors``: a shard boundary falls only between units; a unit larger
   than ``max_shard_size`` gets a shard of its own.
 * Every shard's data section starts on a :data:`DATA_ALIGN` (4 KiB) boundary: the JSON header is padded
@@ -120,11 +124,14 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
     units: list[_Unit] = []
     for u in plan.units:
         unit = _Unit(u.name)
+        experts, expert_targets = _expert_order(u)
         for t in u.targets:
             reads[t.key] = [c.src.name for c in t.copies]
-            unit.tensors += reads[t.key]
+            if id(t) not in expert_targets:
+                unit.tensors += reads[t.key]
         for conv in u.converts:
             unit.tensors += [s.name for ss in conv.sources.values() for s in ss]
+        unit.tensors += experts  # last: the unit's dense part stays one span when its experts are routed
         units.append(unit)
     if dtype is not None and dtype != torch.float32:  # transformers' dtype plan: these stay float32
         source.keep_dtype = {c.src.name for u in plan.units for t in u.targets if t.dtype == torch.float32
@@ -142,6 +149,36 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
         if len(dup) == 1 and len(keep) == 1 and dup[0] != keep[0]:
             tied[dup[0]] = keep[0]
     return units, type(model).__name__, tied
+
+
+def _expert_order(unit) -> tuple[list[str], set[int]]:
+    """The checkpoint tensors of ``unit``'s routable experts modules (:func:`tiered.experts.find_experts`) in the
+    order they are written, and the ids of those modules' targets ({} and [] when there are none).
+
+    Per-expert tensors (Mixtral's ``experts.j.w1/w3/w2``, Qwen's ``experts.j.gate_proj/up_proj/down_proj``) are
+    written expert by expert, each expert's in the order :class:`~tiered.experts.ExpertGather` reads them
+    (``w1, w3, w2``), so one expert's bytes are one range of the file. Stacked ``(E, ...)`` tensors are written
+    as they are (expert ``j`` is then one range of each stacked tensor: ``gate_up_proj[j]``, ``down_proj[j]``):
+    the output's tensors stay the input's, names and bytes, and ``from_pretrained`` loads them without a
+    conversion (see ``tiered inspect``'s experts line).
+    """
+    from ..experts import find_experts
+
+    names: list[str] = []
+    targets: set[int] = set()
+    for spec in find_experts(unit):
+        per_expert: list[str] = []
+        stacked: list[str] = []
+        for p in spec.parts:
+            stacked += [c.src.name for c in p.target.copies if c.place is None]
+        for j in range(spec.num_experts):
+            per_expert += [info.name for p in spec.parts for info, dest in p.per[j] if dest is not None]
+        every = [c.src.name for p in spec.parts for c in p.target.copies]
+        if sorted(per_expert + stacked) != sorted(every):  # pragma: no cover - find_experts places every copy
+            continue  # written in plan order, with the rest of the unit
+        targets.update(id(p.target) for p in spec.parts)
+        names += per_expert + stacked
+    return names, targets
 
 
 # ---------------------------------------------------------------------------------------------- the shards
