@@ -488,3 +488,22 @@ def test_figures_carry_their_unit_and_three_significant_digits() -> None:
     for m in re.finditer(r"(\d+(?:\.\d+)?)( ?)(\S*)", text):
         assert m.group(3).rstrip(";,)") in {"GB", "GB/s", "GiB", "s", "units", "of", "at", "used", "read", ""} \
             or "/" in m.group(0), (m.group(0), text)
+
+
+def test_generate_moe_with_an_expert_cache(tmp_path: Path) -> None:
+    """A Mixtral streamed with routed experts and --expert-cache-gb: stock's greedy ids, and the summary says how
+    many experts the cache holds and how many picks it served."""
+    import models
+
+    d = models.mixtral(tmp_path / "moe", num_experts=8, top_k=2, max_shard_size="200KB")
+    ids = [5, 17, 42, 99, 3]
+    layer = max(sum(p.numel() * p.element_size() for p in lay.parameters())
+                for lay in transformers.AutoModelForCausalLM.from_pretrained(d).model.layers)
+    r = cli("generate", d, "--ids", "--prompt", " ".join(map(str, ids)), "--max-new-tokens", NEW, "--device", "cpu",
+            "--ring-gb", layer * 0.6 / 2**30, "--expert-cache-gb", 0.001)
+    assert r.returncode == 0, r.stderr
+    _, want = reference(d, "", ids=ids, do_sample=False)
+    assert r.stdout.split() == [str(i) for i in want], (r.stdout, want)
+    assert "routed experts" in r.stderr and "the expert cache holds" in r.stderr, r.stderr
+    r = cli("generate", d, "--ids", "--prompt", "1 2", "--device", "cpu", "--expert-cache-gb", -1)
+    assert r.returncode == 2 and "--expert-cache-gb" in r.stderr, r.stderr

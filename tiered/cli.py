@@ -288,7 +288,7 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str) -> Path:
 #: ``tiered.load``'s option names as they appear in its messages ("ring_gb=0.5", "pass ring_gb >= 1",
 #: "device 'tpu' is not", "io must"), and the flags that set them.
 _OPTION_NAME = re.compile(
-    r"(?<![\w.-])(ring_gb|gpu_gb|host_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))"
+    r"(?<![\w.-])(ring_gb|gpu_gb|host_gb|expert_cache_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))"
 )
 
 
@@ -442,7 +442,7 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     t0 = time.perf_counter()
     with _option_errors_as_usage(parser):
         model = load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
-                     threads=a.threads, io=a.io, host_gb=a.host_gb)
+                     threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb)
     load_s = time.perf_counter() - t0
     with model:
         if not callable(getattr(model, "generate", None)) or not model.can_generate():
@@ -509,7 +509,13 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
         if after["expert_modules"]:
             ex = after["expert_bytes"] - before["expert_bytes"]
             part += (f", plus {gb(ex)} of routed experts ({after['expert_modules']} MoE blocks read only the "
-                     "experts their router picked)")
+                     "experts their router picked")
+            if after["expert_cache_slots"]:
+                hits = after["expert_cache_hits"] - before["expert_cache_hits"]
+                looked = hits + after["expert_cache_misses"] - before["expert_cache_misses"]
+                part += (f"; the expert cache holds {after['expert_cache_slots']} experts, "
+                         f"{hits / max(1, looked):.0%} of picks found there")
+            part += ")"
         if n_res:
             part += f"; {n_res} units resident in {where}"
         lines.append(f"{rate}; streamed {gb(streamed)} ({gb(streamed / n)}/token; {part}) at "
@@ -621,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
                    help="CUDA only: GiB of pinned host memory holding streamed units, copied to the GPU from "
                    "there every token without touching the disk (default 0: none; host RSS grows by it)")
+    r.add_argument("--expert-cache-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
+                   help="MoE models: GiB of routed experts kept on the device between tokens (default: on CUDA what "
+                   "--gpu-gb leaves; 0: none)")
     r.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N",
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
