@@ -6,17 +6,8 @@
 # pieces — its greedy tokens compared with stock transformers on the same GPU; then batch 1 against
 # batch 32 on the same model, alternating. Results go to $OUT.
 #   L70=6 REPS=2 SKIP_TESTS=0 bash benchmarks/gpu_big_units_check.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tiered-out}; mkdir -p "$OUT"
-CACHE=${TIERED_CACHE:-/tmp/tiered-cache}; mkdir -p "$CACHE"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=.
-PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  $PY -m pytest -q -m cuda tests/test_cuda.py tests/test_compile.py -p no:cacheprovider 2>&1 \
-    | grep -v "Loading weights\|Writing model" | tee "$OUT/pytest_cuda.txt" | tail -15
-fi
+source "$(dirname "$0")/gpu_common.sh"
+cuda_tests
 L=${L70:-6}
 G="$CACHE/llama3-70b-bf16-L$L"
 $PY benchmarks/make_checkpoint.py --arch llama3-70b --dtype bf16 --layers "$L" --quiet "$G" 2>&1 | tail -1

@@ -6,17 +6,8 @@
 # shape (6 layers) with ring_gb=1 after --cuda-warmup. Results go to $OUT.
 # Last, compiled decoding with a static cache against eager (benchmarks/compile_check.py, TinyLlama shape).
 #   MIXTRAL_LAYERS=6 L70=6 REPS=1 SKIP_TESTS=0 SKIP_COMPILE=0 bash benchmarks/gpu_cache_check.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tiered-out}; mkdir -p "$OUT"
-CACHE=${TIERED_CACHE:-/tmp/tiered-cache}; mkdir -p "$CACHE"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=.
-PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  $PY -m pytest -q -m cuda tests/test_cuda.py tests/test_compile.py -p no:cacheprovider 2>&1 \
-    | grep -v "Loading weights\|Writing model" | tee "$OUT/pytest_cuda.txt" | tail -15
-fi
+source "$(dirname "$0")/gpu_common.sh"
+cuda_tests
 ML=${MIXTRAL_LAYERS:-6}
 G="$CACHE/mixtral-8x7b-bf16-L$ML"
 $PY benchmarks/make_checkpoint.py --arch mixtral-8x7b --dtype bf16 --layers "$ML" --quiet "$G" 2>&1 | tail -1

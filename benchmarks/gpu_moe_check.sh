@@ -5,17 +5,8 @@
 # (default) and dense streaming (--no-routed-experts: every expert, every token), twice each, side by
 # side; then accelerate disk offload of the Mixtral shape at the same GPU budget. Results go to $OUT.
 #   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 SKIP_TESTS=0 SKIP_ACCELERATE=0 bash benchmarks/gpu_moe_check.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tiered-out}; mkdir -p "$OUT"
-CACHE=${TIERED_CACHE:-/tmp/tiered-cache}; mkdir -p "$CACHE"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
-PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  $PY -m pytest -q -m cuda tests/test_cuda.py tests/test_compile.py -p no:cacheprovider 2>&1 \
-    | grep -v "Loading weights\|Writing model" | tee "$OUT/pytest_cuda.txt" | tail -15
-fi
+source "$(dirname "$0")/gpu_common.sh"
+cuda_tests
 R="$OUT/moe_side_by_side.jsonl"
 for spec in "mixtral-8x7b:${MIXTRAL_LAYERS:-6}" "qwen3-30b-a3b:${QWEN_LAYERS:-12}"; do
   arch=${spec%%:*}; layers=${spec##*:}
