@@ -413,3 +413,20 @@ def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Che
             want_gen = ref.generate(ids, max_new_tokens=got["max_new_tokens"], do_sample=False).cpu()
         assert torch.equal(out["logits"], want), f"rank {r}: logits differ"
         assert torch.equal(out["generated"], want_gen), f"rank {r}: generate differs"
+
+
+@pytest.mark.parametrize(("gpu_gb", "host_gb"), [(0, 0), (0.0003, 0), (0.0003, 0.0004), (1, 0)])
+def test_inspect_placement_is_what_load_does_on_cuda(gpu_gb: float, host_gb: float, ckpts: Checkpoints) -> None:
+    """tiered.placement.place (what `tiered inspect --gpu-gb --host-gb` prints) against a real load on the GPU."""
+    from tiered.cli import _plan_for
+    from tiered.placement import place
+
+    d = ckpts["llama"]
+    config, _, plan = _plan_for(d, None, "cuda")
+    p = place(plan, config, device="cuda", ring_gb=0.002, gpu_gb=gpu_gb, host_gb=host_gb)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=gpu_gb, host_gb=host_gb) as m:
+        st = m._tiered.streamer
+        assert set(p.resident) == st.resident_ids
+        assert set(p.host) == st.host_ids
+        assert p.streamed == [i for i in st.streamed if i not in st.host_ids]
+        assert p.device_buffer_bytes == tiered.stats(m).device_buffer_bytes

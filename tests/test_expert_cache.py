@@ -31,6 +31,7 @@ def _hit_rate(policy: str, slots: int, trace: list[list[list[int]]]) -> float:
             for j, s in zip(picked, got, strict=True):
                 if s is None and (t := c.admit(b, j, keep)) is not None:
                     keep.add(t)
+                    c.commit(b, j, t)
     return c.hits / (c.hits + c.misses)
 
 
@@ -77,13 +78,19 @@ def test_layer_policy_finds_hot_experts():
 def test_cache_bookkeeping():
     c = ExpertCache(64, 2, torch.device("cpu"))
     assert c.lookup(0, [1, 2]) == [None, None]
-    assert c.admit(0, 1) == 0 and c.admit(0, 2) == 1
+    assert c.admit(0, 1) == 0
+    assert c.lookup(0, [1]) == [None]  # admitted but not committed (not filled yet): never served
+    c.commit(0, 1, 0)
+    assert c.admit(0, 2) == 1
+    c.commit(0, 2, 1)
     assert c.admit(0, 1) is None  # already cached
-    assert c.lookup(0, [1, 3]) == [0, None] and c.hits == 1 and c.misses == 3
+    assert c.lookup(0, [1, 3]) == [0, None] and c.hits == 1 and c.misses == 4
     assert c.admit(1, 5) is None  # full: another block's expert never evicts this block's
     assert c.admit(0, 3, keep={0}) is None  # expert 2 (slot 1) was used as often as 3: not swapped
     c.lookup(0, [3])
-    assert c.admit(0, 3, keep={0}) == 1 and c.where == {(0, 1): 0, (0, 3): 1}  # 3 is now used more than 2
+    assert c.admit(0, 3, keep={0}) == 1 and c.where == {(0, 1): 0}  # 2 evicted; 3 not served until committed
+    c.commit(0, 3, 1)
+    assert c.where == {(0, 1): 0, (0, 3): 1}  # 3 is now used more than 2
     with pytest.raises(ValueError, match="policy"):
         ExpertCache(1, 1, torch.device("cpu"), policy="fifo")
 

@@ -396,15 +396,15 @@ def _pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> d
     for u in units:
         if page_up(u.nbytes) <= ring_bytes:
             continue
+        if _dist.split_unit(u, 0, 2, align) is None:
+            continue  # cannot be cut: attach's check names it and the ring it needs whole
         if room < MIN_PIECE_BYTES:
             raise RingTooSmallError(
                 f"unit {u.name!r} ({u.nbytes / GiB:.3f} GiB) is larger than the ring and is read in pieces, but "
                 f"ring_gb={ring_gb} cannot hold two pieces of {MIN_PIECE_BYTES >> 20} MiB; pass ring_gb >= "
                 f"{gib_up(2 * (MIN_PIECE_BYTES + 2 * PAGE_SIZE))}"
             )
-        n = math.ceil(u.nbytes / (room - align))
-        if _dist.split_unit(u, 0, n, align) is not None:
-            out[u.index] = n
+        out[u.index] = math.ceil(u.nbytes / (room - align))
     return out
 
 
@@ -472,6 +472,20 @@ def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float 
         if used + pool <= budget:
             chosen.add(u.index)
     return chosen
+
+
+def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list[int], host_gb: float) -> set[int]:
+    """The host tier: streamed units, in execution order, while ``host_gb`` lasts (page-rounded slots). Every streamed
+    byte costs the same per pass from disk or page cache, so any order saves the same per byte; each rank keeps
+    only its own chunk. They are copied to the GPU from there every pass: no disk, no ring."""
+    host: set[int] = set()
+    left = int(host_gb * GiB)
+    for u in plan.units:
+        n = page_up(slot_need[u.index])
+        if u.index not in resident and u.index not in rows and n <= left:
+            host.add(u.index)
+            left -= n
+    return host
 
 
 def attach(
@@ -631,16 +645,7 @@ def attach(
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
         mapped = mappable - resident
-        # The host tier: streamed units, in execution order, while host_gb lasts (every streamed byte costs
-        # the same per pass from disk/page cache, so any order saves the same per byte; each rank keeps only
-        # its own chunk). They are copied to the GPU from there every pass: no disk, no ring.
-        host: set[int] = set()
-        left = int(host_gb * GiB)
-        for u in plan.units:
-            n = page_up(slot_need[u.index])
-            if u.index not in resident and u.index not in rows and n <= left:
-                host.add(u.index)
-                left -= n
+        host = _choose_host(plan, resident, rows, slot_need, host_gb)
         if host:
             host_bytes = sum(page_up(slot_need[i]) for i in host)
             avail, where = host_memory_available()  # the ring is pinned (and so counted) already

@@ -44,13 +44,29 @@ def _plan_for(model_dir: Path, dtype: str | None, device: str):
     return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
 
 
-def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu") -> dict:
-    """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes)."""
+def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu",
+                placement: dict | None = None) -> dict:
+    """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes).
+
+    ``placement``: ``tiered.load`` options (``ring_gb``, ``gpu_gb``, ``host_gb``, ``prefetch``) and ``gbps``
+    (bandwidths, :data:`tiered.placement.GBPS`'s keys): adds ``"placement"`` (where each unit goes) and
+    ``"predicted"`` (decode s/token, warm and cold; CUDA only) from :mod:`tiered.placement`."""
     from .hostmem import page_up
     from .plan import layer_index
 
     model_dir = Path(model_dir)
     config, ckpt, plan = _plan_for(model_dir, dtype, device)
+    placed = None
+    if placement is not None:
+        from .placement import place, predict
+
+        opts = {k: v for k, v in placement.items() if k != "gbps"}
+        _, _, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
+        pl = place(fresh, config, device=device, **opts)
+        placed = {"options": opts, **pl.as_dict(),
+                  "units": {u.name: ("gpu" if u.index in pl.resident else "host" if u.index in pl.host
+                                     else "rows" if u.index in pl.rows else "streamed") for u in fresh.units},
+                  "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
     # Stream order on disk: do units' spans appear in execution order and contiguous?
     spans = []
@@ -77,6 +93,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
     big = plan.max_unit
     return {
+        "placement": placed,
         "experts": _experts_info(config, plan),
         "model_dir": str(model_dir),
         "architecture": (config.architectures or ["?"])[0],
@@ -165,8 +182,16 @@ def _experts_info(config, plan) -> dict | None:
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model_dir(parser, a.model_dir)
+    placement = None
+    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb:
+        from .placement import GBPS
+
+        gbps = {k: v for k, v in (("disk", a.disk_gbps), ("page_cache", a.cache_gbps), ("h2d", a.h2d_gbps))
+                if v is not None}
+        placement = {"ring_gb": a.ring_gb if a.ring_gb is not None else 4.0, "gpu_gb": a.gpu_gb,
+                     "host_gb": a.host_gb, "prefetch": a.prefetch, "gbps": {**GBPS, **gbps}}
     with _option_errors_as_usage(parser):
-        info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device)
+        info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement)
     from .ring import gib_up
 
     if a.json:
@@ -205,6 +230,28 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             note = "per-expert tensors, not contiguous (`tiered reshard` writes each expert's tensors adjacent)"
         print(f"expert layout: {ex['layout']}, {where} per expert; {note}")
+    pl = info["placement"]
+    if pl:
+        o = pl["options"]
+        gpu = "free memory - 4 GiB" if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
+        print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
+              f"prefetch={o['prefetch']}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / 1e9:.3g} GB), "
+              f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / 1e9:.3g} GB), {len(pl['streamed'])} streamed "
+              f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"
+              + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / 1e9:.3g} GB"
+                 if pl["device_buffer_bytes"] else "") + ")"
+              + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
+        if pl["expert_modules"]:
+            print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
+                  f"token; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
+                  f"{pl['expert_hit_rate']:.0%} if routing is uniform)")
+        pr = pl["predicted"]
+        if pr:
+            g = placement["gbps"]  # type: ignore[index]
+            print(f"  predicted decode, batch 1, streaming only (a lower bound: compute not counted): "
+                  f"{pr['warm_s_per_token']:.3g} s/token from a warm page cache ({g['page_cache']:g} GB/s page "
+                  f"cache->ring, {g['h2d']:g} GB/s H2D), {pr['cold_s_per_token']:.3g} s/token from a cold disk "
+                  f"({g['disk']:g} GB/s); set yours with --cache-gbps, --h2d-gbps, --disk-gbps")
     if info["unused_checkpoint_tensors"]:
         print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
     for name, why in list(info["skipped_tensors"].items())[:5]:
@@ -561,6 +608,7 @@ examples:
   tiered inspect ~/models/llama-3-8b
   tiered inspect ~/models/llama-3-8b --dtype bf16 --device cuda --all
   tiered inspect ~/models/llama-3-8b --json | jq .ring_min_gb
+  tiered inspect ~/models/llama-3-8b --device cuda --ring-gb 1 --gpu-gb 8 --host-gb 4
 
 sizes in GiB (2**30 bytes) and MiB (2**20 bytes).
 exit status: 0 done, 1 runtime error (a bad shard...), 2 usage error
@@ -650,6 +698,21 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--device", type=_device, default="cpu",
                    help="plan alignment for this device (cuda: 512 B, cpu: 64 B; default %(default)s)")
     i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4)")
+    pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb: where tiered.load puts each "
+                              "unit with those options, and (--device cuda) the decode time that predicts")
+    pg.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
+                    help="host ring, GiB (default 4, tiered.load's)")
+    pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
+                    help="GPU budget, GiB (default: the free memory of this machine's GPU - 4 GiB)")
+    pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
+                    help="pinned host tier, GiB (default 0)")
+    pg.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N", help="units of lookahead (default 2)")
+    pg.add_argument("--disk-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
+                    help="cold disk read rate (default 1.5: O_DIRECT on the project's H200 machine)")
+    pg.add_argument("--cache-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
+                    help="page cache -> pinned ring copy rate (default 30, measured there)")
+    pg.add_argument("--h2d-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
+                    help="pinned host -> GPU copy rate (default 55, measured there)")
     i.add_argument("--json", action="store_true", help="print JSON (bytes exact; *_gb in GiB)")
     i.set_defaults(fn=_cmd_inspect, cli_parser=i)
 

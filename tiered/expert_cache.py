@@ -89,8 +89,10 @@ class ExpertCache:
         return out
 
     def admit(self, block: int, j: int, keep: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
-        """A slot to store expert ``j`` of ``block`` in (the caller copies it there), or None to not cache it.
-        ``keep``: slots this call reads from (never given away)."""
+        """A slot to store expert ``j`` of ``block`` in, or None to not cache it. ``keep``: slots this call reads
+        from (never given away). The slot is emptied (its expert evicted) but not yet ``j``'s: the caller copies
+        the expert there, then calls :meth:`commit`; a call cut short between the two leaves the slot free, never
+        one that a lookup would serve with the wrong bytes."""
         k = (block, j)
         if k in self.where or not self.slots:
             return None
@@ -107,10 +109,17 @@ class ExpertCache:
             if free is None:
                 return None
             del self.where[self.key[free]]  # type: ignore[arg-type]
-        self.key[free] = k
-        self.where[k] = free
-        self.last[free] = self.tick
+            self.key[free] = None
         return free
+
+    def commit(self, block: int, j: int, slot: int) -> None:
+        """``slot`` (from :meth:`admit`) now holds expert ``j`` of ``block``: later lookups find it."""
+        k = (block, j)
+        if self.key[slot] is not None or k in self.where:  # pragma: no cover - admit hands out empty slots only
+            raise RuntimeError(f"expert cache slot {slot} is not free for {k}")
+        self.key[slot] = k
+        self.where[k] = slot
+        self.last[slot] = self.tick
 
     def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The bytes of one part of the expert in ``slot`` at ``offset``, as a tensor of ``shape`` and ``dtype``."""

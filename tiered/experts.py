@@ -108,8 +108,10 @@ class ExpertSpec:
 
 
 def _is_experts_module(m: nn.Module) -> bool:
+    # an instance forward already set (another library's wrapper) would see the renumbered ids: not routed
     return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "has_gate", None), bool)
-            and isinstance(getattr(m, "is_transposed", None), bool) and m.num_experts > 0)
+            and isinstance(getattr(m, "is_transposed", None), bool) and m.num_experts > 0
+            and "forward" not in m.__dict__)
 
 
 def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorInfo, Dest]]] | None:
@@ -313,11 +315,12 @@ class ExpertGather:
                 self._read_into(todo, out)
                 keep = {s for s in slots if s is not None}
                 for u, j in todo:
-                    s = cache.admit(self.block, j, keep)
+                    s = cache.admit(self.block, j, keep)  # a free slot, not yet holding anything
                     if s is not None:
                         keep.add(s)
                         for p, off, t in zip(parts, self.slot_offsets, out, strict=True):
                             cache.view(s, off, p.slab_shape, p.target.dtype).copy_(t[u])
+                        cache.commit(self.block, j, s)  # only now can a lookup find it (an interrupt leaves it free)
                 self.stats.add_expert_cache(U - len(todo), len(todo))
         self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
         return out

@@ -25,7 +25,8 @@ counted in ``Stats.embedding_bytes`` and ``Stats.read_bytes``. Reads are plain b
 :class:`~tiered.errors.TruncatedShardError` naming the file, tensor and offset — never SIGBUS.
 
 Not eligible (streamed whole, as before): ``max_norm`` set (the forward renormalises rows in place),
-sparse gradients, a weight assembled from several checkpoint tensors, or a subclass that overrides
+sparse gradients, a weight assembled from several checkpoint tensors, an instance ``forward`` already set (another
+library's wrapper, which would see the renumbered ids), or a subclass that overrides
 ``forward`` without calling ``nn.Embedding.forward`` on its input (detected: the class's ``forward``
 must be ``nn.Embedding.forward`` or call ``super().forward``).
 
@@ -81,6 +82,8 @@ def row_eligible(unit: Unit) -> bool:
     if tuple(src.shape) != tuple(t.shape) or len(t.shape) != 2 or src.dtype.is_complex != t.dtype.is_complex:
         return False
     if m.max_norm is not None or m.sparse:
+        return False
+    if "forward" in m.__dict__:  # another library's wrapper would see the renumbered ids (tiered/guard.py)
         return False
     return _calls_embedding_forward(type(m))
 

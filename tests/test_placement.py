@@ -1,0 +1,115 @@
+"""Placement and its prediction (tiered/placement.py, `tiered inspect --ring-gb/--gpu-gb/--host-gb`).
+
+The placement must be the one tiered.load makes: on the CPU it is compared with a real load's choice; on CUDA with
+a real load in tests/test_cuda.py. The prediction is checked for its arithmetic, not for a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered
+from tests import models
+from tiered.cli import _plan_for
+from tiered.placement import GBPS, place, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("place")
+    return {"llama": models.llama(root / "llama", dtype=torch.float32),
+            "mixtral": models.mixtral(root / "mixtral", num_experts=8, top_k=2, max_shard_size="200KB")}
+
+
+def _place(d, device="cpu", **kw):
+    config, _, plan = _plan_for(d, None, device)
+    return place(plan, config, device=device, **kw), plan
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("ring_mb", [0.3, 1.0, 64.0])
+def test_cpu_placement_is_what_load_does(dirs, name, ring_mb):
+    d = dirs[name]
+    ring_gb = ring_mb * 2**20 / GiB
+    try:
+        m = tiered.load(d, ring_gb=ring_gb, device="cpu", zero_copy=False)
+    except tiered.RingTooSmallError:
+        pytest.skip("this ring is below a unit: nothing to compare")
+    with m:
+        p, plan = _place(d, ring_gb=ring_gb, gpu_gb=None)
+        st = m._tiered.streamer
+        assert set(p.resident) == st.resident_ids
+        assert set(p.rows) == {rg.unit.index for rg in m._tiered.rows}
+        assert p.streamed == st.streamed
+        assert p.expert_modules == tiered.stats(m).expert_modules
+        assert [u.name for u in plan.units] == [u.name for u in m._tiered.plan.units]
+
+
+def test_cuda_placement_on_a_cpu_machine(dirs):
+    d = dirs["llama"]
+    p0, plan = _place(d, "cuda", ring_gb=0.01, gpu_gb=0)
+    total = len(plan.units)
+    assert not p0.resident and len(p0.streamed) + len(p0.rows) == total
+    last = -1
+    for gpu in (0, 0.0005, 0.001, 0.01):  # more GPU budget: never fewer bytes resident, never slower
+        p, _ = _place(d, "cuda", ring_gb=0.01, gpu_gb=gpu)
+        parts = [*p.resident, *p.host, *p.streamed, *p.rows]
+        assert sorted(parts) == list(range(total))  # a partition of the units
+        assert p.resident_bytes >= last
+        last = p.resident_bytes
+        assert p.resident_bytes + p.device_buffer_bytes <= gpu * GiB or not p.resident
+    ph, _ = _place(d, "cuda", ring_gb=0.01, gpu_gb=0, host_gb=0.01)
+    assert ph.host and ph.streamed_bytes < p0.streamed_bytes
+    assert predict(ph)["warm_s_per_token"] < predict(p0)["warm_s_per_token"]  # the host tier skips the ring copy
+
+
+def test_prediction_arithmetic(dirs):
+    p, _ = _place(dirs["llama"], "cuda", ring_gb=0.01, gpu_gb=0)
+    a = predict(p)
+    b = predict(p, {k: 2 * v for k, v in GBPS.items()})
+    assert a["warm_s_per_token"] > 0
+    assert b["warm_s_per_token"] == pytest.approx(a["warm_s_per_token"] / 2)
+    assert b["cold_s_per_token"] == pytest.approx(a["cold_s_per_token"] / 2)
+    assert a["warm_s_per_token"] == pytest.approx(p.streamed_bytes / (GBPS["page_cache"] * 1e9))
+    assert a["cold_s_per_token"] == pytest.approx(p.streamed_bytes / (GBPS["disk"] * 1e9))
+
+
+def test_moe_placement_routes_and_sizes_the_cache(dirs):
+    d = dirs["mixtral"]
+    p, _ = _place(d, "cuda", ring_gb=0.001, gpu_gb=0)
+    assert p.expert_modules >= 2 and p.routed_expert_bytes > 0 and p.expert_cache_slots == 0
+    pc, _ = _place(d, "cuda", ring_gb=0.001, gpu_gb=0, expert_cache_gb=1.0)
+    assert pc.expert_cache_slots == pc.experts_total and pc.expert_hit_rate == 1.0
+    assert predict(pc)["warm_s_per_token"] < predict(p)["warm_s_per_token"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiered.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_inspect_prints_placement_and_prediction(dirs):
+    d = dirs["llama"]
+    r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01, "--gpu-gb", 0, "--h2d-gbps", 20)
+    assert r.returncode == 0, r.stderr
+    assert "placement (cuda, ring_gb=0.01, gpu_gb=0.0 GiB" in r.stdout and "predicted decode" in r.stdout, r.stdout
+    assert "20 GB/s H2D" in r.stdout
+    r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01, "--gpu-gb", 0, "--json")
+    info = json.loads(r.stdout)
+    pl = info["placement"]
+    assert set(pl["units"].values()) <= {"gpu", "host", "rows", "streamed"} and len(pl["units"]) == len(info["units"])
+    assert pl["predicted"]["warm_s_per_token"] > 0
+    r = _cli("inspect", d)  # without placement options: as before
+    assert r.returncode == 0 and "placement" not in r.stdout
+    if not torch.cuda.is_available():
+        r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01)
+        assert r.returncode == 2 and "--gpu-gb" in r.stderr, r.stderr

@@ -1,0 +1,130 @@
+"""Where each unit lives for given budgets, and the decode time that predicts (issue 9, capability 1).
+
+``tiered inspect MODEL_DIR --device cuda --ring-gb R --gpu-gb G [--host-gb H]`` prints it; :func:`place` and
+:func:`predict` are the functions behind it.
+
+The placement is the one :func:`tiered.load` makes, computed by the same functions (``tiered/api.py``):
+routed experts leave their units when the model does not fit (``_fits_whole``), eligible embeddings read their
+rows, resident units are chosen largest first within ``gpu_gb`` less the device buffers the streamed ones need
+(``_choose_resident``), the host tier takes streamed units in execution order within ``host_gb``
+(``_choose_host``), and the expert cache what ``gpu_gb`` leaves. Every streamed byte costs the same per pass
+from a given tier, so the placement that minimises time per token is the one that keeps the most bytes in the
+fastest tiers — a knapsack over whole units, which largest-first fills to within one unit of the budget.
+
+The prediction is the streaming bound at batch 1 (compute is not counted, so it is a lower bound): the
+reader (disk or page cache -> ring) and the H2D copy (ring and host tier -> GPU) overlap, so the streamed part
+takes ``max(streamed / read, (streamed + host tier) / h2d)``; routed experts are read on the model's thread
+once their router has picked them, not overlapped, so their misses add ``experts / min(read, h2d)``. Random or
+uniform routing gives the expert cache a hit rate of slots / experts, which is used here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .hostmem import page_up
+from .plan import Plan
+from .ring import GiB
+
+__all__ = ["GBPS", "Placement", "place", "predict"]
+
+#: Default bandwidths in GB/s (1e9 bytes/s), measured on the project's GPU machine (one H200, README "What it
+#: measured"): O_DIRECT cold reads 1.48-1.88 GB/s with 4 threads; page cache -> pinned ring copy 29-31 GB/s;
+#: pinned H2D 55.3 GB/s. Measure your own with ``python benchmarks/ceilings.py`` and pass them.
+GBPS = {"disk": 1.5, "page_cache": 30.0, "h2d": 55.0}
+
+
+@dataclass
+class Placement:
+    """Unit indices per tier and the bytes a decode token moves (checkpoint bytes read; device bytes copied)."""
+
+    device: str
+    resident: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    streamed: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    resident_bytes: int = 0
+    host_bytes: int = 0
+    streamed_bytes: int = 0  # checkpoint bytes read per token for the streamed units
+    device_buffer_bytes: int = 0
+    expert_modules: int = 0
+    experts_total: int = 0
+    expert_cache_slots: int = 0
+    routed_expert_bytes: int = 0  # per decode token at batch 1: top-k experts of every routed block
+    expert_hit_rate: float = 0.0  # the cache's, under uniform routing
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float | None, host_gb: float = 0.0,
+          prefetch: int = 2, embedding_rows: bool = True, routed_experts: bool = True,
+          expert_cache_gb: float | None = None) -> Placement:
+    """The placement :func:`tiered.load` would make with these options (one process). ``plan`` is changed (routed
+    experts leave their units, as at load).
+
+    Raises:
+        ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is
+            what the GPU has free).
+    """
+    from .api import _choose_host, _choose_resident, _fits_whole, _gpu_budget
+    from .errors import ConfigError
+    from .experts import find_experts, route_out, slot_layout
+    from .rows import row_eligible
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and gpu_gb is None and not torch.cuda.is_available():
+        raise ConfigError("a CUDA placement on a machine without CUDA needs a GPU budget: pass gpu_gb=<GiB> (the "
+                          "default is the free memory of this machine's GPU)")
+    experts = {u.index: ss for u in plan.units if routed_experts and (ss := find_experts(u))}
+    if experts and _fits_whole(plan, ring_gb, dev, gpu_gb):
+        experts = {}
+    for i, ss in experts.items():
+        route_out(plan.units[i], ss, plan.align)
+    need = [u.nbytes for u in plan.units]
+    ring = page_up(min(int(ring_gb * GiB), sum(page_up(n) for n in need)))
+    eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
+    resident = _choose_resident(plan, ring, dev, gpu_gb, prefetch, rows=eligible, slot_need=need)
+    rows = eligible - resident
+    host = _choose_host(plan, resident, rows, need, host_gb) if dev.type == "cuda" else set()
+    streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
+    p = Placement(str(dev), sorted(resident), sorted(host), streamed, sorted(rows))
+    p.resident_bytes = sum(plan.units[i].nbytes for i in resident)
+    p.host_bytes = sum(plan.units[i].nbytes for i in host)
+    p.streamed_bytes = sum(plan.units[i].src_bytes for i in streamed)
+    if dev.type == "cuda" and streamed:
+        p.device_buffer_bytes = (prefetch + 1) * max(plan.units[i].nbytes for i in streamed)
+    specs = [sp for ss in experts.values() for sp in ss]
+    if specs:
+        k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+        p.expert_modules = len(specs)
+        p.experts_total = sum(sp.num_experts for sp in specs)
+        p.routed_expert_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in specs)
+        slot = max(slot_layout(sp)[1] for sp in specs)
+        if expert_cache_gb is not None:
+            room = int(expert_cache_gb * GiB)
+        elif dev.type == "cuda":
+            room = (_gpu_budget(dev, gpu_gb) - p.resident_bytes - p.device_buffer_bytes
+                    - max(sp.num_experts * sp.expert_bytes for sp in specs))
+        else:
+            room = 0
+        p.expert_cache_slots = min(max(0, room) // slot, p.experts_total) if slot else 0
+        p.expert_hit_rate = p.expert_cache_slots / p.experts_total
+    return p
+
+
+def predict(p: Placement, gbps: dict[str, float] | None = None) -> dict[str, float]:
+    """Decode s/token at batch 1 from a warm page cache and from a cold disk: the streaming bound (module
+    docstring), a lower bound. CUDA only (on the CPU the weights are not copied to a device); 0.0 when nothing
+    streams."""
+    g = {**GBPS, **(gbps or {})}
+    out = {}
+    misses = p.routed_expert_bytes * (1 - p.expert_hit_rate)
+    for name, read in (("warm", g["page_cache"]), ("cold", g["disk"])):
+        dense = max(p.streamed_bytes / (read * 1e9), (p.streamed_bytes + p.host_bytes) / (g["h2d"] * 1e9))
+        out[f"{name}_s_per_token"] = dense + misses / (min(read, g["h2d"]) * 1e9)
+    out["bytes_per_token"] = p.streamed_bytes + p.host_bytes + misses
+    return out
