@@ -95,8 +95,8 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
     p.resident_bytes = sum(plan.units[i].nbytes for i in resident)
     p.host_bytes = sum(plan.units[i].nbytes for i in host)
     p.streamed_bytes = sum(plan.units[i].src_bytes for i in streamed)
-    if dev.type == "cuda" and streamed:
-        p.device_buffer_bytes = (prefetch + 1) * max(plan.units[i].nbytes for i in streamed)
+    if dev.type == "cuda" and (streamed or host):  # host-tier units are copied into the same device buffers
+        p.device_buffer_bytes = (prefetch + 1) * max(plan.units[i].nbytes for i in [*streamed, *host])
     specs = [sp for ss in experts.values() for sp in ss]
     if specs:
         k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
