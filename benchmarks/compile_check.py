@@ -9,7 +9,6 @@ counted by dynamo. One JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from systems import Clock  # noqa: E402
+from systems import Clock, json_line  # noqa: E402
 
 import tiered  # noqa: E402
 
@@ -68,11 +67,7 @@ def main() -> int:
         res["unique_graphs"] = dynamo.utils.counters["stats"].get("unique_graphs", 0)
         res["warnings"] = sorted({str(x.message)[:200] for x in w})[:8]
         res["recompile_limit_warnings"] = sum("recompile" in str(x.message).lower() for x in w)
-    line = json.dumps(res)
-    print(line)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    json_line(res, a.out)
     return 0
 
 

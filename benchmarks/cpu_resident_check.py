@@ -10,11 +10,9 @@ ratio, and whether the tokens are the same. One JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,22 +21,18 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from systems import Clock, json_line  # noqa: E402
+
 import tiered  # noqa: E402
 
 
 def _decode(m, ids, n):
-    times = []
-
-    class Clock:
-        def put(self, _):
-            times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
+    clock = Clock()
     with torch.no_grad():
-        out = m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=Clock())
-    steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the prompt's token
+        out = m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=clock)
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]  # decode steps, after the prefill
     return statistics.median(steps), out[0, ids.shape[1]:].tolist()
 
 
@@ -76,11 +70,7 @@ def main() -> int:
     res["stock_median"] = statistics.median(res["stock"])
     res["ratio"] = res["tiered_median"] / res["stock_median"]
     m.close()
-    line = json.dumps(res)
-    print(line)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    json_line(res, a.out)
     return 0
 
 

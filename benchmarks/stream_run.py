@@ -18,7 +18,6 @@ the aggregate H2D GB/s (every rank's ring->GPU bytes over the slowest rank's gen
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from tiered.stats import proc_status  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from systems import Clock as _Clock  # noqa: E402
 from systems import _drop_caches as drop_caches  # noqa: E402
+from systems import json_line  # noqa: E402
 
 GiB = 1 << 30
 
@@ -222,11 +222,7 @@ def main() -> int:
     model.close()
     if a.distributed:
         torch.distributed.destroy_process_group()
-    line = json.dumps(res)
-    print(line, flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    json_line(res, a.out)
     return 0
 
 

@@ -86,6 +86,15 @@ def _emit(tag: str, d: dict) -> None:
     sys.stdout.flush()
 
 
+def json_line(res: dict, out: Any = None) -> None:
+    """Print ``res`` as one JSON line on stdout and, with ``out`` (a path), append it there too."""
+    line = json.dumps(res)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
 def _drop_caches() -> bool:
     try:
         os.sync()
