@@ -739,6 +739,11 @@ def test_refuses_bad_inputs(ckpts, tmp_path: Path) -> None:
     with open(h / "model.safetensors", "r+b") as fh:
         fh.truncate(fh.seek(0, 2) - 10)
     _refused(h, tmp_path / "h.out", TieredError, "truncated")
+    # a text file passed as SRC: not a weight file (no advice to unpickle it)
+    (tmp_path / "notes.md").write_text("# not weights\n")
+    with pytest.raises(rs.UnsupportedCheckpointError, match="not a weight file") as e:
+        _reshard(tmp_path / "notes.md", tmp_path / "i.out")
+    assert "weights_only=False" not in str(e.value) and not (tmp_path / "i.out").exists()
 
 
 def test_refuses_bad_arguments(ckpts, tmp_path: Path) -> None:

@@ -204,8 +204,10 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"units ({len(info['units'])}, in execution order):")
     units = info["units"]
     show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
+    where = (info["placement"] or {}).get("units", {})  # with placement options: each unit's tier
     for u in show:
-        print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors")
+        print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors"
+              + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
     print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
           f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
           f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
@@ -233,7 +235,7 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     pl = info["placement"]
     if pl:
         o = pl["options"]
-        gpu = "free memory - 4 GiB" if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
+        gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
         print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
               f"prefetch={o['prefetch']}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / 1e9:.3g} GB), "
               f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / 1e9:.3g} GB), {len(pl['streamed'])} streamed "
@@ -534,7 +536,8 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
     ring = f"ring {gib(after['ring_bytes'])}"
     asked = model._tiered.opts.ring_gb
     if asked * 2**30 > after["ring_bytes"] + 4096:  # tiered.load caps the ring at the (page-aligned) model
-        ring += f" (--ring-gb {asked:g} capped: the whole model fits in less)"
+        what = "the units that go through it fit" if after["expert_modules"] else "the whole model fits"
+        ring += f" (--ring-gb {asked:g} capped: {what} in less)"
     lines = [f"{d}: {type(model).__name__}, {n_units} units, model {gib(after['model_bytes'])}, "
              f"{ring}, device {model.device}; loaded in {load_s:.2f} s"]
     n = max(1, n_new)

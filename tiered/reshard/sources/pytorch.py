@@ -89,6 +89,10 @@ def _torch_load(path: Path) -> tuple[Mapping[str, torch.Tensor], bool, list[str]
         obj = torch.load(path, map_location="cpu", mmap=mapped, weights_only=True)
     except pickle.UnpicklingError as e:
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # torch colours its message
+        if not mapped and re.search(r"Unsupported operand|invalid load key", text):  # not a pickle at all
+            raise UnsupportedCheckpointError(
+                f"{path}: not a weight file tiered reads (safetensors, a PyTorch .bin/.pt/.pth checkpoint, or GGUF); "
+                "pass a model directory or one of those files") from None
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
         what = f"it stores a {found.group(1)} object" if found else "it needs pickle beyond plain tensors"
         raise UnsafePickleError(
