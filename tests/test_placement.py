@@ -66,7 +66,9 @@ def test_cuda_placement_on_a_cpu_machine(dirs):
         assert sorted(parts) == list(range(total))  # a partition of the units
         assert p.resident_bytes >= last
         last = p.resident_bytes
-        assert p.resident_bytes + p.device_buffer_bytes <= gpu * GiB or not p.resident
+        # an explicit gpu_gb holds the resident units and one device buffer (as accelerate's max_memory holds
+        # the weights and one offloaded layer); the prefetch buffers come on top
+        assert p.resident_bytes + p.device_buffer_bytes // 3 <= gpu * GiB or not p.resident
     ph, _ = _place(d, "cuda", ring_gb=0.01, gpu_gb=0, host_gb=0.01)
     assert ph.host and ph.streamed_bytes < p0.streamed_bytes
     assert predict(ph)["warm_s_per_token"] < predict(p0)["warm_s_per_token"]  # the host tier skips the ring copy

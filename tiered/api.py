@@ -59,7 +59,7 @@ class Options:
     device: str | None = None  # "cuda" when available, else "cpu"
     dtype: torch.dtype | None = None  # cast on the fly (None: config.json's dtype, as from_pretrained)
     prefetch: int = 2  # units loaded ahead of the one running
-    gpu_gb: float | None = None  # GPU budget for resident units (None: free memory - 4 GiB headroom)
+    gpu_gb: float | None = None  # GPU budget: resident units + one device buffer (None: free - 4 GiB, all buffers)
     io: str = "mmap"  # reader: "mmap"/"pread" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
@@ -445,13 +445,23 @@ def _fits_whole(plan: Plan, ring_gb: float, device: torch.device, gpu_gb: float 
     return plan.nbytes <= _gpu_budget(device, gpu_gb) and page_up(plan.max_unit.nbytes) <= ring
 
 
+def _buffers_counted(gpu_gb: float | None, prefetch: int) -> int:
+    """Device buffers (each the largest streamed unit) counted inside the GPU budget. An explicit ``gpu_gb`` counts
+    the resident units and one buffer, the unit being computed, as accelerate's ``max_memory`` counts its weights
+    and reserves one offloaded layer (``infer_auto_device_map``'s largest layer): so at the same number as
+    ``max_memory`` at least as many bytes stay resident; the ``prefetch`` other buffers come on top. The default
+    budget (free memory - ``GPU_HEADROOM_BYTES``) counts all ``prefetch + 1``: it must fit what is free."""
+    return 1 if gpu_gb is not None else prefetch + 1
+
+
 def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float | None, prefetch: int,
                      rows: set[int] = frozenset(),  # type: ignore[assignment]
-                     slot_need: list[int] | None = None) -> set[int]:
+                     slot_need: list[int] | None = None, buffers: int | None = None) -> set[int]:
     """Units to load once and keep. ``rows``: embeddings that can read their rows on demand instead: on CUDA
     they are resident only when the whole model fits the budget (and the ring); otherwise they read rows.
     ``slot_need``: ring bytes each unit's slot takes (distributed on the CPU: N equal chunks, a little more
-    than ``Unit.nbytes``); default ``Unit.nbytes``."""
+    than ``Unit.nbytes``); default ``Unit.nbytes``. ``buffers``: device buffers counted in the budget (default
+    :func:`_buffers_counted`)."""
     if device.type == "cpu":
         # The ring is the only memory: keep everything there when it all fits, else stream everything.
         need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
@@ -467,7 +477,7 @@ def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float 
     order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.nbytes)
     for u in order:
         streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
-        pool = (prefetch + 1) * streamed_max
+        pool = (buffers if buffers is not None else _buffers_counted(gpu_gb, prefetch)) * streamed_max
         used = sum(plan.units[i].nbytes for i in chosen) + u.nbytes
         if used + pool <= budget:
             chosen.add(u.index)
@@ -638,9 +648,11 @@ def attach(
             gpu_gb = _dist.min_over_ranks(dist, local) / GiB
         # Distributed: every rank must stream the same units, so all decide on the smallest ring and budget,
         # and rank 0's choice is used (a choice one rank's ring cannot hold would wait forever for room).
+        counted = _buffers_counted(opts.gpu_gb, prefetch)  # from the user's gpu_gb, not the ranks' minimum above
         budget = _gpu_budget(dev, gpu_gb) if dev.type == "cuda" else 0
         ring_room = h.ring.size if dist is None else _dist.min_over_ranks(dist, h.ring.size)
-        resident = _choose_resident(plan, ring_room, dev, gpu_gb, prefetch, rows=eligible, slot_need=slot_need)
+        resident = _choose_resident(plan, ring_room, dev, gpu_gb, prefetch, rows=eligible, slot_need=slot_need,
+                                    buffers=counted)
         if dist is not None:
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
@@ -699,8 +711,9 @@ def attach(
                     raise ConfigError(f"cannot pin {STAGING_BYTES >> 20} MiB (at most) of staging for routed experts ({e}); "
                                       "pass routed_experts=False") from None
                 staging = (h.expert_staging.buf, threading.Lock(), [None, None])
+            buf_bytes = h.stats.device_buffer_bytes // (prefetch + 1)  # 0 when nothing streams
             h.expert_cache = _expert_cache(experts, dev, expert_cache_gb, budget - h.stats.resident_bytes
-                                           - h.stats.device_buffer_bytes)
+                                           - counted * buf_bytes)
             if h.expert_cache is not None:
                 h.stats.expert_cache_slots = h.expert_cache.slots
                 h.stats.expert_cache_bytes = h.expert_cache.nbytes
@@ -756,8 +769,11 @@ def load(
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
             default: ``config.json``'s dtype, as ``from_pretrained`` does.
         prefetch: units of lookahead.
-        gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed). Default: free
-            memory minus 4 GiB. When the whole model fits, it is loaded once through the ring and stays.
+        gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed) and the device buffer of the
+            unit being computed, as accelerate's ``max_memory`` counts weights plus one offloaded layer; the
+            ``prefetch`` other device buffers (each the largest streamed unit) come on top. Default: free memory
+            minus 4 GiB, all ``prefetch + 1`` buffers inside it. When the whole model fits, it is loaded once
+            through the ring and stays.
         io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
             after each copy), ``"pread"`` (through the page cache with buffered ``preadv`` straight into the ring:
             no file page is mapped into the process), ``"direct"`` (``O_DIRECT`` reads: no page cache at all;

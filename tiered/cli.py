@@ -674,7 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
                    help="compute dtype, cast while streaming (default: config.json's)")
     r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
-                   help="GiB of GPU memory for units kept resident (default: free memory - 4 GiB)")
+                   help="GiB of GPU memory for units kept resident plus the running unit's buffer, as accelerate's "
+                   "max_memory counts; the prefetch buffers come on top (default: free memory - 4 GiB, all inside)")
     r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
                    help="CUDA only: GiB of pinned host memory holding streamed units, copied to the GPU from "
                    "there every token without touching the disk (default 0: none; host RSS grows by it)")

@@ -5,8 +5,8 @@
 
 The placement is the one :func:`tiered.load` makes, computed by the same functions (``tiered/api.py``):
 routed experts leave their units when the model does not fit (``_fits_whole``), eligible embeddings read their
-rows, resident units are chosen largest first within ``gpu_gb`` less the device buffers the streamed ones need
-(``_choose_resident``), the host tier takes streamed units in execution order within ``host_gb``
+rows, resident units are chosen largest first within ``gpu_gb`` less the device buffers it counts
+(``_choose_resident``, ``_buffers_counted``), the host tier takes streamed units in execution order within ``host_gb``
 (``_choose_host``), and the expert cache what ``gpu_gb`` leaves. Every streamed byte costs the same per pass
 from a given tier, so the placement that minimises time per token is the one that keeps the most bytes in the
 fastest tiers — a knapsack over whole units, which largest-first fills to within one unit of the budget.
@@ -70,7 +70,7 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is
             what the GPU has free).
     """
-    from .api import _choose_host, _choose_resident, _fits_whole, _gpu_budget
+    from .api import _buffers_counted, _choose_host, _choose_resident, _fits_whole, _gpu_budget
     from .errors import ConfigError
     from .experts import find_experts, route_out, slot_layout
     from .rows import row_eligible
@@ -107,7 +107,8 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         if expert_cache_gb is not None:
             room = int(expert_cache_gb * GiB)
         elif dev.type == "cuda":
-            room = (_gpu_budget(dev, gpu_gb) - p.resident_bytes - p.device_buffer_bytes
+            room = (_gpu_budget(dev, gpu_gb) - p.resident_bytes
+                    - _buffers_counted(gpu_gb, prefetch) * p.device_buffer_bytes // (prefetch + 1)
                     - max(sp.num_experts * sp.expert_bytes for sp in specs))
         else:
             room = 0
