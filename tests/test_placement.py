@@ -116,3 +116,8 @@ def test_inspect_prints_placement_and_prediction(dirs):
     if not torch.cuda.is_available():
         r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01)
         assert r.returncode == 2 and "--gpu-gb" in r.stderr, r.stderr
+
+
+def test_gpu_gb_on_the_cpu_warns(dirs):
+    with pytest.warns(UserWarning, match="gpu_gb=1 has no effect on device=cpu"):
+        tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", gpu_gb=1).close()

@@ -566,6 +566,9 @@ def attach(
             f"host_gb={host_gb} is a pinned host tier for a GPU (CUDA only); {where} the ring is host memory "
             "already: raise ring_gb >= the model's size instead (the whole model then stays in the ring)"
         )
+    if dev.type == "cpu" and gpu_gb is not None:
+        warnings.warn(f"gpu_gb={gpu_gb} has no effect on device=cpu: the ring (ring_gb) is the only memory there",
+                      UserWarning, stacklevel=2)
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
