@@ -57,6 +57,7 @@ from torch import nn
 from .errors import StreamerError
 from .expert_cache import ExpertCache
 from .format import TensorInfo
+from .guard import foreign_forward
 from .plan import Target, Unit
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES", "merge_adjacent"]
@@ -111,7 +112,7 @@ def _is_experts_module(m: nn.Module) -> bool:
     # an instance forward already set (another library's wrapper) would see the renumbered ids: not routed
     return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "has_gate", None), bool)
             and isinstance(getattr(m, "is_transposed", None), bool) and m.num_experts > 0
-            and "forward" not in m.__dict__)
+            and not foreign_forward(m))
 
 
 def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorInfo, Dest]]] | None:

@@ -26,7 +26,14 @@ from torch import nn
 
 from .errors import StreamerError
 
-__all__ = ["CallGuard"]
+__all__ = ["CallGuard", "foreign_forward"]
+
+
+def foreign_forward(m: nn.Module) -> bool:
+    """Whether ``m`` has an instance ``forward`` set by someone else (another library's wrapper, which would see the
+    renumbered inputs if tiered bound rows or experts around it); tiered's own guard does not count."""
+    f = m.__dict__.get("forward")
+    return f is not None and not getattr(f, "_tiered_guard", False)
 
 
 class CallGuard:
@@ -52,6 +59,7 @@ class CallGuard:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._call(args, kwargs)
 
+        forward._tiered_guard = True  # type: ignore[attr-defined]  # ours: not another library's wrapper
         self._wrapper = forward
         module.forward = forward  # type: ignore[method-assign]
 

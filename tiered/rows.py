@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .errors import TruncatedShardError
+from .guard import foreign_forward
 from .plan import Unit
 from .reader import ShardMap
 
@@ -83,7 +84,7 @@ def row_eligible(unit: Unit) -> bool:
         return False
     if m.max_norm is not None or m.sparse:
         return False
-    if "forward" in m.__dict__:  # another library's wrapper would see the renumbered ids (tiered/guard.py)
+    if foreign_forward(m):  # another library's wrapper would see the renumbered ids (tiered/guard.py)
         return False
     return _calls_embedding_forward(type(m))
 
