@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import math
 import os
+import queue
 import sys
 import threading
 import warnings
@@ -143,12 +144,48 @@ def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Rin
             part.close()
 
 
+_REAP: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+_REAPER: threading.Thread | None = None
+_REAPER_LOCK = threading.Lock()
+
+
+def _reap() -> None:
+    while (parts := _REAP.get()) is not None:
+        try:
+            _release_resources(*parts)
+        except Exception:  # noqa: BLE001 - a dropped model's close has no caller to report to
+            pass
+        parts = None
+
+
+def _finalize(*parts: Any) -> None:
+    """Finaliser of a model dropped without close(): hand its parts to the reaper thread, which does the
+    blocking close (joining the loader and reader threads, waiting for copies).
+
+    A finaliser runs on whichever thread the garbage collector happens to run, between two bytecodes of
+    unrelated code; CPython reports an exception raised inside it as "Exception ignored" and never
+    propagates it. A finaliser that blocks is therefore a window in which a Ctrl-C meant for the code the
+    collector interrupted is swallowed (seen in the test suite: a dropped model's finaliser joined its
+    loader while the next test's SIGINT arrived). Handing off keeps that window to one queue put.
+    At interpreter exit (:func:`_close_all` has run) it closes in place: the reaper may not run again."""
+    global _REAPER
+    if _EXITING:
+        _release_resources(*parts)
+        return
+    with _REAPER_LOCK:
+        if _REAPER is None or not _REAPER.is_alive():
+            _REAPER = threading.Thread(target=_reap, name="tiered-reaper", daemon=True)
+            _REAPER.start()
+    _REAP.put(parts)
+
+
 def _closed(module: nn.Module, args: object) -> None:
     raise StreamerError(f"this tiered {type(module).__name__} is closed (its ring was released): load it again")
 
 
 _LIVE: weakref.WeakSet[_Handle] = weakref.WeakSet()
 _ATEXIT = False
+_EXITING = False
 
 
 def _close_all() -> None:
@@ -158,11 +195,17 @@ def _close_all() -> None:
     ("terminate called without an active exception"); daemon threads are still running while
     atexit handlers run, so closing here ends them cleanly.
     """
+    global _EXITING
+    _EXITING = True
     for h in list(_LIVE):
         try:
             h.close()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+    reaper = _REAPER
+    if reaper is not None and reaper.is_alive():  # finish the closes of models dropped before exit
+        _REAP.put(None)
+        reaper.join(CLOSE_WAIT_S)
 
 
 class _TieredMixin:
@@ -731,7 +774,7 @@ def attach(
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
-        weakref.finalize(module, _release_resources, s.loader, s.stage, h.reader, h.ring, h.host_ring,
+        weakref.finalize(module, _finalize, s.loader, s.stage, h.reader, h.ring, h.host_ring,
                          h.expert_staging, h.expert_cache,
                          *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
