@@ -172,6 +172,11 @@ def main() -> int:
         "host_gb": a.host_gb,
         "host_units": snap.get("host_units", 0),
         "host_pinned_gb": snap.get("host_bytes", 0) / GiB,
+        "host_expert_modules": snap.get("host_expert_modules", 0),
+        # bytes the passes copied to the GPU from the host tier (units, and routed experts: no read)
+        "host_used_gb_per_token": (snap.get("host_used_bytes", 0) - used0.get("host_used_bytes", 0)) / 1e9 / max(1, n),
+        "host_expert_gb_per_token": (snap.get("host_expert_bytes", 0) - used0.get("host_expert_bytes", 0)) / 1e9
+        / max(1, n),
         "aggregate_h2d_gbps": agg,
         "model_dir": str(a.model_dir),
         "device": str(model.device),
@@ -211,7 +216,8 @@ def main() -> int:
         "expert_cache_hit_rate": ((snap.get("expert_cache_hits", 0) - used0.get("expert_cache_hits", 0))
                                   / max(1, snap.get("expert_cache_hits", 0) + snap.get("expert_cache_misses", 0)
                                         - used0.get("expert_cache_hits", 0) - used0.get("expert_cache_misses", 0))),
-        "experts_per_call": ((snap.get("experts_read", 0) - used0.get("experts_read", 0))
+        "experts_per_call": ((snap.get("experts_read", 0) + snap.get("experts_from_host", 0)
+                              - used0.get("experts_read", 0) - used0.get("experts_from_host", 0))
                              / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
         "read_gbps": snap["read_gbps"],
         "h2d_gbps": snap["h2d_gbps"],

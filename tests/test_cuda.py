@@ -395,6 +395,40 @@ def test_host_tier_on_cuda(name: str, ckpts: Checkpoints) -> None:
                 assert s1["streamed_bytes"] > s0["streamed_bytes"]
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_host_tier_experts_on_cuda(name: str, ckpts: Checkpoints) -> None:
+    """host_gb larger than the streamed units: the rest takes whole MoE blocks' experts (HostExperts), and a call
+    copies its routed experts to the GPU from pinned memory: stock's bits, no expert read after load; a budget
+    for the units and one block's experts splits them (that block from the host, the others read)."""
+    d = ckpts[name]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    m = tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, host_gb=1.0)
+    with m, torch.no_grad():
+        s0 = tiered.stats(m).snapshot()
+        n = len(m._tiered.experts)
+        assert n >= 2 and s0["host_expert_modules"] == n
+        assert all(eg.host is not None and eg.host[0].is_pinned() for eg in m._tiered.experts)
+        assert torch.equal(m(_ids()).logits, want)
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+        s1 = tiered.stats(m).snapshot()
+        assert s1["experts_read"] == s0["experts_read"] and s1["experts_from_host"] > 0
+        units = s0["host_bytes"] - m._tiered.host_experts.nbytes  # what the units took
+    from tiered.experts import HostExperts
+
+    one = HostExperts.bytes_for(m._tiered.experts[0].spec)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, host_gb=(units + one + 4096) / GiB) as m2, torch.no_grad():
+        k = tiered.stats(m2).host_expert_modules
+        assert 1 <= k < n  # whole blocks, in forward order: a prefix
+        assert all(eg.host is not None for eg in m2._tiered.experts[:k])
+        assert all(eg.host is None for eg in m2._tiered.experts[k:])
+        assert torch.equal(m2(_ids()).logits, want)
+        s = tiered.stats(m2).snapshot()
+        assert s["experts_from_host"] > 0 and s["experts_read"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize(("name", "host_gb"), [("llama", "0"), ("mixtral", "0"), ("llama", "1")])
 def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Checkpoints, tmp_path: Path) -> None:

@@ -130,6 +130,42 @@ def test_one_token_reads_only_routed_experts(ckpts):
         assert after["expert_bytes"] - before["expert_bytes"] == 6 * experts[0].expert_src_bytes
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_host_tier_experts_layout_equal_to_stock(ckpts, arch):
+    """The host tier's copy of every expert (``HostExperts``: read once, cast, one ``(E, ...)`` region per part)
+    serves the routed experts with stock's bits, and no expert is read after it is filled. On the CPU here (the
+    layout, the fill and the per-call copy; unpinned); ``tests/test_cuda.py`` runs it through ``host_gb``."""
+    from tiered.experts import HostExperts
+
+    path = ckpts[arch]
+    ref = _ref(path)
+    ids = _ids(5)
+    with tiered.load(path, ring_gb=_ring_below_layer(path), device="cpu") as m:
+        h = m._tiered
+        specs = [eg.spec for eg in h.experts]
+        hx = HostExperts(specs, torch.device("cpu"))
+        try:
+            hx.fill(h.reader, h.stats)
+            assert hx.nbytes >= sum(sp.num_experts * sp.expert_bytes for sp in specs)
+            for eg in h.experts:
+                eg.host = hx.parts(eg.spec)
+                for p, t in zip(eg.spec.parts, eg.host, strict=True):  # the whole stacked parameter, expert by expert
+                    want = ref.get_parameter(f"{eg.spec.name}.{p.target.attr}") if p.target.is_param else None
+                    if want is not None:
+                        assert torch.equal(t, want)
+            before = tiered.stats(m).snapshot()
+            assert torch.equal(m(ids).logits, ref(ids).logits)
+            assert torch.equal(m.generate(ids[:1], max_new_tokens=4, do_sample=False),
+                               ref.generate(ids[:1], max_new_tokens=4, do_sample=False))
+            after = tiered.stats(m).snapshot()
+            assert after["experts_read"] == before["experts_read"] and after["expert_bytes"] == before["expert_bytes"]
+            assert after["experts_from_host"] > 0 and after["host_expert_bytes"] > 0
+        finally:
+            for eg in h.experts:
+                eg.host = None
+            hx.close()
+
+
 def test_not_routed_when_the_model_fits(ckpts):
     path = ckpts["mixtral"]
     ids = _ids(4)

@@ -94,6 +94,26 @@ def test_moe_placement_routes_and_sizes_the_cache(dirs):
     assert predict(pc)["warm_s_per_token"] < predict(p)["warm_s_per_token"]
 
 
+def test_moe_host_tier_takes_units_then_whole_blocks_of_experts(dirs):
+    """host_gb beyond the streamed units goes to routed blocks' experts (whole blocks, forward order); their
+    routed bytes then cost an H2D, not a read: the prediction falls, the bytes per token do not."""
+    d = dirs["mixtral"]
+    p0, _ = _place(d, "cuda", ring_gb=0.001, gpu_gb=0)
+    pu, _ = _place(d, "cuda", ring_gb=0.001, gpu_gb=0, host_gb=(p0.streamed_bytes + (64 << 10)) / GiB)
+    assert pu.host and not pu.host_expert_modules  # the units first: nothing left for a block's experts
+    pa, _ = _place(d, "cuda", ring_gb=0.001, gpu_gb=0, host_gb=1.0)
+    assert not pa.streamed and pa.host_expert_modules == pa.expert_modules >= 2
+    assert pa.routed_host_bytes == pa.routed_expert_bytes
+    # every expert of every block (page-rounded per part): top-2 of 8 routes to a quarter of them
+    assert pa.host_expert_bytes >= 4 * pa.routed_expert_bytes
+    g = {"page_cache": 10.0, "h2d": 50.0, "disk": 1.0}
+    assert predict(pa, g)["warm_s_per_token"] < predict(pu, g)["warm_s_per_token"]
+    assert predict(pa, g)["bytes_per_token"] == pytest.approx(predict(pu, g)["bytes_per_token"])
+    assert predict(pa, g)["warm_s_per_token"] == pytest.approx(
+        (pa.host_bytes + pa.routed_expert_bytes) / 50e9, rel=1e-9)
+    assert not _place(d, "cpu", ring_gb=0.001, gpu_gb=None)[0].host_expert_modules  # the host tier is CUDA's
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "tiered.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)

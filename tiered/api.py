@@ -22,7 +22,7 @@ from . import dist as _dist
 from . import expert_cache as _expert_cache_mod
 from .errors import ConfigError, HostMemoryError, RingTooSmallError, StreamerError
 from .expert_cache import ExpertCache
-from .experts import STAGING_BYTES, ExpertGather, ExpertSpec, find_experts, route_out, slot_layout
+from .experts import STAGING_BYTES, ExpertGather, ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
 from .hostmem import PAGE_SIZE, host_memory_available, page_up
@@ -90,6 +90,7 @@ class _Handle:
         self.hooks: list[Any] = []
         self.ring: Ring | None = None
         self.host_ring: Ring | None = None  # the host tier (host_gb)
+        self.host_experts: HostExperts | None = None  # the host tier's routed experts (host_gb)
         self.reader: Reader | None = None
         self.streamer: Streamer | None = None
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
@@ -125,7 +126,8 @@ class _Handle:
                 rg.close()
             for eg in self.experts:
                 eg.close()
-            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache)
+            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache,
+                               self.host_experts)
             self.closed = True
         finally:
             if got:
@@ -541,6 +543,20 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
     return host
 
 
+def _choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
+    """Routed experts modules (indices into ``specs``, forward order) whose every expert goes into the host tier
+    with the ``left`` bytes the host tier's units leave (each module's parts page-rounded, as
+    :class:`~tiered.experts.HostExperts` allocates them). Units come first: a streamed unit in the host tier saves
+    all its bytes of every pass, an experts module only the k/E of them a token routes to."""
+    chosen = []
+    for i, sp in enumerate(specs):
+        n = HostExperts.bytes_for(sp)
+        if n <= left:
+            chosen.append(i)
+            left -= n
+    return chosen
+
+
 def attach(
     module: nn.Module,
     model_dir: str | os.PathLike[str],
@@ -704,8 +720,12 @@ def attach(
         rows = eligible - resident
         mapped = mappable - resident
         host = _choose_host(plan, resident, rows, slot_need, host_gb)
-        if host:
-            host_bytes = sum(page_up(slot_need[i]) for i in host)
+        specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
+        host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host)) \
+            if dev.type == "cuda" else []
+        if host or host_experts:
+            host_bytes = sum(page_up(slot_need[i]) for i in host) + \
+                sum(HostExperts.bytes_for(specs[i]) for i in host_experts)
             avail, where = host_memory_available()  # the ring is pinned (and so counted) already
             if avail is not None and host_bytes + _headroom(dev) > avail:
                 raise HostMemoryError(
@@ -714,7 +734,10 @@ def attach(
                     f"runtime; pass host_gb <= {max(0, avail - _headroom(dev)) / GiB:.3f}"
                 )
             try:
-                h.host_ring = Ring(host_bytes, pin=True)
+                if host:
+                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host), pin=True)
+                if host_experts:
+                    h.host_experts = HostExperts([specs[i] for i in host_experts], dev)
             except (OSError, MemoryError) as e:
                 raise ConfigError(f"cannot pin a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") from None
         h.stats.model_bytes = plan.nbytes + sum(sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss)
@@ -764,18 +787,21 @@ def attach(
                 h.stats.expert_cache_slots = h.expert_cache.slots
                 h.stats.expert_cache_bytes = h.expert_cache.nbytes
             cache_lock = threading.Lock()
-            for ss in experts.values():
-                for spec in ss:
-                    eg = ExpertGather(spec, h.reader, dev, h.stats, staging, cache=h.expert_cache, cache_lock=cache_lock,
-                                      block=len(h.experts))
-                    h.experts.append(eg)
-                    h.hooks.append(CallGuard(spec.module, eg.bind, eg.restore, spec.name, eg.lock))
+            for spec in specs:
+                eg = ExpertGather(spec, h.reader, dev, h.stats, staging, cache=h.expert_cache, cache_lock=cache_lock,
+                                  block=len(h.experts))
+                h.experts.append(eg)
+                h.hooks.append(CallGuard(spec.module, eg.bind, eg.restore, spec.name, eg.lock))
+            if h.host_experts is not None:
+                h.host_experts.fill(h.reader, h.stats)
+                for eg in h.experts:
+                    eg.host = h.host_experts.parts(eg.spec)
         _allow_one_compile_per_unit(len(plan.units))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
         weakref.finalize(module, _finalize, s.loader, s.stage, h.reader, h.ring, h.host_ring,
-                         h.expert_staging, h.expert_cache,
+                         h.expert_staging, h.expert_cache, h.host_experts,
                          *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
@@ -838,7 +864,10 @@ def load(
         host_gb: CUDA only: GiB of pinned host memory (exact size, page-locked once) for a host tier:
             streamed units (their 1/N chunks, distributed) read once at load and copied to the GPU from
             there every pass, at the pinned H2D rate, touching neither disk nor page cache. Peak host RSS is
-            then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier.
+            then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier. What units leave
+            goes to routed MoE blocks, whole blocks at a time in forward order: all their experts are read once
+            at load, and each call copies only its routed experts to the GPU from there (no read after the
+            router; ``tiered.experts.HostExperts``).
         routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
             router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
         expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):

@@ -246,7 +246,10 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if pl["expert_modules"]:
             print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
                   f"token; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
-                  f"{pl['expert_hit_rate']:.0%} if routing is uniform)")
+                  f"{pl['expert_hit_rate']:.0%} if routing is uniform)"
+                  + (f"; {pl['host_expert_modules']} blocks' experts in the host tier "
+                     f"({pl['host_expert_bytes'] / 1e9:.3g} GB pinned, copied from there)"
+                     if pl["host_expert_modules"] else ""))
         pr = pl["predicted"]
         if pr:
             g = placement["gbps"]  # type: ignore[index]
@@ -685,8 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB of GPU memory for units kept resident plus the running unit's buffer, as accelerate's "
                    "max_memory counts; the prefetch buffers come on top (default: free memory - 4 GiB, all inside)")
     r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
-                   help="CUDA only: GiB of pinned host memory holding streamed units, copied to the GPU from "
-                   "there every token without touching the disk (default 0: none; host RSS grows by it)")
+                   help="CUDA only: GiB of pinned host memory holding streamed units (then routed MoE blocks' "
+                   "experts), copied to the GPU from there every token without touching the disk (default 0: none; "
+                   "host RSS grows by it)")
     r.add_argument("--expert-cache-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="MoE models: GiB of routed experts kept on the device between tokens (default: on CUDA what "
                    "--gpu-gb leaves; 0: none)")

@@ -34,6 +34,10 @@ Memory: the compact tensors live for the call: ``U x`` expert bytes on the devic
 (CPU; a prefill that routes to every expert holds all of that block's experts for the call). CUDA adds
 the pinned staging buffer, allocated once (host RSS).
 
+The host tier (CUDA, ``host_gb`` left after its units): :class:`HostExperts` holds every expert of whole experts
+modules in pinned host memory, read once at load; step 2 is then an H2D copy of the routed experts from there
+on the compute stream (``Stats.experts_from_host``, ``host_expert_bytes``), with no read after the router.
+
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
 ``use_experts_implementation`` attributes.
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,9 +63,11 @@ from .errors import StreamerError
 from .expert_cache import ExpertCache
 from .format import TensorInfo
 from .guard import foreign_forward
+from .hostmem import page_up
 from .plan import Target, Unit
+from .ring import Ring
 
-__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "STAGING_BYTES", "merge_adjacent"]
+__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
 
 #: Pinned host staging per model on CUDA (bytes, at most; and at most half the ring): two halves, one read
 #: into while the other is copied to the GPU.
@@ -235,6 +242,82 @@ def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[T
     return out
 
 
+def expert_pairs(spec: ExpertSpec, todo: list[tuple[int, int]],
+                 out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
+    """(source, destination) of expert ``j`` into row ``u`` of each part's ``(U, ...)`` tensor in ``out``, for each
+    ``(u, j)`` of ``todo``, adjacent reads merged."""
+    pairs = []
+    for p, t in zip(spec.parts, out, strict=True):
+        for u, j in todo:
+            for info, dest in p.per[j]:
+                pairs.append((info, t[u] if dest is None else dest(t[u])))
+    return merge_adjacent(pairs)
+
+
+class HostExperts:
+    """CUDA: the host tier's routed experts (``host_gb``). Every expert of each chosen experts module, read once at
+    load, cast as the module wants, into pinned host memory (one page-locked mapping, a ``(E, ...)`` region per
+    part, page-aligned); a call then copies its routed experts to the GPU from there (H2D on the compute stream,
+    at the pinned rate: no disk, no page cache, no staging, no reader thread), instead of reading them.
+
+    Memory: host RSS grows by :meth:`bytes_for` of each module (counted in ``host_gb``), allocated once.
+
+    Args:
+        specs: the experts modules it holds (from :func:`find_experts`).
+        device: the CUDA device the copies go to.
+
+    Raises:
+        MemoryError: the page-lock (``cudaHostRegister``) failed.
+    """
+
+    def __init__(self, specs: list[ExpertSpec], device: torch.device) -> None:
+        self.specs = specs
+        self.device = device
+        self.ring = Ring(sum(self.bytes_for(sp) for sp in specs), pin=device.type == "cuda")  # CPU: tests only
+        self._parts: dict[int, list[torch.Tensor]] = {}
+        for sp in specs:
+            views = []
+            for p in sp.parts:
+                slot = self.ring.alloc(sp.num_experts * p.slab_bytes, sp.name, wait=False)
+                n = sp.num_experts * math.prod(p.slab_shape)
+                views.append(slot.view[:n * p.target.dtype.itemsize].view(p.target.dtype)
+                             .view(sp.num_experts, *p.slab_shape))
+            self._parts[id(sp)] = views
+
+    @staticmethod
+    def bytes_for(spec: ExpertSpec) -> int:
+        """Pinned bytes one experts module takes (each part's ``E`` slabs, page-rounded)."""
+        return sum(page_up(spec.num_experts * p.slab_bytes) for p in spec.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.size
+
+    def parts(self, spec: ExpertSpec) -> list[torch.Tensor]:
+        """``spec``'s parts in pinned host memory, each ``(E, *slab_shape)`` in the model dtype."""
+        return self._parts[id(spec)]
+
+    def fill(self, reader: Any, stats: Any) -> None:
+        """Read every expert of every module once (the reader's threads and backend). Caller thread; blocks.
+
+        Raises:
+            ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
+        """
+        for sp in self.specs:
+            t0 = time.perf_counter()
+            reader.copy_all(sp.unit, expert_pairs(sp, [(j, j) for j in range(sp.num_experts)], self.parts(sp)),
+                            chunk=READ_CHUNK)
+            n = sp.num_experts * sp.expert_src_bytes
+            stats.add_read(n, time.perf_counter() - t0, resident=True)
+            stats.add_host_experts_loaded(self.bytes_for(sp))
+
+    def close(self) -> None:
+        """Wait for the copies out of it, then unpin and unmap (idempotent)."""
+        if self.ring.pinned and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ring.close()
+
+
 def slot_layout(spec: ExpertSpec) -> tuple[list[int], int]:
     """Where each part of one expert sits in an :class:`~tiered.expert_cache.ExpertCache` slot (byte offsets,
     512-aligned) and the bytes the slot needs."""
@@ -276,19 +359,13 @@ class ExpertGather:
         self.placeholders = {p.target.attr: spec.module._parameters.get(p.target.attr) if p.target.is_param
                              else spec.module._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
+        self.host: list[torch.Tensor] | None = None  # the host tier's copy of every expert (HostExperts.parts)
         self.files = sorted({info.file for p in spec.parts for per in p.per for info, _ in per})
 
     # ----------------------------------------------------------------------------------- reading
 
     def _pairs(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
-        """(source, destination) of expert ``j`` into row ``u`` of each part's compact tensor, for ``(u, j)`` in
-        ``todo``."""
-        pairs = []
-        for p, t in zip(self.spec.parts, out, strict=True):
-            for u, j in todo:
-                for info, dest in p.per[j]:
-                    pairs.append((info, t[u] if dest is None else dest(t[u])))
-        return merge_adjacent(pairs)
+        return expert_pairs(self.spec, todo, out)
 
     def read(self, ids: list[int]) -> list[torch.Tensor]:
         """Experts ``ids`` (sorted, distinct, in range) of every part, as ``(len(ids), ...)`` tensors on the device.
@@ -296,8 +373,9 @@ class ExpertGather:
         Raises:
             ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
         """
-        for f in self.files:
-            self.reader.maps[f].check()
+        if self.host is None:
+            for f in self.files:
+                self.reader.maps[f].check()
         parts = self.spec.parts
         U = len(ids)
         out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
@@ -323,7 +401,10 @@ class ExpertGather:
                             cache.view(s, off, p.slab_shape, p.target.dtype).copy_(t[u])
                         cache.commit(self.block, j, s)  # only now can a lookup find it (an interrupt leaves it free)
                 self.stats.add_expert_cache(U - len(todo), len(todo))
-        self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
+        if self.host is not None:
+            self.stats.add_host_experts(len(todo) * self.spec.expert_bytes, len(todo))
+        else:
+            self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
         return out
 
     def _read_into(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
@@ -331,7 +412,11 @@ class ExpertGather:
         through the pinned staging)."""
         if not todo:
             return
-        if self.device.type == "cpu":
+        if self.host is not None:  # the host tier: H2D straight from pinned memory, on the current stream
+            for h, t in zip(self.host, out, strict=True):
+                for u, j in todo:
+                    t[u].copy_(h[j], non_blocking=True)
+        elif self.device.type == "cpu":
             self.reader.copy_all(self.spec.unit, self._pairs(todo, out), chunk=READ_CHUNK)
         else:
             self._read_cuda(todo, out)

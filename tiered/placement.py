@@ -14,7 +14,8 @@ fastest tiers — a knapsack over whole units, which largest-first fills to with
 The prediction is the streaming bound at batch 1 (compute is not counted, so it is a lower bound): the
 reader (disk or page cache -> ring) and the H2D copy (ring and host tier -> GPU) overlap, so the streamed part
 takes ``max(streamed / read, (streamed + host tier) / h2d)``; routed experts are read on the model's thread
-once their router has picked them, not overlapped, so their misses add ``experts / min(read, h2d)``. Random or
+once their router has picked them, not overlapped, so their misses add ``experts / min(read, h2d)``, or
+``experts / h2d`` for blocks whose experts are in the host tier (which takes them after its units). Random or
 uniform routing gives the expert cache a hit rate of slots / experts, which is used here.
 """
 
@@ -54,6 +55,9 @@ class Placement:
     experts_total: int = 0
     expert_cache_slots: int = 0
     routed_expert_bytes: int = 0  # per decode token at batch 1: top-k experts of every routed block
+    host_expert_modules: int = 0  # routed blocks whose experts are all in the host tier
+    host_expert_bytes: int = 0  # their pinned bytes (in host_gb)
+    routed_host_bytes: int = 0  # of routed_expert_bytes, what comes from the host tier (H2D, no read)
     expert_hit_rate: float = 0.0  # the cache's, under uniform routing
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,9 +74,9 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is
             what the GPU has free).
     """
-    from .api import _buffers_counted, _choose_host, _choose_resident, _fits_whole, _gpu_budget
+    from .api import _buffers_counted, _choose_host, _choose_host_experts, _choose_resident, _fits_whole, _gpu_budget
     from .errors import ConfigError
-    from .experts import find_experts, route_out, slot_layout
+    from .experts import HostExperts, find_experts, route_out, slot_layout
     from .rows import row_eligible
 
     dev = torch.device(device)
@@ -103,6 +107,12 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         p.expert_modules = len(specs)
         p.experts_total = sum(sp.num_experts for sp in specs)
         p.routed_expert_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in specs)
+        if dev.type == "cuda":
+            left = int(host_gb * GiB) - sum(page_up(need[i]) for i in host)
+            in_host = [specs[i] for i in _choose_host_experts(specs, left)]
+            p.host_expert_modules = len(in_host)
+            p.host_expert_bytes = sum(HostExperts.bytes_for(sp) for sp in in_host)
+            p.routed_host_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in in_host)
         slot = max(slot_layout(sp)[1] for sp in specs)
         if expert_cache_gb is not None:
             room = int(expert_cache_gb * GiB)
@@ -123,9 +133,10 @@ def predict(p: Placement, gbps: dict[str, float] | None = None) -> dict[str, flo
     streams."""
     g = {**GBPS, **(gbps or {})}
     out = {}
-    misses = p.routed_expert_bytes * (1 - p.expert_hit_rate)
+    misses = (p.routed_expert_bytes - p.routed_host_bytes) * (1 - p.expert_hit_rate)  # read after the router
+    from_host = p.routed_host_bytes * (1 - p.expert_hit_rate)  # H2D from the host tier after the router
     for name, read in (("warm", g["page_cache"]), ("cold", g["disk"])):
         dense = max(p.streamed_bytes / (read * 1e9), (p.streamed_bytes + p.host_bytes) / (g["h2d"] * 1e9))
-        out[f"{name}_s_per_token"] = dense + misses / (min(read, g["h2d"]) * 1e9)
-    out["bytes_per_token"] = p.streamed_bytes + p.host_bytes + misses
+        out[f"{name}_s_per_token"] = dense + misses / (min(read, g["h2d"]) * 1e9) + from_host / (g["h2d"] * 1e9)
+    out["bytes_per_token"] = p.streamed_bytes + p.host_bytes + misses + from_host
     return out

@@ -143,6 +143,9 @@ class Stats:
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
         pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
         pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
+        ``host_expert_modules``: routed experts modules whose every expert is in the host tier too (in
+        ``host_bytes``); a call copies its ``experts_from_host`` experts (``host_expert_bytes``, also in
+        ``host_used_bytes``) to the GPU from there instead of reading them (not in ``experts_read``).
     io: the reader backend the model uses (``io="auto"`` resolved).
     world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
@@ -186,6 +189,9 @@ class Stats:
     host_units: int = 0
     host_bytes: int = 0
     host_used_bytes: int = 0
+    host_expert_modules: int = 0
+    host_expert_bytes: int = 0
+    experts_from_host: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
@@ -223,6 +229,20 @@ class Stats:
             self.expert_bytes += nbytes
             self.experts_read += n
             self.expert_calls += 1
+
+    def add_host_experts(self, nbytes: int, n: int) -> None:
+        """A forward pass copied ``n`` routed experts (``nbytes``) to the GPU from the host tier (not read)."""
+        with self._lock:
+            self.host_used_bytes += nbytes
+            self.host_expert_bytes += nbytes
+            self.experts_from_host += n
+            self.expert_calls += 1
+
+    def add_host_experts_loaded(self, nbytes: int) -> None:
+        """One experts module's experts were placed in the host tier at load (``nbytes`` pinned)."""
+        with self._lock:
+            self.host_bytes += nbytes
+            self.host_expert_modules += 1
 
     def add_host_used(self, nbytes: int) -> None:
         """A forward pass bound a host-tier unit of ``nbytes`` (copied to the GPU from pinned host memory)."""
@@ -288,8 +308,10 @@ class Stats:
         parts = [read]
         if s["h2d_bytes"]:
             parts.append(f"H2D {gb(s['h2d_bytes'])} at {gbps(s['h2d_bytes'], s['h2d_s'])} (ring->GPU)")
-        if s["host_units"]:
-            parts.append(f"host tier {s['host_units']} units, {gib(s['host_bytes'])} pinned, "
+        if s["host_units"] or s["host_expert_modules"]:
+            held = f"{s['host_units']} units" + (f" + the experts of {s['host_expert_modules']} MoE blocks"
+                                                 if s["host_expert_modules"] else "")
+            parts.append(f"host tier {held}, {gib(s['host_bytes'])} pinned, "
                          f"{gb(s['host_used_bytes'])} used by passes")
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
