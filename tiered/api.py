@@ -795,7 +795,7 @@ def attach(
             if h.host_experts is not None:
                 h.host_experts.fill(h.reader, h.stats)
                 for eg in h.experts:
-                    eg.host = h.host_experts.parts(eg.spec)
+                    eg.host = h.host_experts.parts(eg.spec)  # None: this block's experts are read
         _allow_one_compile_per_unit(len(plan.units))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is

@@ -274,7 +274,7 @@ class HostExperts:
         self.specs = specs
         self.device = device
         self.ring = Ring(sum(self.bytes_for(sp) for sp in specs), pin=device.type == "cuda")  # CPU: tests only
-        self._parts: dict[int, list[torch.Tensor]] = {}
+        self._parts: dict[str, list[torch.Tensor]] = {}
         for sp in specs:
             views = []
             for p in sp.parts:
@@ -282,7 +282,7 @@ class HostExperts:
                 n = sp.num_experts * math.prod(p.slab_shape)
                 views.append(slot.view[:n * p.target.dtype.itemsize].view(p.target.dtype)
                              .view(sp.num_experts, *p.slab_shape))
-            self._parts[id(sp)] = views
+            self._parts[sp.name] = views
 
     @staticmethod
     def bytes_for(spec: ExpertSpec) -> int:
@@ -293,9 +293,10 @@ class HostExperts:
     def nbytes(self) -> int:
         return self.ring.size
 
-    def parts(self, spec: ExpertSpec) -> list[torch.Tensor]:
-        """``spec``'s parts in pinned host memory, each ``(E, *slab_shape)`` in the model dtype."""
-        return self._parts[id(spec)]
+    def parts(self, spec: ExpertSpec) -> list[torch.Tensor] | None:
+        """``spec``'s parts in pinned host memory, each ``(E, *slab_shape)`` in the model dtype; None when the
+        host tier does not hold that module."""
+        return self._parts.get(spec.name)
 
     def fill(self, reader: Any, stats: Any) -> None:
         """Read every expert of every module once (the reader's threads and backend). Caller thread; blocks.
