@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Where a routed-experts decode step spends its time (diagnostic; one process, CUDA).
 
-    python benchmarks/moe_profile.py MODEL_DIR [--gpu-gb 2] [--ring-gb 6] [--threads 4]
+    python benchmarks/moe_profile.py MODEL_DIR [--gpu-gb 2] [--ring-gb 6] [--threads 4] [--host-gb 0] [--profile]
 
 Loads the model twice: all resident (``gpu_gb=100``: the compute floor) and streamed with routed experts,
 decodes the same greedy tokens, and reports the median decode s/token of each plus, for the routed run,
 the seconds per token spent in the experts pre-hooks (ids to host, reads, H2D issue) and in the reads alone.
-Prints one JSON line.
+``--host-gb``: the routed run's host tier (its units, then whole blocks' experts: H2D from pinned memory, no read).
+``--profile``: also a ``torch.profiler`` table of the routed run's last decode tokens (CPU and CUDA time per op,
+memcpy HtoD included) on stderr. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> int:
     p.add_argument("--ring-gb", type=float, default=6.0)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--host-gb", type=float, default=0.0)
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     ids = torch.randint(100, 30000, (1, 16)).cuda()
@@ -66,7 +70,7 @@ def main() -> int:
             acc["hook"] += time.perf_counter() - t
 
     ex.ExpertGather.bind = pre
-    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads) as m:
+    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb) as m:
         real_copy = m._tiered.reader.copy_all
 
         def copy_all(*args, **kw):
@@ -84,9 +88,19 @@ def main() -> int:
         res["routed_s_per_token"], toks = _decode(m, ids, a.new_tokens)
         total = time.perf_counter() - t0
         s = tiered.stats(m).snapshot()
-    res.update({"routed_total_s": total, "hook_s": acc["hook"], "read_s": acc["read"],
-                "tokens_equal": toks == toks_r, "experts_read": s["experts_read"], "expert_calls": s["expert_calls"],
-                "expert_gb": s["expert_bytes"] / 1e9})
+        if a.profile:
+            import sys
+
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                res["profiled_s_per_token"], _ = _decode(m, ids, 4)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14), file=sys.stderr)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), file=sys.stderr)
+    res.update({"host_gb": a.host_gb, "host_expert_modules": s["host_expert_modules"], "routed_total_s": total,
+                "hook_s": acc["hook"], "read_s": acc["read"], "tokens_equal": toks == toks_r,
+                "experts_read": s["experts_read"], "experts_from_host": s["experts_from_host"],
+                "expert_calls": s["expert_calls"], "expert_gb": s["expert_bytes"] / 1e9})
     print(json.dumps(res))
     return 0
 
