@@ -94,6 +94,35 @@ def test_moe_placement_routes_and_sizes_the_cache(dirs):
     assert predict(pc)["warm_s_per_token"] < predict(p)["warm_s_per_token"]
 
 
+def test_host_tier_is_spread_over_the_streamed_units(dirs):
+    """A host tier that holds part of the streamed units takes them spread over the execution order (every other
+    layer for half of them), not a block at the front: the loader reads a streamed unit while host-tier units'
+    H2D runs, which is what the prediction's max(read, H2D) assumes. The budget is never exceeded; a budget that
+    holds them all takes them all."""
+    d = dirs["llama"]
+    p0, plan = _place(d, "cuda", ring_gb=0.01, gpu_gb=0, embedding_rows=False)
+    from tiered.hostmem import page_up
+
+    layers = [i for i in p0.streamed if ".layers." in plan.units[i].name]
+    n = page_up(plan.units[layers[0]].nbytes)
+    assert len(layers) >= 4 and all(page_up(plan.units[i].nbytes) == n for i in layers)
+    others = sum(page_up(plan.units[i].nbytes) for i in p0.streamed if i not in layers)
+    half = (len(layers) // 2) * n
+    ph, _ = _place(d, "cuda", ring_gb=0.01, gpu_gb=0, embedding_rows=False, host_gb=(half + others // 2) / GiB)
+    took = [i in ph.host for i in layers]
+    assert 0 < sum(took) < len(layers)
+    assert sum(page_up(plan.units[i].nbytes) for i in ph.host) <= (half + others // 2)
+    # spread: no two host-tier layers more than one apart from their even share (no run of streamed ones at the end)
+    runs, cur = [], 0
+    for t in took:
+        cur = 0 if t else cur + 1
+        runs.append(cur)
+    assert max(runs) <= 2, took
+    assert took != sorted(took, reverse=True)  # not a block at the front
+    pa, _ = _place(d, "cuda", ring_gb=0.01, gpu_gb=0, embedding_rows=False, host_gb=1.0)
+    assert set(pa.host) == set(p0.streamed) and not pa.streamed
+
+
 def test_moe_host_tier_takes_units_then_whole_blocks_of_experts(dirs):
     """host_gb beyond the streamed units goes to routed blocks' experts (whole blocks, forward order); their
     routed bytes then cost an H2D, not a read: the prediction falls, the bytes per token do not."""

@@ -530,16 +530,34 @@ def _choose_resident(plan: Plan, ring: int, device: torch.device, gpu_gb: float 
 
 
 def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list[int], host_gb: float) -> set[int]:
-    """The host tier: streamed units, in execution order, while ``host_gb`` lasts (page-rounded slots). Every streamed
-    byte costs the same per pass from disk or page cache, so any order saves the same per byte; each rank keeps
-    only its own chunk. They are copied to the GPU from there every pass: no disk, no ring."""
+    """The host tier: streamed units within ``host_gb`` (page-rounded slots), spread evenly over the execution order;
+    each rank keeps only its own chunk. They are copied to the GPU from there every pass: no disk, no ring.
+
+    Why spread: the loader runs the units in order, reading a streamed unit while the H2D of the units before it
+    runs, so the pass takes about ``max(streamed / read GB/s, all / H2D GB/s)`` when host-tier units sit between
+    streamed ones, but ``streamed / read + host / H2D`` when they form one block (measured on the H200, GPT-J-6B
+    fp16 with half of its layers in the host tier, the first half: 0.252 s/token = 4.83 GB / 30.9 GB/s + 5.24 GB /
+    55 GB/s). Each streamed byte costs the same per pass, so which units does not matter beyond that; a budget that
+    holds them all takes them all."""
+    cands = [u for u in plan.units if u.index not in resident and u.index not in rows]
+    need = {u.index: page_up(slot_need[u.index]) for u in cands}
+    budget = int(host_gb * GiB)
+    total = sum(need.values())
+    if budget >= total:
+        return set(need)
     host: set[int] = set()
-    left = int(host_gb * GiB)
-    for u in plan.units:
-        n = page_up(slot_need[u.index])
-        if u.index not in resident and u.index not in rows and n <= left:
+    used = seen = 0
+    for u in cands:  # Bresenham: take a unit while the tier is behind its even share of the units so far
+        n = need[u.index]
+        seen += n
+        if used + n <= budget and (used + n / 2) * total <= budget * seen:
             host.add(u.index)
-            left -= n
+            used += n
+    for u in cands:  # what rounding left: any unit that still fits
+        n = need[u.index]
+        if u.index not in host and used + n <= budget:
+            host.add(u.index)
+            used += n
     return host
 
 
