@@ -90,7 +90,7 @@ def facts(dirs: dict[str, Path]) -> dict:
     with tiered.load(dirs["notok"], device="cpu", ring_gb=1) as m:
         plan = m._tiered.plan
         ring_units = [u for u in plan.units if not row_eligible(u)]  # the embedding reads rows instead
-        return {"ring_gb": streaming_ring_gb(m), "units": len(plan.units), "model_bytes": plan.nbytes,
+        return {"ring_gb": streaming_ring_gb(m), "units": len(plan.units), "model_bytes": plan.weight_bytes,
                 "src_bytes": sum(u.src_bytes for u in plan.units), "ring_units": len(ring_units),
                 "ring_src_bytes": sum(u.src_bytes for u in ring_units)}
 

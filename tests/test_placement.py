@@ -170,3 +170,21 @@ def test_inspect_prints_placement_and_prediction(dirs):
 def test_gpu_gb_on_the_cpu_warns(dirs):
     with pytest.warns(UserWarning, match="gpu_gb=1 has no effect on device=cpu"):
         tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", gpu_gb=1).close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_bytes_counts_a_tied_weight_once(tmp_path, tied):
+    """stats.model_bytes / inspect's model_bytes: the model's distinct weights (stock's own parameters(), which
+    lists a tied weight once), not the unit layouts (where a tied head is a unit of its own)."""
+    import transformers
+
+    d = models.llama(tmp_path / "m", tied=tied, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d)
+    want = sum(p.numel() * p.element_size() for p in ref.parameters())
+    with tiered.load(d, device="cpu", ring_gb=1.0) as m:
+        assert tiered.stats(m).model_bytes == want
+        emb = ref.get_input_embeddings().weight
+        # the layouts hold the tied table twice (the embedding's unit and the head's)
+        assert (m._tiered.plan.nbytes >= want + emb.numel() * emb.element_size()) == tied
+    r = _cli("inspect", d, "--json")
+    assert json.loads(r.stdout)["model_bytes"] == want

@@ -758,7 +758,7 @@ def attach(
                     h.host_experts = HostExperts([specs[i] for i in host_experts], dev)
             except (OSError, MemoryError) as e:
                 raise ConfigError(f"cannot pin a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") from None
-        h.stats.model_bytes = plan.nbytes + sum(sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss)
+        h.stats.model_bytes = plan.weight_bytes + sum(sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss)
         h.stats.units = len(plan.units)
         h.stats.resident_units = len(resident)
         h.stats.resident_bytes = sum(plan.units[i].nbytes for i in resident)

@@ -104,7 +104,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "dtypes": dict(dtypes),
         "units": [{"name": u.name, "bytes": u.nbytes, "tensors": len(u.targets),
                    "layer": layer_index(u.name + ".")} for u in plan.units],
-        "model_bytes": plan.nbytes,
+        "model_bytes": plan.weight_bytes,  # distinct weights (a tied head is not counted twice)
+        "layout_bytes": plan.nbytes,  # every unit's aligned layout (a tied head is a unit of its own)
         "largest_unit": {"name": big.name, "bytes": big.nbytes},
         # as the ring allocates them: whole pages per unit (the same figures RingTooSmallError gives)
         "ring_min_gb": page_up(big.nbytes) / GiB,

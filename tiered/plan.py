@@ -108,7 +108,23 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every unit's layout (targets at aligned offsets): what streaming them all once moves."""
         return sum(u.nbytes for u in self.units)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's distinct weights in the model dtype: no layout padding, and a tied weight (two
+        targets read from one checkpoint tensor, e.g. an embedding and its tied head, each a unit of its own)
+        counted once."""
+        seen: set = set()
+        n = 0
+        for u in self.units:
+            for t in u.targets:
+                key = tuple(sorted((str(c.src.file), c.src.offset, c.src.name) for c in t.copies)) or t.key
+                if key not in seen:
+                    seen.add(key)
+                    n += t.nbytes
+        return n
 
     @property
     def max_unit(self) -> Unit:

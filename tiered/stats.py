@@ -146,6 +146,8 @@ class Stats:
         ``host_expert_modules``: routed experts modules whose every expert is in the host tier too (in
         ``host_bytes``); a call copies its ``experts_from_host`` experts (``host_expert_bytes``, also in
         ``host_used_bytes``) to the GPU from there instead of reading them (not in ``experts_read``).
+    model_bytes: the model's distinct weights in its dtype (``Plan.weight_bytes``: a tied head counted once, routed
+        experts included).
     io: the reader backend the model uses (``io="auto"`` resolved).
     world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
