@@ -359,8 +359,16 @@ def test_inspect_and_ring_too_small_agree_on_the_ring_needed(name: str, ckpts: C
     d = ckpts[name]
     out = subprocess.run([sys.executable, "-m", "tiered.cli", "inspect", str(d)], capture_output=True, text=True,
                          timeout=300)
-    said = re.search(r"ring needed: >= ([0-9.]+) GiB", out.stdout)
+    said = re.search(r"(?:ring needed|ring to copy every unit into it[^:]*): >= ([0-9.]+) GiB", out.stdout)
     assert said, out.stdout + out.stderr
     with pytest.raises(RingTooSmallError) as e:
-        _load(d, ring_gb=1e-6)
+        _load(d, ring_gb=1e-6)  # zero_copy=False: every unit through the ring
     assert f"pass ring_gb >= {said.group(1)} " in str(e.value), (said.group(1), str(e.value))
+    # with the defaults (CPU zero copy, embedding rows), what inspect says is needed is what load needs
+    default = re.search(r"ring needed with the defaults: (>= ([0-9.]+) GiB|any size)", out.stdout)
+    if default is not None and default.group(2) is None:
+        tiered.load(d, device="cpu", ring_gb=1e-6).close()  # any size: nothing goes through the ring
+    elif default is not None:
+        with pytest.raises(RingTooSmallError) as e:
+            tiered.load(d, device="cpu", ring_gb=1e-6)
+        assert f"pass ring_gb >= {default.group(2)} " in str(e.value), (default.group(2), str(e.value))

@@ -92,6 +92,12 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
             starts.append(min(own))
     ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
     big = plan.max_unit
+    # CPU defaults (io="mmap", zero copy, embedding rows): units that compute on views of the file mapping and
+    # embeddings that read their rows need no ring; only the others (cast or converted) are copied into it
+    from .reader import zero_copy_eligible
+    from .rows import row_eligible
+
+    in_ring = [u for u in plan.units if not row_eligible(u) and not (device == "cpu" and zero_copy_eligible(u))]
     return {
         "placement": placed,
         "experts": _experts_info(config, plan),
@@ -111,6 +117,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_min_gb": page_up(big.nbytes) / GiB,
         "ring_recommended_gb": 3 * page_up(big.nbytes) / GiB,  # the running unit + prefetch=2
         "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
+        # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
+        "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
+        "ring_free_units": len(plan.units) - len(in_ring),
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -209,9 +218,22 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for u in show:
         print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors"
               + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
-    print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
-          f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
-          f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
+    if info["ring_free_units"] and info["ring_min_default_gb"] < info["ring_min_gb"]:
+        cpu = a.device == "cpu"
+        why = ("compute on views of the file mapping (zero copy) or read embedding rows" if cpu
+               else "read embedding rows")
+        need = (f">= {gib_up(info['ring_min_default_gb'] * GiB)} GiB" if info["ring_min_default_gb"]
+                else "any size (a small one bounds RSS best)")
+        print(f"ring needed with the defaults: {need}: {info['ring_free_units']} of {len(units)} units {why} and "
+              f"need no ring slot" + ("" if cpu else "; units larger than the ring are read in pieces when they can be cut"))
+        print(f"ring to copy every unit into it ({'zero_copy=False, ' if cpu else ''}embedding_rows=False): "
+              f">= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+              f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
+    else:
+        print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+              f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
