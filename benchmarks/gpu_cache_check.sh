@@ -9,9 +9,7 @@
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 ML=${MIXTRAL_LAYERS:-6}
-G="$CACHE/mixtral-8x7b-bf16-L$ML"
-$PY benchmarks/make_checkpoint.py --arch mixtral-8x7b --dtype bf16 --layers "$ML" --quiet "$G" 2>&1 | tail -1
-cat "$G"/*.safetensors > /dev/null
+make_warm mixtral-8x7b "$ML"
 R="$OUT/moe_cache.jsonl"
 run() {  # label, then stream_run flags
   local label=$1; shift
@@ -28,9 +26,7 @@ for i in $(seq 1 "${REPS:-1}"); do
 done
 rm -rf "$G"  # disk room for the next one
 L=${L70:-6}
-G="$CACHE/llama3-70b-bf16-L$L"
-$PY benchmarks/make_checkpoint.py --arch llama3-70b --dtype bf16 --layers "$L" --quiet "$G" 2>&1 | tail -1
-cat "$G"/*.safetensors > /dev/null
+make_warm llama3-70b "$L"
 timeout 300 $PY benchmarks/stream_run.py "$G" --out "$OUT/big_units_warm.jsonl" --label "llama70-L$L-ring1-gpu0-warmup" \
   --ring-gb 1 --gpu-gb 0 --new-tokens 8 --cuda-warmup 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-200
 rm -rf "$G"

@@ -15,9 +15,7 @@ timeout 300 $PY benchmarks/compile_check.py "$G" --ring-gb 0.5 --gpu-gb 0.5 --ne
   2>"$OUT/compile.log" | cut -c1-900
 grep -c "recompile_limit" "$OUT/compile.log"
 ML=${MIXTRAL_LAYERS:-6}
-G="$CACHE/mixtral-8x7b-bf16-L$ML"
-$PY benchmarks/make_checkpoint.py --arch mixtral-8x7b --dtype bf16 --layers "$ML" --quiet "$G" 2>&1 | tail -1
-cat "$G"/*.safetensors > /dev/null
+make_warm mixtral-8x7b "$ML"
 $PY -m tiered.cli inspect "$G" --device cuda --ring-gb 6 --gpu-gb 2 --json > "$OUT/inspect_mixtral_gpu2.json"
 for i in $(seq 1 "${REPS:-1}"); do
   for v in ${VARIANTS:-"mmap 4" "pread 16"}; do

@@ -6,9 +6,7 @@
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 ML=${MIXTRAL_LAYERS:-6}
-G="$CACHE/mixtral-8x7b-bf16-L$ML"
-$PY benchmarks/make_checkpoint.py --arch mixtral-8x7b --dtype bf16 --layers "$ML" --quiet "$G" 2>&1 | tail -1
-cat "$G"/*.safetensors > /dev/null
+make_warm mixtral-8x7b "$ML"
 for i in $(seq 1 "${REPS:-1}"); do
   for v in "8 256 4" "32 256 4" "32 1024 4" "32 1024 8"; do
     set -- $v
