@@ -32,8 +32,8 @@ from .ring import GiB
 
 __all__ = ["GBPS", "Placement", "place", "predict"]
 
-#: Default bandwidths in GB/s (1e9 bytes/s), measured on the project's GPU machine (one H200, README "What it
-#: measured"): O_DIRECT cold reads 1.48-1.88 GB/s with 4 threads; page cache -> pinned ring copy 29-31 GB/s;
+#: Default bandwidths in GB/s (1e9 bytes/s), measured on the project's GPU machine (one H200, benchmarks/RESULTS.md;
+#: the GPT-J tables): O_DIRECT cold reads 1.48-1.88 GB/s with 4 threads; page cache -> pinned ring copy 29-31 GB/s;
 #: pinned H2D 55.3 GB/s. Measure your own with ``python benchmarks/ceilings.py`` and pass them.
 GBPS = {"disk": 1.5, "page_cache": 30.0, "h2d": 55.0}
 
