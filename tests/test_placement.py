@@ -162,6 +162,8 @@ def test_inspect_prints_placement_and_prediction(dirs):
     assert pl["predicted"]["warm_s_per_token"] > 0
     r = _cli("inspect", d)  # without placement options: as before
     assert r.returncode == 0 and "placement" not in r.stdout
+    r = _cli("inspect", d, "--host-gb", 1)  # the host tier is CUDA's: refused on the CPU, as `generate` refuses it
+    assert r.returncode == 2 and "--host-gb" in r.stderr and "--device cuda" in r.stderr, r.stderr
     if not torch.cuda.is_available():
         r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01)
         assert r.returncode == 2 and "--gpu-gb" in r.stderr, r.stderr

@@ -115,7 +115,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "largest_unit": {"name": big.name, "bytes": big.nbytes},
         # as the ring allocates them: whole pages per unit (the same figures RingTooSmallError gives)
         "ring_min_gb": page_up(big.nbytes) / GiB,
-        "ring_recommended_gb": 3 * page_up(big.nbytes) / GiB,  # the running unit + prefetch=2
+        # the running unit + prefetch=2, never more than the whole model
+        "ring_recommended_gb": min(3 * page_up(big.nbytes), sum(page_up(u.nbytes) for u in plan.units)) / GiB,
         "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
         # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
         "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
@@ -192,6 +193,9 @@ def _experts_info(config, plan) -> dict | None:
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model_dir(parser, a.model_dir)
+    if a.host_gb and a.device == "cpu":  # as `generate` refuses it
+        _fail(parser, "--host-gb is a pinned host tier for a GPU: pass --device cuda (and --gpu-gb on a machine "
+                      "without one); on the CPU, raise --ring-gb instead")
     placement = None
     if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb:
         from .placement import GBPS
@@ -260,10 +264,10 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         o = pl["options"]
         gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
         print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
-              f"prefetch={o['prefetch']}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / 1e9:.3g} GB), "
-              f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / 1e9:.3g} GB), {len(pl['streamed'])} streamed "
+              f"prefetch={o['prefetch']}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
+              f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
               f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"
-              + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / 1e9:.3g} GB"
+              + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
         if pl["expert_modules"]:
@@ -271,7 +275,7 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"token; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
                   f"{pl['expert_hit_rate']:.0%} if routing is uniform)"
                   + (f"; {pl['host_expert_modules']} blocks' experts in the host tier "
-                     f"({pl['host_expert_bytes'] / 1e9:.3g} GB pinned, copied from there)"
+                     f"({pl['host_expert_bytes'] / GiB:.3g} GiB pinned, copied from there)"
                      if pl["host_expert_modules"] else ""))
         pr = pl["predicted"]
         if pr:
