@@ -146,48 +146,59 @@ def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Rin
             part.close()
 
 
-_REAP: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+#: Models dropped without close(): a weakref of each module -> the parts to close. The weakref's callback is
+#: ``_REAP.put`` itself, a C function, so the garbage collector runs no Python code for a dropped model: a Ctrl-C
+#: that lands while it collects cannot be caught in a Python callback and reported as "Exception ignored"
+#: (which is what a ``weakref.finalize`` or ``WeakSet`` callback does with it; seen in the test suite).
+_PARTS: dict[weakref.ref, tuple[Any, ...]] = {}
+_REAP: queue.SimpleQueue[weakref.ref | None] = queue.SimpleQueue()
 _REAPER: threading.Thread | None = None
 _REAPER_LOCK = threading.Lock()
 
 
+def _release_each(parts: tuple[Any, ...]) -> None:
+    """Close every part, each on its own: one that raises does not leave the others open."""
+    for part in parts:
+        if part is not None:
+            try:
+                part.close()
+            except BaseException:  # noqa: BLE001 - a dropped model's close has no caller to report to
+                pass
+
+
 def _reap() -> None:
-    while (parts := _REAP.get()) is not None:
-        try:
-            _release_resources(*parts)
-        except Exception:  # noqa: BLE001 - a dropped model's close has no caller to report to
-            pass
-        parts = None
+    """The reaper thread: closes dropped models (joining their loader and reader threads, waiting for copies)."""
+    while (ref := _REAP.get()) is not None:
+        _release_each(_PARTS.pop(ref, ()))
+        ref = None
 
 
-def _finalize(*parts: Any) -> None:
-    """Finaliser of a model dropped without close(): hand its parts to the reaper thread, which does the
-    blocking close (joining the loader and reader threads, waiting for copies).
-
-    A finaliser runs on whichever thread the garbage collector happens to run, between two bytecodes of
-    unrelated code; CPython reports an exception raised inside it as "Exception ignored" and never
-    propagates it. A finaliser that blocks is therefore a window in which a Ctrl-C meant for the code the
-    collector interrupted is swallowed (seen in the test suite: a dropped model's finaliser joined its
-    loader while the next test's SIGINT arrived). Handing off keeps that window to one queue put.
-    At interpreter exit (:func:`_close_all` has run) it closes in place: the reaper may not run again."""
+def _start_reaper() -> None:
     global _REAPER
-    if _EXITING:
-        _release_resources(*parts)
-        return
     with _REAPER_LOCK:
         if _REAPER is None or not _REAPER.is_alive():
             _REAPER = threading.Thread(target=_reap, name="tiered-reaper", daemon=True)
             _REAPER.start()
-    _REAP.put(parts)
+
+
+def _on_drop(module: nn.Module, *parts: Any) -> None:
+    """Close ``parts`` on the reaper thread once ``module`` is collected (dropped without close())."""
+    _PARTS[weakref.ref(module, _REAP.put)] = parts
+    _start_reaper()
 
 
 def _closed(module: nn.Module, args: object) -> None:
     raise StreamerError(f"this tiered {type(module).__name__} is closed (its ring was released): load it again")
 
 
-_LIVE: weakref.WeakSet[_Handle] = weakref.WeakSet()
+_LIVE: dict[int, weakref.ref[_Handle]] = {}  # no callback (see _PARTS): dead entries are pruned on each load
+
+
+def _live_add(h: _Handle) -> None:
+    for k in [k for k, r in list(_LIVE.items()) if r() is None]:
+        _LIVE.pop(k, None)
+    _LIVE[id(h)] = weakref.ref(h)
 _ATEXIT = False
-_EXITING = False
 
 
 def _close_all() -> None:
@@ -197,9 +208,10 @@ def _close_all() -> None:
     ("terminate called without an active exception"); daemon threads are still running while
     atexit handlers run, so closing here ends them cleanly.
     """
-    global _EXITING
-    _EXITING = True
-    for h in list(_LIVE):
+    for r in list(_LIVE.values()):
+        h = r()
+        if h is None:
+            continue
         try:
             h.close()
         except Exception:  # noqa: BLE001 - best effort at exit
@@ -208,6 +220,13 @@ def _close_all() -> None:
     if reaper is not None and reaper.is_alive():  # finish the closes of models dropped before exit
         _REAP.put(None)
         reaper.join(CLOSE_WAIT_S)
+    while True:  # what a dead reaper left queued, then models collected from here on: closed in place
+        try:
+            ref = _REAP.get_nowait()
+        except queue.Empty:
+            break
+        if ref is not None:
+            _release_each(_PARTS.pop(ref, ()))
 
 
 class _TieredMixin:
@@ -558,7 +577,13 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
         if u.index not in host and used + n <= budget:
             host.add(u.index)
             used += n
-    return host
+    first, held = set(), 0  # first fit in order: when units differ a lot in size, it may hold more bytes
+    for u in cands:
+        n = need[u.index]
+        if held + n <= budget:
+            first.add(u.index)
+            held += n
+    return host if used >= held else first
 
 
 def _choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
@@ -707,7 +732,7 @@ def attach(
     _move_buffers(module, dev)
     h = _Handle(module, plan, ckpt, opts, dev)
     h.dist = dist
-    _LIVE.add(h)
+    _live_add(h)
     h.stats.rss_before_load = rss0
     h.stats.world_size = dist.world if dist is not None else 1
     h.stats.rank = dist.rank if dist is not None else 0
@@ -818,7 +843,7 @@ def attach(
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
-        weakref.finalize(module, _finalize, s.loader, s.stage, h.reader, h.ring, h.host_ring,
+        _on_drop(module, s.loader, s.stage, h.reader, h.ring, h.host_ring,
                          h.expert_staging, h.expert_cache, h.host_experts,
                          *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:

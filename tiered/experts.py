@@ -305,6 +305,8 @@ class HostExperts:
             ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
         """
         for sp in self.specs:
+            for f in sorted({info.file for p in sp.parts for per in p.per for info, _ in per}):
+                reader.maps[f].check()  # a shard truncated or rewritten since load: an error, not SIGBUS or new bytes
             t0 = time.perf_counter()
             reader.copy_all(sp.unit, expert_pairs(sp, [(j, j) for j in range(sp.num_experts)], self.parts(sp)),
                             chunk=READ_CHUNK)

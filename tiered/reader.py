@@ -27,8 +27,9 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -145,6 +146,32 @@ def zero_copy_eligible(unit: Unit) -> bool:
         if s.dtype != t.dtype or tuple(s.shape) != tuple(t.shape) or s.offset % max(1, s.dtype.itemsize):
             return False
     return True
+
+
+def _run_job(fut: Future, fn: Any, args: tuple) -> None:
+    """A reader thread: run ``fn(*args)`` into ``fut`` unless ``fut`` was cancelled first."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - the caller re-raises it
+        fut.set_exception(e)
+
+
+def _wait_all(jobs: list[Future]) -> None:
+    """Until every job is done (finished or cancelled); a Ctrl-C meanwhile cancels the jobs not started yet and is
+    raised once the running ones have finished."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(jobs)
+            break
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            interrupted = interrupted or e
+            for f in jobs:
+                f.cancel()
+    if interrupted is not None:
+        raise interrupted
 
 
 class Reader:
@@ -272,6 +299,13 @@ class Reader:
         if self.drop_pages:
             m.drop(t.offset + lo * isz, (hi - lo) * isz, page_cache=self.drop_page_cache)
 
+    def _submit(self, jobs: list[Future], *args: Any) -> None:
+        """Queue ``_task(*args)`` on the reader threads. Its future is in ``jobs`` before the pool has it, so a
+        Ctrl-C between two statements here cannot lose a copy that is writing into the caller's memory."""
+        fut: Future = Future()
+        jobs.append(fut)
+        self.pool.submit(_run_job, fut, self._task, args)
+
     def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int) -> None:
         faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize)
         self._copy(t, dest, lo, hi)
@@ -306,7 +340,7 @@ class Reader:
         Returns (or raises the first copy's exception) only once every copy has finished, so the caller may
         free the destinations as soon as this returns. ``unit`` names the copies for fault injection.
         """
-        jobs = []
+        jobs: list[Future] = []
         try:
             for src, dest in pairs:
                 n = src.numel
@@ -318,14 +352,18 @@ class Reader:
                 step = max(1, size // src.dtype.itemsize)
                 if dest.is_contiguous() or n <= step:
                     for lo in range(0, n, step):
-                        jobs.append(self.pool.submit(self._task, unit, src, dest, lo, min(n, lo + step)))
+                        self._submit(jobs, unit, src, dest, lo, min(n, lo + step))
                 else:
-                    jobs.append(self.pool.submit(self._task, unit, src, dest, 0, n))
+                    self._submit(jobs, unit, src, dest, 0, n)
             if also is not None:
                 also()
-        finally:
-            done, _ = wait(jobs)  # never leave a copy writing into memory the caller is about to free
-        for f in done:
+        except BaseException:
+            for f in jobs:  # copies not started yet never start (also one a Ctrl-C left unsubmitted)
+                f.cancel()
+            _wait_all(jobs)  # never leave a copy writing into memory the caller is about to free
+            raise
+        _wait_all(jobs)
+        for f in jobs:
             f.result()
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:

@@ -142,11 +142,13 @@ class Streamer:
         self._closed = False  # no new units (stop)
         self._released = False  # everything given back (close)
         self._lock = threading.RLock()
-        wself = weakref.WeakMethod(self._deadlock)  # the loader thread must not keep the model alive
+        # the loader thread must not keep the model alive; a plain weakref (no callback: a WeakMethod's runs Python
+        # code inside the garbage collector, where a Ctrl-C landing meanwhile would be swallowed)
+        wself = weakref.ref(self)
 
         def abort() -> BaseException | None:
-            m = wself()
-            return m() if m is not None else StreamerError("the model was garbage-collected")
+            me = wself()
+            return me._deadlock() if me is not None else StreamerError("the model was garbage-collected")
 
         cut: dict[int, list[tuple[Unit, int, int]]] = {}
         for i, n in (pieces or {}).items():
