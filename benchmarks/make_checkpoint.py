@@ -410,12 +410,20 @@ def build_config(
             kw["n_layer"] = layers
     elif spec.family == "llama":
         head_dim = kw["head_dim"]
-        heads, kv = _scaled_heads(kw["num_attention_heads"], kw["num_key_value_heads"], scale)
+        real_heads = kw["num_attention_heads"]
+        heads, kv = _scaled_heads(real_heads, kw["num_key_value_heads"], scale)
         kw["num_attention_heads"] = heads
         kw["num_key_value_heads"] = kv
-        if scale != 1.0:  # (at scale 1 keep the real hidden size: Qwen3-MoE's is not heads x head_dim)
-            kw["hidden_size"] = heads * head_dim
+        if scale != 1.0:
+            # hidden = heads x head_dim where the real model has it so; else (Qwen3-MoE: 2048 against 32 x 128)
+            # the real hidden size scaled, as the help says
+            if kw["hidden_size"] == real_heads * head_dim:
+                kw["hidden_size"] = heads * head_dim
+            else:
+                kw["hidden_size"] = _round64(kw["hidden_size"] * scale)
             kw["intermediate_size"] = _round64(kw["intermediate_size"] * scale)
+            if "moe_intermediate_size" in kw:  # the experts' size (Qwen3-MoE)
+                kw["moe_intermediate_size"] = _round64(kw["moe_intermediate_size"] * scale)
         if layers is not None:
             kw["num_hidden_layers"] = layers
     else:  # pragma: no cover - ARCHS is static

@@ -285,7 +285,9 @@ def test_inspect_reports_experts_and_routed_bytes(ckpts):
     assert info["blocks"] == 3 and info["experts_per_block"] == 16 and info["top_k"] == 2
     # the legacy per-expert layout: w1, w2, w3 of one expert are three tensors
     assert info["spans_per_expert"] >= 1
-    assert info["routed_bytes_per_token"] == info["dense_bytes"] + 3 * 2 * info["expert_bytes"]
-    assert info["dense_bytes"] + info["experts_bytes"] > 4 * info["routed_bytes_per_token"] / 2
+    assert info["routed_bytes_per_token"] == (info["dense_bytes"] + info["embedding_row_bytes"]
+                                              + 3 * 2 * info["expert_bytes"])
+    assert 0 < info["embedding_row_bytes"] < info["expert_bytes"]  # the embedding reads one row, not its table
+    assert info["all_bytes"] > 4 * info["routed_bytes_per_token"] / 2
     assert inspect_dir(ckpts["mixtral"])["experts"]["experts_per_block"] == 4
     assert inspect_dir(ckpts["qwen3_moe"])["experts"]["top_k"] == 2

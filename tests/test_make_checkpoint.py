@@ -225,8 +225,13 @@ def test_scale_keeps_shapes_valid(arch, scale):
     c = mc.build_config(arch, dtype="bf16", scale=scale, layers=3)
     assert c.num_hidden_layers == 3
     head_dim = getattr(full, "head_dim", None) or full.hidden_size // full.num_attention_heads
-    if scale != 1.0:  # at scale 1 the real hidden size (Qwen3-MoE's is not heads x head_dim)
+    if scale != 1.0 and full.hidden_size == full.num_attention_heads * head_dim:
         assert c.hidden_size == c.num_attention_heads * head_dim
+    elif scale != 1.0:  # Qwen3-MoE: hidden is not heads x head_dim; the hidden size itself is scaled
+        assert c.hidden_size == max(64, round(full.hidden_size * scale / 64) * 64)
+    if getattr(full, "moe_intermediate_size", None):  # the experts' size scales too
+        assert c.moe_intermediate_size == (full.moe_intermediate_size if scale == 1.0
+                                           else max(64, round(full.moe_intermediate_size * scale / 64) * 64))
     assert c.hidden_size % 64 == 0 and c.hidden_size <= full.hidden_size
     inter = getattr(c, "intermediate_size", None) or c.n_inner or 4 * c.hidden_size
     assert inter % 64 == 0

@@ -181,14 +181,20 @@ def _experts_info(config, plan) -> dict | None:
         spans, reads = max(spans, a), max(reads, b)
     kinds = {dest is None for s in specs for p in s.parts for per in p.per for _, dest in per}
     layout = "mixed" if len(kinds) > 1 else "stacked" if kinds == {True} else "per-expert"
+    from .rows import row_eligible
+
     experts_total = sum(s.num_experts * s.expert_src_bytes for s in specs)
-    dense = sum(u.src_bytes for u in plan.units) - experts_total
+    rows = [u for u in plan.units if row_eligible(u)]  # streamed, an embedding reads only its looked-up rows
+    row_bytes = sum(u.src_bytes // max(1, u.module.num_embeddings) for u in rows)  # one row each at batch 1
+    everything = sum(u.src_bytes for u in plan.units)
+    dense = everything - sum(u.src_bytes for u in rows) - experts_total
     routed = sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)
     return {"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
             "expert_bytes": specs[0].expert_src_bytes, "layout": layout, "spans_per_expert": spans,
             "experts_contiguous": spans == 1, "reads_per_expert": reads,
             "dense_bytes": dense, "experts_bytes": experts_total, "routed_experts_bytes": routed,
-            "routed_bytes_per_token": dense + routed}
+            "embedding_row_bytes": row_bytes, "all_bytes": everything,
+            "routed_bytes_per_token": dense + row_bytes + routed}
 
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -248,8 +254,10 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"experts: {ex['blocks']} MoE blocks x {ex['experts_per_block']} experts (top-{ex['top_k']}), "
               f"{ex['expert_bytes'] / 2**20:.2f} MiB per expert; when the model does not fit they are routed: a decode "
               f"token of batch 1 reads about {ex['routed_bytes_per_token'] / 1e9:.3g} GB (dense "
-              f"{ex['dense_bytes'] / 1e9:.3g} GB + {ex['top_k']}/{ex['experts_per_block']} of the experts' "
-              f"{ex['experts_bytes'] / 1e9:.3g} GB) instead of {(ex['dense_bytes'] + ex['experts_bytes']) / 1e9:.3g} GB")
+              f"{ex['dense_bytes'] / 1e9:.3g} GB"
+              + (f" + embedding rows {ex['embedding_row_bytes'] / 1e6:.3g} MB" if ex["embedding_row_bytes"] else "")
+              + f" + {ex['top_k']}/{ex['experts_per_block']} of the experts' "
+              f"{ex['experts_bytes'] / 1e9:.3g} GB) instead of {ex['all_bytes'] / 1e9:.3g} GB")
         where = f"{ex['spans_per_expert']} span(s) on disk, {ex['reads_per_expert']} read(s)"
         if ex["layout"] == "stacked":
             note = ("stacked (E, ...) tensors: an expert is one range of each; `tiered reshard` keeps them "
