@@ -239,11 +239,13 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"ring to copy every unit into it ({'zero_copy=False, ' if cpu else ''}embedding_rows=False): "
               f">= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
-              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
+              + (" (loaded once)" if a.device == "cpu" else ""))
     else:
         print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
-              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model (CPU: loaded once)")
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
+              + (" (loaded once)" if a.device == "cpu" else ""))
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
@@ -280,8 +282,9 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
         if pl["expert_modules"]:
             print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
-                  f"token; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
-                  f"{pl['expert_hit_rate']:.0%} if routing is uniform)"
+                  f"token"
+                  + (f"; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
+                     f"{pl['expert_hit_rate']:.0%} if routing is uniform)" if pl["device"] != "cpu" else "")
                   + (f"; {pl['host_expert_modules']} blocks' experts in the host tier "
                      f"({pl['host_expert_bytes'] / GiB:.3g} GiB pinned, copied from there)"
                      if pl["host_expert_modules"] else ""))

@@ -284,8 +284,8 @@ class Stats:
         s = self.snapshot()
         via = f", io={s['io']}" if s["io"] else ""
         if s["mapped_units"]:  # their bytes are faulted in by the compute itself: no copy, no read time of their own
-            read = (f"read {gb(s['read_bytes'])} (disk->ring{via}; {s['mapped_units']} units compute on the file "
-                    "mapping, zero copy)")
+            read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {s['mapped_units']} units compute on the file "
+                    "mapping, zero copy: no ring copy)")
         else:
             read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share

@@ -197,6 +197,7 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
     where = "the index"
     hashes: dict[str, bytes] | None = {} if verify else None
     copier = _Copier(source, bar, hashes)
+    t_write = time.perf_counter()
     try:
         for s in shards:
             where = s.name
@@ -210,6 +211,7 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
             where = name
             _write_generated(tmp / name, data, dtype, notes)
         bar.close()
+        write_s = time.perf_counter() - t_write
         if hashes is not None:
             with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"verify {dst.name}",
                       file=sys.stderr, disable=quiet, dynamic_ncols=True, mininterval=0.25) as vbar:
@@ -229,7 +231,7 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
     return ReshardSummary(
         src=src, dst=dst, input_format=source.kind, input_files=len(source.files), shards=len(shards),
         tensors=len(written), data_bytes=total, file_bytes=sum(s.file_bytes for s in shards),
-        seconds=time.perf_counter() - t0, order="plan" if arch else "layer-index", architecture=arch,
+        seconds=time.perf_counter() - t0, write_seconds=write_s, order="plan" if arch else "layer-index", architecture=arch,
         units=plan_units if plan_units is not None else len(units), reordered=written != src_order,
         cast=sum(t.cast for s in shards for t in s.tensors),
         dtype=_config_dtype(dtype) if dtype is not None else None, dropped_tied=dropped,

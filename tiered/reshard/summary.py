@@ -29,6 +29,7 @@ class ReshardSummary:
     data_bytes: int  # tensor bytes written (the index's metadata.total_size)
     file_bytes: int  # bytes of the output shards, headers included
     seconds: float  # wall time from the call to the rename into place
+    write_seconds: float  # of that, writing the shards and files (no planning, no --verify pass)
     order: str  # "plan": the loader's unit plan; "layer-index": by the layer number in tensor names
     architecture: str | None  # the transformers class whose plan ordered the units
     units: int  # streaming units, each contiguous inside one shard
@@ -48,7 +49,9 @@ class ReshardSummary:
     def __str__(self) -> str:
         lines = [f"resharded {self.src} -> {self.dst}",
                  f"  {self.shards} shard(s), {self.tensors} tensors, {_human(self.data_bytes)} "
-                 f"({self.data_bytes} bytes) in {self.seconds:.2f} s = {self.gb_per_s:.2f} GB/s"]
+                 f"({self.data_bytes} bytes) in {self.seconds:.2f} s in all"
+                 + (f"; written in {self.write_seconds:.2f} s = {self.data_bytes / self.write_seconds / 1e9:.2f} GB/s"
+                    if self.write_seconds > 0 else f" = {self.gb_per_s:.2f} GB/s")]
         if self.order == "plan":
             lines.append(f"  order: execution order of {self.architecture}, {self.units} units, each contiguous "
                          "in one shard; data sections 4 KiB-aligned")
