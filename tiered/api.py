@@ -198,6 +198,8 @@ def _live_add(h: _Handle) -> None:
     for k in [k for k, r in list(_LIVE.items()) if r() is None]:
         _LIVE.pop(k, None)
     _LIVE[id(h)] = weakref.ref(h)
+
+
 _ATEXIT = False
 
 
@@ -843,9 +845,8 @@ def attach(
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
-        _on_drop(module, s.loader, s.stage, h.reader, h.ring, h.host_ring,
-                         h.expert_staging, h.expert_cache, h.host_experts,
-                         *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+        _on_drop(module, s.loader, s.stage, h.reader, h.ring, h.host_ring, h.expert_staging, h.expert_cache,
+                 h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
         raise
