@@ -155,6 +155,7 @@ def test_inspect_prints_placement_and_prediction(dirs):
     assert "placement (cuda, ring_gb=0.01, gpu_gb=0.0 GiB" in r.stdout and "predicted decode" in r.stdout, r.stdout
     assert "20 GB/s H2D" in r.stdout
     assert "-> streamed" in r.stdout and "-> rows" in r.stdout  # each listed unit's tier
+    assert "prefetch buffers come on top" in r.stdout  # gpu_gb=0: the device buffers are beyond the budget, said
     r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01, "--gpu-gb", 0, "--json")
     info = json.loads(r.stdout)
     pl = info["placement"]

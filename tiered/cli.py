@@ -280,7 +280,13 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
-        if pl["expert_modules"]:
+        if pl["device"] != "cpu" and o["gpu_gb"] is not None and pl["device_buffer_bytes"] and \
+                pl["resident_bytes"] + pl["device_buffer_bytes"] > o["gpu_gb"] * GiB:
+            one = pl["device_buffer_bytes"] // (o["prefetch"] + 1)
+            print(f"  note: the GPU holds {(pl['resident_bytes'] + pl['device_buffer_bytes']) / GiB:.3g} GiB, more than "
+                  f"gpu_gb: gpu_gb counts the resident units and one device buffer ({one / GiB:.3g} GiB, as accelerate's "
+                  f"max_memory counts one offloaded layer); the other {o['prefetch']} prefetch buffers come on top "
+                  f"(--prefetch lowers them)")
             print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
                   f"token"
                   + (f"; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
