@@ -406,6 +406,10 @@ def test_keyboard_interrupt_while_gc_finalises_dropped_models_propagates(llama_r
     old = signal.signal(signal.SIGINT, handler)
     was = gc.isenabled()
     gc.disable()  # the dropped models are freed by the gc.collect() below, not by an automatic collection
+    # other libraries' gc.callbacks (torch's, once torch._dynamo is imported by an earlier test) run Python code
+    # around every collection and would swallow the interrupt themselves: this test is about tiered's own
+    callbacks = gc.callbacks[:]
+    gc.callbacks.clear()
     lost = []
     released = []
     try:
@@ -431,6 +435,7 @@ def test_keyboard_interrupt_while_gc_finalises_dropped_models_propagates(llama_r
                 lost.append((it, list(ran_in)))
     finally:
         signal.signal(signal.SIGINT, old)
+        gc.callbacks[:] = callbacks
         if was:
             gc.enable()
         del junk
@@ -578,6 +583,8 @@ def _fill_interrupted(m):
 
     h.reader._copy = copy
     raised, running = False, 0
+    callbacks = gc.callbacks[:]  # other libraries' gc callbacks would swallow the interrupt (see above)
+    gc.callbacks.clear()
     try:
         hx.fill(h.reader, h.stats)
     except KeyboardInterrupt:
@@ -585,6 +592,7 @@ def _fill_interrupted(m):
             running = inflight[0]
         raised = True
     finally:
+        gc.callbacks[:] = callbacks
         sent.set()
         assert _wait(lambda: inflight[0] == 0, 30)
         del h.reader._copy  # the instance attribute: the class method again

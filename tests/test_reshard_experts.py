@@ -152,8 +152,9 @@ def test_reshard_lays_each_expert_out_contiguously(ckpts, fused, tmp_path: Path,
         assert info["reads_per_expert"] == 2
     # the expected bytes per decode token: dense part + k/E of the experts
     k, E = info["top_k"], info["experts_per_block"]
-    assert info["routed_bytes_per_token"] == info["dense_bytes"] + info["experts_bytes"] * k // E
-    assert info["dense_bytes"] + info["experts_bytes"] == sum(b - a for _, a, b in _ranges(dst).values())
+    assert info["routed_bytes_per_token"] == (info["dense_bytes"] + info["embedding_row_bytes"]
+                                              + info["experts_bytes"] * k // E)
+    assert info["all_bytes"] == sum(b - a for _, a, b in _ranges(dst).values())
     assert {k: v for k, v in info.items() if "spans" not in k and "contig" not in k and "reads" not in k} == \
         {k: v for k, v in info_src.items() if "spans" not in k and "contig" not in k and "reads" not in k}
 

@@ -178,6 +178,11 @@ def test_dropped_model_closes_row_reader(ckpts):
     assert tiered.stats(model).row_units == 1
     del model
     gc.collect()
+    import time
+
+    deadline = time.time() + 30  # the reaper thread closes a dropped model, just after the collector frees it
+    while len(os.listdir("/proc/self/fd")) > before and time.time() < deadline:
+        time.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) <= before  # every shard fd, the row reader's included, is closed
 
 
