@@ -4,7 +4,10 @@
 # gpu_gb=2: routed and dense (routed_experts=False), each without a host tier and with host_gb=20 (the dense run's
 # units, or the routed run's units plus every block's experts, in pinned host memory), alternating, REPS times;
 # then the Qwen3-30B-A3B shape (12 layers) the same way, once. Results in $OUT/host_experts.jsonl.
-#   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 bash benchmarks/gpu_host_experts_check.sh
+# WITHOUT_HOST=1 adds the runs without a host tier; PROFILE=1 adds benchmarks/moe_profile.py --host-gb 20 --profile of each
+# shape ($OUT/profile-ARCH.txt: resident floor, routed+host, and where its GPU and CPU time go).
+#   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 WITHOUT_HOST=0 PROFILE=0 \
+#     bash benchmarks/gpu_host_experts_check.sh
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 R="$OUT/host_experts.jsonl"
@@ -13,19 +16,26 @@ run() {  # checkpoint, label, then stream_run flags
   timeout 300 $PY benchmarks/stream_run.py "$g" --out "$R" --label "$label" --ring-gb 6 --gpu-gb 2 --new-tokens 16 \
     --threads 4 "$@" 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-220
 }
+profile() {
+  [ "${PROFILE:-0}" = 1 ] || return 0
+  timeout 300 $PY benchmarks/moe_profile.py "$G" --host-gb 20 --profile > "$OUT/profile-$1.txt" 2>&1
+  tail -1 "$OUT/profile-$1.txt" | cut -c1-400
+}
 if [ "${SKIP_MIXTRAL:-0}" != 1 ]; then
   make_warm mixtral-8x7b "${MIXTRAL_LAYERS:-6}"
   for i in $(seq 1 "${REPS:-2}"); do
     run "$G" "mixtral-routed-host20-$i" --host-gb 20
     run "$G" "mixtral-dense-host20-$i" --host-gb 20 --no-routed-experts
-    run "$G" "mixtral-routed-$i"
-    run "$G" "mixtral-dense-$i" --no-routed-experts
+    [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "mixtral-routed-$i"
+    [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "mixtral-dense-$i" --no-routed-experts
   done
+  profile mixtral
   rm -rf "$G"
 fi
 [ "${SKIP_QWEN:-0}" = 1 ] && exit 0
 make_warm qwen3-30b-a3b "${QWEN_LAYERS:-12}"
 run "$G" "qwen3-routed-host20" --host-gb 20
 run "$G" "qwen3-dense-host20" --host-gb 20 --no-routed-experts
-run "$G" "qwen3-routed"
+[ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "qwen3-routed"
+profile qwen3
 rm -rf "$G"

@@ -477,16 +477,25 @@ class ExpertGather:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(module).__name__}: expected the router's top_k_index (an integer tensor) as the "
                             f"second argument, got {type(idx).__name__ if not isinstance(idx, torch.Tensor) else idx.dtype}")
-        uniq = torch.unique(idx.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
+        # the distinct ids on idx's own device, then to the host: the one sync (the router's ids). The remap is
+        # computed there too, before the experts' copies are queued: an ids tensor copied *to* the GPU from
+        # pageable memory would make the host wait for every copy queued before it (CUDA's pageable H2D
+        # semantics), so the host could not queue the next block's kernels while this block's experts copy.
+        flat = idx.detach().reshape(-1).to(torch.int64)
+        u_dev = torch.unique(flat, sorted=True)
+        uniq = u_dev.to("cpu")
         E = self.spec.num_experts
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) > E):
             bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
             raise IndexError(f"expert {bad} is out of range for {self.spec.name!r} ({E} experts)")
         # an id == E is the expert-parallel sentinel (no expert: grouped_mm/batched_mm mask it): it maps to
         # U, the sentinel of the U bound experts; a call with no token still binds one expert (no id uses it)
-        uniq = uniq[uniq < E]
-        if not uniq.numel():
+        n = int((uniq < E).sum())
+        uniq, u_dev = uniq[:n], u_dev[:n]
+        if not n:
             uniq = torch.zeros(1, dtype=torch.int64)
+            u_dev = torch.zeros(1, dtype=torch.int64, device=idx.device)
+        new_idx = torch.searchsorted(u_dev, idx.contiguous().to(torch.int64)).to(idx.dtype)
         tensors = self.read(uniq.tolist())
         for p, t in zip(self.spec.parts, tensors, strict=True):
             if p.target.is_param:
@@ -494,8 +503,7 @@ class ExpertGather:
                     if t.is_floating_point() else t
             else:
                 module._buffers[p.target.attr] = t
-        module.num_experts = uniq.numel()
-        new_idx = torch.searchsorted(uniq.to(idx.device), idx.contiguous().to(torch.int64)).to(idx.dtype)
+        module.num_experts = n or 1
         if where[0] == "args":
             args = (*args[:1], new_idx, *args[2:])
         else:
