@@ -283,11 +283,57 @@ def qwen3_moe(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size
     return save_model(transformers.Qwen3MoeForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
 
 
+def olmoe(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB", seed: int = 11) -> Path:
+    """OLMoE: every layer sparse, 8 experts, top-2, no shared expert."""
+    cfg = transformers.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                                   max_position_embeddings=128)
+    return save_model(transformers.OlmoeForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def gpt_oss(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB", seed: int = 12) -> Path:
+    """gpt-oss in bf16 (the published MXFP4 weights are another format): expert biases, attention sinks."""
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                    num_experts_per_tok=2, max_position_embeddings=128,
+                                    layer_types=["full_attention"] * 3)
+    return save_model(transformers.GptOssForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def glm4_moe(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+             seed: int = 13) -> Path:
+    """GLM-4-MoE: a dense first layer, then shared + routed experts with grouped routing."""
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=128,
+    )
+    return save_model(transformers.Glm4MoeForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def deepseek_v2(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+                seed: int = 14) -> Path:
+    """DeepSeek-V2: multi-head latent attention, a dense first layer, shared + routed experts,
+    ``group_limited_greedy`` routing."""
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, topk_method="group_limited_greedy", q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128,
+    )
+    return save_model(transformers.DeepseekV2ForCausalLM(cfg), path, seed=seed, dtype=dtype,
+                      max_shard_size=max_shard_size)
+
+
 #: Checkpoints outside the equality sweep (not plain causal LMs or encoders): name -> (builder, kwargs, auto class)
 EXTRA_BUILDERS: dict[str, tuple[Callable[..., Path], dict, type]] = {
     "t5": (t5, {}, transformers.AutoModelForSeq2SeqLM),
     "deepseek_v3": (deepseek_v3, {}, transformers.AutoModelForCausalLM),
     "qwen3_moe": (qwen3_moe, {}, transformers.AutoModelForCausalLM),
+    "olmoe": (olmoe, {}, transformers.AutoModelForCausalLM),
+    "gpt_oss": (gpt_oss, {}, transformers.AutoModelForCausalLM),
+    "glm4_moe": (glm4_moe, {}, transformers.AutoModelForCausalLM),
+    "deepseek_v2": (deepseek_v2, {}, transformers.AutoModelForCausalLM),
 }
 
 

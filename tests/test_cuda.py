@@ -293,7 +293,8 @@ def test_ring_too_small_for_a_piece_says_so(tmp_path: Path) -> None:
         tiered.load(d, device=DEV, ring_gb=(640 << 10) / GiB, gpu_gb=0)  # MIN_PIECE_BYTES is 4 MiB
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "gpt_oss",
+                                  "glm4_moe"])
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> None:
     """Streamed MoE blocks read only their routed experts (pinned staging, H2D on the compute stream):

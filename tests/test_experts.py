@@ -22,6 +22,10 @@ ARCHS = {  # name -> builder kwargs
     "qwen2_moe": (models.qwen2_moe, {}),  # shared expert + routed experts
     "qwen3_moe": (models.qwen3_moe, {}),
     "deepseek_v3": (models.deepseek_v3, {}),  # shared + routed, grouped routing, a dense first layer
+    "deepseek_v2": (models.deepseek_v2, {}),  # latent attention, shared + routed, group_limited_greedy
+    "olmoe": (models.olmoe, {}),
+    "gpt_oss": (models.gpt_oss, {}),  # expert biases (bf16; the MXFP4 checkpoints are another format)
+    "glm4_moe": (models.glm4_moe, {}),  # dense first layer, shared + routed, grouped routing
 }
 
 
@@ -76,11 +80,13 @@ def test_routed_equal_to_stock(ckpts, arch):
         assert s["dense_bytes"] == s["streamed_bytes"] - s["expert_bytes"] - s["embedding_bytes"]
 
 
+@pytest.mark.parametrize("arch", ["mixtral16", "gpt_oss", "glm4_moe"])
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
-def test_every_experts_implementation(ckpts, impl):
+def test_every_experts_implementation(ckpts, impl, arch):
     """``eager`` loops over the hit experts, ``grouped_mm`` groups rows per expert, ``batched_mm`` gathers a
-    weight per row: with the compact experts and remapped ids each gives the stock result bit for bit."""
-    path = ckpts["mixtral16"]
+    weight per row: with the compact experts and remapped ids each gives the stock result bit for bit (gpt-oss:
+    expert biases; GLM-4-MoE: a shared expert beside the routed ones)."""
+    path = ckpts[arch]
     ref = _ref(path, impl)
     ids = _ids(1, (3, 5))
     with tiered.load(path, ring_gb=_ring_below_layer(path), device="cpu") as m:
