@@ -191,3 +191,19 @@ def test_model_bytes_counts_a_tied_weight_once(tmp_path, tied):
         assert (m._tiered.plan.nbytes >= want + emb.numel() * emb.element_size()) == tied
     r = _cli("inspect", d, "--json")
     assert json.loads(r.stdout)["model_bytes"] == want
+
+
+def test_inspect_prints_routed_experts_with_or_without_the_gpu_note(dirs):
+    """The MoE lines of `tiered inspect --device cuda`: the routed experts per token whether or not the GPU note
+    (prefetch buffers beyond gpu_gb) is printed, and the ring a MoE block's dense part needs once routed."""
+    d = dirs["mixtral"]
+    for extra, note in ((["--gpu-gb", 0], True), (["--gpu-gb", 0.0001, "--prefetch", 0], False)):
+        r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01, *extra)
+        assert r.returncode == 0, r.stderr
+        assert ("note: the GPU holds" in r.stdout) == note, r.stdout
+        assert "routed experts: 3 blocks" in r.stdout, r.stdout
+    info = json.loads(_cli("inspect", d, "--json").stdout)
+    ex = info["experts"]
+    moe = max(u["bytes"] for u in info["units"] if u["layer"] is not None)
+    assert 0 < ex["routed_unit_max_bytes"] < moe - ex["experts_bytes"] // ex["blocks"] + 4096
+    assert "without its experts takes" in _cli("inspect", d).stdout

@@ -189,7 +189,18 @@ def _experts_info(config, plan) -> dict | None:
     everything = sum(u.src_bytes for u in plan.units)
     dense = everything - sum(u.src_bytes for u in rows) - experts_total
     routed = sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)
-    return {"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
+    # a MoE block's unit once its experts are routed out (tiered.experts.route_out's layout, not applied here)
+    from .experts import _align
+
+    gone = {id(p.target) for s in specs for p in s.parts}
+    left = 0
+    for u in {id(s.unit): s.unit for s in specs}.values():
+        off = 0
+        for t in u.targets:
+            if id(t) not in gone:
+                off = _align(off, plan.align) + t.nbytes
+        left = max(left, _align(off, plan.align))
+    return {"routed_unit_max_bytes": left,"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
             "expert_bytes": specs[0].expert_src_bytes, "layout": layout, "spans_per_expert": spans,
             "experts_contiguous": spans == 1, "reads_per_expert": reads,
             "dense_bytes": dense, "experts_bytes": experts_total, "routed_experts_bytes": routed,
@@ -269,6 +280,8 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             note = "per-expert tensors, not contiguous (`tiered reshard` writes each expert's tensors adjacent)"
         print(f"expert layout: {ex['layout']}, {where} per expert; {note}")
+        print(f"routed, a MoE block's unit without its experts takes {gib_up(ex['routed_unit_max_bytes'])} GiB of the "
+              f"ring at most (the experts are read into compact tensors of their own, not the ring)")
     pl = info["placement"]
     if pl:
         o = pl["options"]
@@ -287,6 +300,7 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"gpu_gb: gpu_gb counts the resident units and one device buffer ({one / GiB:.3g} GiB, as accelerate's "
                   f"max_memory counts one offloaded layer); the other {o['prefetch']} prefetch buffers come on top "
                   f"(--prefetch lowers them)")
+        if pl["expert_modules"]:
             print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
                   f"token"
                   + (f"; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
