@@ -207,3 +207,13 @@ def test_inspect_prints_routed_experts_with_or_without_the_gpu_note(dirs):
     moe = max(u["bytes"] for u in info["units"] if u["layer"] is not None)
     assert 0 < ex["routed_unit_max_bytes"] < moe - ex["experts_bytes"] // ex["blocks"] + 4096
     assert "without its experts takes" in _cli("inspect", d).stdout
+
+
+@pytest.mark.parametrize("bad", [{"host_gb": float("nan")}, {"gpu_gb": float("inf")}, {"ring_gb": -1.0},
+                                 {"prefetch": -1}, {"expert_cache_gb": float("nan")}])
+def test_place_refuses_what_load_refuses(dirs, bad):
+    kw = {"ring_gb": 0.01, "gpu_gb": 1.0, **bad}
+    with pytest.raises((tiered.ConfigError, tiered.RingTooSmallError)):
+        _place(dirs["mixtral"], "cuda", **kw)
+    with pytest.raises((tiered.ConfigError, tiered.RingTooSmallError)):
+        tiered.load(dirs["mixtral"], device="cpu", **kw)  # refused before gpu_gb's warning on the CPU

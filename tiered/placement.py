@@ -72,13 +72,17 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
 
     Raises:
         ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is
-            what the GPU has free).
+            what the GPU has free); an option :func:`tiered.load` would refuse (not a finite number, negative).
+        RingTooSmallError: ``ring_gb <= 0``.
     """
-    from .api import _buffers_counted, _choose_host, _choose_host_experts, _choose_resident, _fits_whole, _gpu_budget
+    from .api import (_buffers_counted, _check_options, _choose_host, _choose_host_experts, _choose_resident,
+                      _fits_whole, _gpu_budget)
     from .errors import ConfigError
     from .experts import HostExperts, find_experts, route_out, slot_layout
     from .rows import row_eligible
 
+    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=1, gpu_gb=gpu_gb, io="mmap", host_gb=host_gb,
+                   expert_cache_gb=expert_cache_gb)
     dev = torch.device(device)
     if dev.type == "cuda" and gpu_gb is None and not torch.cuda.is_available():
         raise ConfigError("a CUDA placement on a machine without CUDA needs a GPU budget: pass gpu_gb=<GiB> (the "
