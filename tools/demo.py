@@ -57,9 +57,12 @@ def part_a(ring_gb: float) -> bool:
     with tiered.load(d, ring_gb=ring_gb, device="cpu") as model:
         got = embed(model)
         s = tiered.stats(model)
+        snap = s.snapshot()
     same = torch.equal(ref, got)
+    ahead = snap["prefetch_idle_bytes"]  # the next forward's first units, prefetched at the end of this one
     print(f"(a) all-MiniLM-L6-v2 ({s.model_bytes / 2**20:.1f} MiB) through a {ring_gb * 1024:.0f} MiB ring, "
-          f"{s.units} units, {s.resident_units} resident, {s.read_bytes / 1e6:.1f} MB read")
+          f"{s.units} units, {s.resident_units} resident; one forward used {snap['streamed_bytes'] / 1e6:.1f} MB"
+          + (f" (+ {ahead / 1e6:.1f} MB prefetched for a next one)" if ahead else ""))
     for sent, e in zip(sentences, got, strict=False):
         print(f"    {e[:4].tolist()} ...  {sent!r}")
     sims = got @ got.T
