@@ -13,9 +13,12 @@ Every benchmarked system runs in its own child, so its peak RSS is its own:
   ``oom_kill`` > 0 means the kernel's OOM killer fired inside the group -> ``OOM-killed at limit X``.
   The group is removed (``cgroup.kill`` first if anything is left in it).
 
-Where cgroup v2 memory limits are not available (not root, cgroup v1 or hybrid hierarchy where the
-memory controller lives on v1, ``+memory`` refused by the parent), :func:`probe` says why and the
-caller reports RSS alone.
+Where the memory controller lives on a cgroup v1 hierarchy (a hybrid host, e.g. older Docker hosts and this
+project's CPU machine) the same is done there: ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes``,
+no swap, when the kernel has it); the peak is ``memory.max_usage_in_bytes`` (page cache included, as in v2),
+``memory.failcnt`` counts the times the limit was hit (v2's ``max`` event) and ``memory.oom_control``'s
+``oom_kill`` the OOM kills. Where neither is available (not root, ``+memory`` refused by the parent),
+:func:`probe` says why and the caller reports RSS alone.
 
     python benchmarks/cgroup.py --mem-limit-gb 2 -- python -c "x = bytearray(3 << 30)"
 prints one JSON line: status, returncode, wall_s, peak RSS, cgroup memory.peak / oom_kill.
@@ -62,6 +65,19 @@ def cgroup2_mount() -> Path | None:
     return mounts[0] if mounts else None
 
 
+def cgroup1_memory_mount() -> Path | None:
+    """Where a cgroup v1 hierarchy with the ``memory`` controller is mounted, or None."""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 4 and parts[2] == "cgroup" and "memory" in parts[3].split(","):
+                    return Path(parts[1])
+    except OSError:
+        return None
+    return None
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
@@ -95,16 +111,20 @@ class MemoryCgroup:
         self.parent = Path(parent) if parent is not None else None
         self.prefix = prefix
         self.path: Path | None = None
+        self.v1 = False  # the group lives on a cgroup v1 memory hierarchy
         self.notes: list[str] = []
 
     def create(self) -> Path:
         if not sys.platform.startswith("linux"):
             raise CgroupUnavailable("not Linux")
         parent = self.parent or cgroup2_mount()
-        if parent is None:
-            raise CgroupUnavailable("no cgroup2 file system mounted (cgroup v1 only)")
-        controllers = (_read(parent / "cgroup.controllers") or "").split()
-        if "memory" not in controllers:
+        v1 = None if self.parent is not None else cgroup1_memory_mount()
+        if parent is None and v1 is None:
+            raise CgroupUnavailable("no cgroup2 file system and no cgroup v1 memory hierarchy mounted")
+        controllers = (_read(parent / "cgroup.controllers") or "").split() if parent is not None else []
+        if "memory" not in controllers and v1 is not None:
+            return self._create_v1(v1)
+        if parent is None or "memory" not in controllers:
             raise CgroupUnavailable(
                 f"the memory controller is not available in {parent}/cgroup.controllers ({' '.join(controllers) or 'empty'}): "
                 "it is bound to a cgroup v1 hierarchy or not delegated here"
@@ -139,6 +159,30 @@ class MemoryCgroup:
             self.notes.append("no memory.peak (kernel < 5.19): only VmHWM is reported")
         return path
 
+    def _create_v1(self, root: Path) -> Path:
+        """cgroup v1: a group under the memory hierarchy's root with ``memory.limit_in_bytes``."""
+        if os.geteuid() != 0:
+            raise CgroupUnavailable("not root: cannot create cgroups under the cgroup v1 memory hierarchy")
+        path = root / f"{self.prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+        try:
+            path.mkdir()
+        except OSError as e:
+            raise CgroupUnavailable(f"cannot create {path}: {e.strerror}") from e
+        self.path = path
+        self.v1 = True
+        try:
+            _write(path / "memory.limit_in_bytes", str(self.limit_bytes))
+        except OSError as e:
+            self.remove()
+            raise CgroupUnavailable(f"cannot write {path}/memory.limit_in_bytes: {e.strerror}") from e
+        if (path / "memory.memsw.limit_in_bytes").exists():
+            try:  # memory + swap = memory: no escape into swap (limit_in_bytes must be set first)
+                _write(path / "memory.memsw.limit_in_bytes", str(self.limit_bytes))
+            except OSError:
+                self.notes.append("memory.memsw.limit_in_bytes not set")
+        self.notes.append("cgroup v1 memory controller (memory.limit_in_bytes)")
+        return path
+
     def enter_fn(self):
         """A ``preexec_fn``: the forked child writes ``0`` (itself) to ``cgroup.procs`` before ``exec``."""
         if self.path is None:
@@ -158,6 +202,16 @@ class MemoryCgroup:
         """``memory.peak`` / ``memory.current`` (bytes; None when absent) and ``memory.events`` counters."""
         assert self.path is not None
         out: dict = {"path": str(self.path), "limit_bytes": self.limit_bytes}
+        if self.v1:  # the same keys as v2: peak (page cache included), current, events max / oom_kill
+            def num(name: str) -> int | None:
+                txt = _read(self.path / name)  # type: ignore[operator]
+                return int(txt) if txt and txt.strip().isdigit() else None
+
+            oom = dict(line.split() for line in (_read(self.path / "memory.oom_control") or "").splitlines()
+                       if len(line.split()) == 2)
+            out.update(memory_peak=num("memory.max_usage_in_bytes"), memory_current=num("memory.usage_in_bytes"),
+                       events={"max": num("memory.failcnt") or 0, "oom_kill": int(oom.get("oom_kill", 0))})
+            return out
         for name in ("memory.peak", "memory.current"):
             txt = _read(self.path / name)
             out[name.replace(".", "_")] = int(txt) if txt and txt.strip().isdigit() else None
@@ -185,7 +239,11 @@ class MemoryCgroup:
                 try:  # only processes we started can be in it
                     _write(path / "cgroup.kill", "1")
                 except OSError:
-                    pass
+                    for pid in (_read(path / "cgroup.procs") or "").split():  # v1: no cgroup.kill
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except (ProcessLookupError, ValueError):
+                            pass
                 time.sleep(0.1)
         self.notes.append(f"could not remove {path}")
 
@@ -203,9 +261,10 @@ def probe(limit_bytes: int = 256 << 20) -> tuple[bool, str]:
         with MemoryCgroup(limit_bytes) as cg:
             where = str(cg.path.parent) if cg.path else "?"
             notes = "; ".join(cg.notes)
-        return True, f"cgroup v2 memory.max available under {where}" + (f" ({notes})" if notes else "")
+            kind = "cgroup v1 memory.limit_in_bytes" if cg.v1 else "cgroup v2 memory.max"
+        return True, f"{kind} available under {where}" + (f" ({notes})" if notes else "")
     except CgroupUnavailable as e:
-        return False, f"cgroup v2 memory limit unavailable: {e}"
+        return False, f"cgroup memory limit unavailable: {e}"
 
 
 @dataclass
@@ -251,7 +310,7 @@ def run_child(
         try:
             cg.create()
         except CgroupUnavailable as e:
-            return ChildResult(f"not run: cgroup v2 memory limit unavailable: {e}", None, False, False, 0.0, None,
+            return ChildResult(f"not run: cgroup memory limit unavailable: {e}", None, False, False, 0.0, None,
                                mem_limit_bytes, None, [])
         notes += cg.notes
     out_f = open(stdout, "wb") if stdout is not None else subprocess.DEVNULL  # noqa: SIM115

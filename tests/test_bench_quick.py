@@ -134,12 +134,30 @@ def test_cgroup_oom_reported(tmp_path: Path) -> None:
     assert (root / "cgroup.subtree_control").read_text() == "+memory"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating cgroups needs root")
+def test_cgroup_v1_group_reads_like_v2(tmp_path: Path) -> None:
+    """A cgroup v1 memory hierarchy (fake tree): the limit goes to memory.limit_in_bytes (and memsw: no swap), and
+    read() gives v2's keys: the peak from max_usage_in_bytes, max events from failcnt, oom_kill from oom_control."""
+    root = tmp_path / "memory"
+    root.mkdir()
+    cg = cgroup.MemoryCgroup(1 << 30)
+    path = cg._create_v1(root)
+    assert cg.v1 and (path / "memory.limit_in_bytes").read_text() == str(1 << 30)
+    (path / "memory.max_usage_in_bytes").write_text(str(700 << 20))
+    (path / "memory.usage_in_bytes").write_text(str(600 << 20))
+    (path / "memory.failcnt").write_text("12\n")
+    (path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    got = cg.read()
+    assert got["memory_peak"] == 700 << 20 and got["memory_current"] == 600 << 20
+    assert got["events"] == {"max": 12, "oom_kill": 1}
+
+
 def test_cgroup_unavailable_and_timeout(tmp_path: Path) -> None:
     root = tmp_path / "v1"
     root.mkdir()
     (root / "cgroup.controllers").write_text("cpu pids\n")
     r = cgroup.run_child(["true"], timeout_s=10, mem_limit_bytes=1 << 30, cgroup_parent=root)
-    assert r.status.startswith("not run: cgroup v2 memory limit unavailable") and r.returncode is None
+    assert r.status.startswith("not run: cgroup memory limit unavailable") and r.returncode is None
     r = cgroup.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
     assert r.timed_out and r.status == "timeout after 0.5 s" and r.returncode == -9
     assert r.wall_s < 10

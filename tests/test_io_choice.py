@@ -33,6 +33,25 @@ def test_page_cache_room_reads_meminfo_and_cgroup(tmp_path: Path) -> None:
     assert page_cache_room(proc=proc, cgroup_root=cg) == (1 << 30, "MemAvailable")
 
 
+@pytest.mark.parametrize("layout", ["host", "container"])
+def test_page_cache_room_reads_a_cgroup_v1_memory_group(tmp_path: Path, layout: str) -> None:
+    """A hybrid host (memory controller on cgroup v1): the hierarchical limit less the usage, under
+    {root}/memory{path} on the host or {root}/memory itself inside a container; no limit: MemAvailable."""
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemAvailable: 8388608 kB\n")
+    (proc / "self" / "cgroup").write_text("5:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n")
+    d = cg / "memory" / "docker" / "abc" if layout == "host" else cg / "memory"
+    d.mkdir(parents=True)
+    (d / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")  # its own limit; an ancestor's is smaller
+    (d / "memory.stat").write_text(f"cache 1\nhierarchical_memory_limit {3 << 30}\n")
+    (d / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    room, where = page_cache_room(proc=str(proc), cgroup_root=str(cg))
+    assert room == 2 << 30 and where.startswith("cgroup v1 /docker/abc"), where
+    (d / "memory.stat").write_text("hierarchical_memory_limit 9223372036854771712\n")
+    assert page_cache_room(proc=str(proc), cgroup_root=str(cg)) == (8 << 30, "MemAvailable")
+
+
 @pytest.mark.parametrize(("room", "want"), [(1, "direct"), (1 << 50, "mmap")])
 def test_auto_picks_direct_when_the_model_does_not_fit(room: int, want: str, ckpts: Checkpoints,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

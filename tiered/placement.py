@@ -75,8 +75,15 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
             what the GPU has free); an option :func:`tiered.load` would refuse (not a finite number, negative).
         RingTooSmallError: ``ring_gb <= 0``.
     """
-    from .api import (_buffers_counted, _check_options, _choose_host, _choose_host_experts, _choose_resident,
-                      _fits_whole, _gpu_budget)
+    from .api import (
+        _buffers_counted,
+        _check_options,
+        _choose_host,
+        _choose_host_experts,
+        _choose_resident,
+        _fits_whole,
+        _gpu_budget,
+    )
     from .errors import ConfigError
     from .experts import HostExperts, find_experts, route_out, slot_layout
     from .rows import row_eligible

@@ -77,9 +77,14 @@ def page_cache_room(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup")
     """Bytes the page cache can grow by before it must evict: min(MemAvailable, cgroup v2 memory.max -
     memory.current), and where the figure came from. (None, reason) when it cannot be read (not Linux).
 
-    A cgroup charges the page cache of the files its processes read (the cgroup v2 memory controller,
-    ``Documentation/admin-guide/cgroup-v2.rst``), so a model larger than this room is re-read from disk
-    on every pass through ``mmap``, and ``io="direct"`` (no page cache) serves it better.
+    On a host whose memory controller is on a cgroup v1 hierarchy (``N:memory:/path`` in ``/proc/self/cgroup``;
+    older Docker hosts), the limit is the group's ``hierarchical_memory_limit`` (``memory.stat``: the smallest
+    ``memory.limit_in_bytes`` of it and its ancestors) less ``memory.usage_in_bytes``, read under
+    ``{cgroup_root}/memory{path}`` (or ``{cgroup_root}/memory`` itself, as a container sees its own group).
+
+    A cgroup charges the page cache of the files its processes read (``Documentation/admin-guide/cgroup-v2.rst``;
+    v1: ``cgroup-v1/memory.rst``), so a model larger than this room is re-read from disk on every pass through
+    ``mmap``, and ``io="direct"`` (no page cache) serves it better.
     """
     room: int | None = None
     where = "unknown"
@@ -105,7 +110,41 @@ def page_cache_room(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup")
                     room, where = left, f"cgroup {path} memory.max={int(mx)}"
     except (OSError, ValueError):
         pass
+    v1 = _cgroup1_room(proc, cgroup_root)
+    if v1 is not None and (room is None or v1[0] < room):
+        room, where = v1
     return room, where
+
+
+def _cgroup1_room(proc: str, cgroup_root: str) -> tuple[int, str] | None:
+    """cgroup v1 memory controller: (limit - usage, where), or None (no v1 memory group, or no limit)."""
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            path = next((ln.strip().split(":", 2)[2] for ln in f
+                         if len(ln.split(":", 2)) == 3 and "memory" in ln.split(":", 2)[1].split(",")), None)
+        if path is None:
+            return None
+        for base in (f"{cgroup_root}/memory{path.rstrip('/')}", f"{cgroup_root}/memory"):
+            try:
+                with open(f"{base}/memory.usage_in_bytes") as f:
+                    cur = int(f.read().strip())
+            except OSError:
+                continue
+            limit = None
+            try:
+                with open(f"{base}/memory.stat") as f:
+                    limit = next((int(ln.split()[1]) for ln in f if ln.startswith("hierarchical_memory_limit ")), None)
+            except OSError:
+                pass
+            if limit is None:
+                with open(f"{base}/memory.limit_in_bytes") as f:
+                    limit = int(f.read().strip())
+            if limit >= 1 << 62:  # PAGE_COUNTER_MAX rounded to pages: no limit
+                return None
+            return max(0, limit - cur), f"cgroup v1 {path} memory.limit_in_bytes={limit}"
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 @dataclass
