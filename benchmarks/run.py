@@ -188,7 +188,9 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
              R("resharded", "tiered", "streamed", layout="resharded", cache="cold", opts=streamed, new_tokens=slow)]
     # O_DIRECT never uses the page cache: these are cold runs by nature (the cache is dropped anyway)
     runs += [R("io", "tiered", "streamed", io="direct", cache="cold", opts=streamed, new_tokens=slow),
-             R("io", "tiered", "streamed", io="direct", cache="cold", limit=True, opts=streamed, new_tokens=slow)]
+             R("io", "tiered", "streamed", io="direct", cache="cold", limit=True, opts=streamed, new_tokens=slow),
+             # what tiered picks itself under the limit (direct when the model cannot stay in the page cache room)
+             R("io", "tiered", "streamed", io="auto", cache="cold", limit=True, opts=streamed, new_tokens=slow)]
     # buffered reads on a cold disk (kernel readahead), with and without dropping what was copied from the page
     # cache (posix_fadvise DONTNEED: the cgroup never holds more page cache than is in flight); and a host tier
     # inside the limit (half the ring moved to pinned host memory)

@@ -66,7 +66,7 @@ class Spec:
     cpu_gb: float = 1.0  # accelerate: max_memory["cpu"]
     threads: int = 4  # tiered: reader threads
     prefetch: int = 2  # tiered: units of lookahead
-    io: str = "mmap"  # tiered: "mmap", "pread" or "direct"
+    io: str = "mmap"  # tiered: "mmap", "pread", "direct" or "auto"
     offload_folder: str | None = None  # accelerate / deepspeed scratch
     extra: dict[str, Any] = field(default_factory=dict)  # tiered: drop_page_cache, host_gb
 
@@ -266,6 +266,7 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     rd_s, h2d_b, h2d_s = s1["read_s"] - s0["read_s"], s1["h2d_bytes"] - s0["h2d_bytes"], s1["h2d_s"] - s0["h2d_s"]
     r.update({
         "model_gb": s1["model_bytes"] / 1e9,
+        "io_used": model._tiered.opts.io,  # what io="auto" resolved to
         "units": s1["units"],
         "resident_units": s1["resident_units"],
         "ring_gb": spec.ring_gb,
