@@ -197,9 +197,11 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
     runs += [R("io", "tiered", "streamed", io="pread", cache="cold", limit=True, opts=streamed, new_tokens=slow),
              R("io", "tiered", "streamed-drop", io="pread", cache="cold", limit=True,
                opts={**streamed, "drop_page_cache": True}, new_tokens=slow)]
-    if cuda:
-        runs += [R("io", "tiered", "streamed-host", io="direct", cache="cold", limit=True,
-                   opts={**streamed, "ring_gb": a.ring_gb / 2, "host_gb": a.ring_gb / 2}, new_tokens=slow)]
+    # the same host memory as the ring alone (and as accelerate's max_memory['cpu'] by default), split into a ring and
+    # a host tier (--host-gb; default half): on CUDA pinned and copied to the GPU, on the CPU computed in place
+    host = a.host_gb if a.host_gb is not None else a.ring_gb / 2
+    runs += [R("io", "tiered", "streamed-host", io="direct" if cuda else "auto", cache="cold", limit=True,
+               opts={**streamed, "ring_gb": a.ring_gb - host, "host_gb": host}, new_tokens=slow)]
     runs += [R("deepspeed", "deepspeed", "zero3-offload", new_tokens=slow)]
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
@@ -550,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-gb", type=float, default=None, help="tiered ring, GiB")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU budget of tiered streamed and accelerate, GiB")
     p.add_argument("--cpu-gb", type=float, default=None, help="accelerate max_memory['cpu'], GiB (default: = ring)")
+    p.add_argument("--host-gb", type=float, default=None,
+                   help="the streamed-host run's host tier, GiB, taken out of --ring-gb (default: half of it)")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of the limited runs (default: ring + 2)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")

@@ -507,7 +507,7 @@ def test_host_gb_invalid_values(ckpts, bad):
 
 
 @pytest.mark.parametrize("gb", [1, 0.5, 1e-9])
-def test_host_gb_on_cpu_is_refused_before_anything_starts(ckpts, monkeypatch, gb):
+def test_host_gb_on_cpu_with_distributed_is_refused_before_anything_starts(ckpts, monkeypatch, gb):
     import torch.distributed as tdist
 
     monkeypatch.setenv("RANK", "0")

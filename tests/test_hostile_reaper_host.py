@@ -896,10 +896,12 @@ def test_bad_host_gb_through_load_is_a_config_error(dirs, host_gb):
         tiered.load(dirs["llama"], device="cpu", ring_gb=1.0, host_gb=host_gb)
 
 
-def test_place_with_negative_or_zero_host_gb_takes_nothing(dirs):
-    for host_gb in (0, 0.0, -0.0, -1.0):
+def test_place_with_zero_host_gb_takes_nothing_and_refuses_a_negative_one(dirs):
+    for host_gb in (0, 0.0, -0.0):
         p, _ = _place(dirs["mixtral"], host_gb=host_gb)
         assert not p.host and p.host_bytes == 0 and p.host_expert_modules == 0 and p.host_expert_bytes == 0
+    with pytest.raises(ConfigError, match="host_gb"):  # as tiered.load refuses it
+        _place(dirs["mixtral"], host_gb=-1.0)
 
 
 def test_a_budget_for_all_units_and_experts_takes_every_expert_block(dirs):

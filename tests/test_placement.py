@@ -36,20 +36,22 @@ def _place(d, device="cpu", **kw):
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
-@pytest.mark.parametrize("ring_mb", [0.3, 1.0, 64.0])
-def test_cpu_placement_is_what_load_does(dirs, name, ring_mb):
+@pytest.mark.parametrize(("ring_mb", "host_mb"), [(0.3, 0), (1.0, 0), (64.0, 0), (0.3, 0.2), (1.0, 0.5)])
+def test_cpu_placement_is_what_load_does(dirs, name, ring_mb, host_mb):
     d = dirs[name]
     ring_gb = ring_mb * 2**20 / GiB
+    host_gb = host_mb * 2**20 / GiB
     try:
-        m = tiered.load(d, ring_gb=ring_gb, device="cpu", zero_copy=False)
+        m = tiered.load(d, ring_gb=ring_gb, device="cpu", zero_copy=False, host_gb=host_gb)
     except tiered.RingTooSmallError:
         pytest.skip("this ring is below a unit: nothing to compare")
     with m:
-        p, plan = _place(d, ring_gb=ring_gb, gpu_gb=None)
+        p, plan = _place(d, ring_gb=ring_gb, gpu_gb=None, host_gb=host_gb)
         st = m._tiered.streamer
+        assert set(p.host) == st.host_ids and (not host_mb or p.host or len(p.resident) == len(plan.units))
         assert set(p.resident) == st.resident_ids
         assert set(p.rows) == {rg.unit.index for rg in m._tiered.rows}
-        assert p.streamed == st.streamed
+        assert p.streamed == [i for i in st.streamed if i not in st.host_ids]  # the loader runs host units too
         assert p.expert_modules == tiered.stats(m).expert_modules
         assert [u.name for u in plan.units] == [u.name for u in m._tiered.plan.units]
 
@@ -163,8 +165,8 @@ def test_inspect_prints_placement_and_prediction(dirs):
     assert pl["predicted"]["warm_s_per_token"] > 0
     r = _cli("inspect", d)  # without placement options: as before
     assert r.returncode == 0 and "placement" not in r.stdout
-    r = _cli("inspect", d, "--host-gb", 1)  # the host tier is CUDA's: refused on the CPU, as `generate` refuses it
-    assert r.returncode == 2 and "--host-gb" in r.stderr and "--device cuda" in r.stderr, r.stderr
+    r = _cli("inspect", d, "--ring-gb", 0.0002, "--host-gb", 0.0002)  # the CPU host tier: units kept in host memory
+    assert r.returncode == 0 and "placement (cpu" in r.stdout and "-> host" in r.stdout, r.stdout + r.stderr
     if not torch.cuda.is_available():
         r = _cli("inspect", d, "--device", "cuda", "--ring-gb", 0.01)
         assert r.returncode == 2 and "--gpu-gb" in r.stderr, r.stderr

@@ -29,12 +29,14 @@ CHILD = textwrap.dedent(
     transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
     from tiered.stats import proc_status
     d, drop, io = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    host_gb = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     zero_copy = io != "mmap-ring"  # mmap: streamed units compute on the file mapping; mmap-ring: copied into the ring
     io = io.split("-")[0]
     torch.set_num_threads(2)
     ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
     base = proc_status()["VmRSS"]
-    model = tiered.load(d, ring_gb={RING_GB!r}, device="cpu", drop_pages=drop, threads=2, io=io, zero_copy=zero_copy)
+    model = tiered.load(d, ring_gb={RING_GB!r}, device="cpu", drop_pages=drop, threads=2, io=io, zero_copy=zero_copy,
+                        host_gb=host_gb)
     with torch.no_grad():
         for _ in range(2):
             logits = model(ids).logits
@@ -54,7 +56,8 @@ CHILD = textwrap.dedent(
                       "read": s["read_bytes"], "units": s["units"], "row_units": s["row_units"],
                       "units_streamed": s["units_streamed"],
                       "model": s["model_bytes"], "resident": s["resident_units"], "misses": s["misses"],
-                      "mapped": s["mapped_units"],
+                      "mapped": s["mapped_units"], "host_bytes": s["host_bytes"], "host_used": s["host_used_bytes"],
+                      "streamed": s["streamed_bytes"], "load": s["load_bytes"],
                       "nonzero": bool(logits.abs().sum() > 0)}}))
     """
 )
@@ -70,8 +73,8 @@ def tall_checkpoint() -> Path:
     return make_checkpoint(cache / "test-llama-tall-fp32", "llama-tall", dtype="fp32", quiet=True)
 
 
-def _run(d: Path, drop: bool, io: str = "mmap") -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if drop else "0", io], capture_output=True,
+def _run(d: Path, drop: bool, io: str = "mmap", host_gb: float = 0.0) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if drop else "0", io, str(host_gb)], capture_output=True,
                          text=True, cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -98,6 +101,23 @@ def test_peak_rss_bounded_by_ring(tall_checkpoint: Path, io: str) -> None:
     elif io == "mmap":
         assert r["ckpt_rss"] <= 2 * MiB, r
     assert (r["mapped"] > 0) == (io == "mmap"), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_cpu_host_tier_rss_bounded_by_ring_plus_host_gb(tall_checkpoint: Path, io: str) -> None:
+    """The CPU host tier (``host_gb``): units read once into host memory and computed in place. Peak RSS growth
+    stays under ring + host_gb + 200 MiB, and the passes read only what is not in the host tier."""
+    host_gb = 0.25
+    r = _run(tall_checkpoint, drop=True, io=io, host_gb=host_gb)
+    assert r["nonzero"] and r["resident"] == 0 and r["host_bytes"] > 0.8 * host_gb * GiB, r
+    growth = r["hwm"] - r["base"]
+    assert growth < (RING_GB + host_gb) * GiB + SLACK, f"peak RSS grew {growth / MiB:.0f} MiB: {r}"
+    # two passes: the host tier's units were read once (at load) and used twice; the rest was read every pass
+    assert r["load"] >= r["host_bytes"] - 4 * MiB and r["host_used"] >= 2 * r["host_bytes"] - 8 * MiB, r
+    # without the host tier two passes read 2 x model (+ what is prefetched for a third): with it, at least
+    # 1.5 x host_bytes less after load (a prefetched unit of the next pass may be read ahead too)
+    assert r["read"] - r["load"] <= 2 * r["model"] - 1.5 * r["host_bytes"], r
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ class Options:
     routed_experts: bool = True  # a streamed MoE block reads only the experts its router picked (tiered/experts.py)
     zero_copy: bool = True  # CPU, io="mmap": streamed units compute on views of the file mapping (no ring copy)
     distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
-    host_gb: float = 0.0  # CUDA: pinned host tier, GiB: streamed units read once, copied to the GPU from there
+    host_gb: float = 0.0  # host tier, GiB: streamed units read once and kept (CUDA: pinned, copied to the GPU)
     expert_cache_gb: float | None = None  # routed experts kept on the device (None: CUDA, what gpu_gb leaves; CPU 0)
 
 
@@ -655,7 +655,7 @@ def attach(
             row-streamed embedding never is.
         MissingTensorError / ShapeMismatchError: the checkpoint does not match the module.
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
-        ConfigError: an unknown device or io backend; a bad option value; ``host_gb`` off CUDA;
+        ConfigError: an unknown device or io backend; a bad option value;
             ``distributed`` outside ``torchrun`` or with ranks that built different plans.
         HostMemoryError: the ring or host tier is more than the host or cgroup can give.
     """
@@ -664,15 +664,14 @@ def attach(
     if distributed is not False and device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
-    if host_gb and dev.type != "cuda":
-        where = f"on device={dev}" if device is not None else "no CUDA device here, so device=cpu; there"
-        raise ConfigError(
-            f"host_gb={host_gb} is a pinned host tier for a GPU (CUDA only); {where} the ring is host memory "
-            "already: raise ring_gb >= the model's size instead (the whole model then stays in the ring)"
-        )
+    if host_gb and dev.type not in ("cuda", "cpu"):
+        raise ConfigError(f"host_gb={host_gb}: a host tier serves device=cuda or cpu, not {dev}")
     if dev.type == "cpu" and gpu_gb is not None:
         warnings.warn(f"gpu_gb={gpu_gb} has no effect on device=cpu: the ring (ring_gb) is the only memory there",
                       UserWarning, stacklevel=2)
+    if host_gb and distributed is not False and distributed is not None and dev.type == "cpu":  # before any rendezvous
+        raise ConfigError(f"host_gb={host_gb} with distributed on the CPU is not supported (each rank would hold a "
+                          "chunk that the all-gather overwrites): raise ring_gb, or pass host_gb=0")
     dist = _dist.resolve(distributed, dev)
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
@@ -763,8 +762,8 @@ def attach(
         if dist is not None:
             resident = _dist.from_rank0(dist, resident)
         rows = eligible - resident
-        mapped = mappable - resident
         host = _choose_host(plan, resident, rows, slot_need, host_gb)
+        mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
         specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
         host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host)) \
             if dev.type == "cuda" else []
@@ -774,17 +773,18 @@ def attach(
             avail, where = host_memory_available()  # the ring is pinned (and so counted) already
             if avail is not None and host_bytes + _headroom(dev) > avail:
                 raise HostMemoryError(
-                    f"host_gb={host_gb} pins {host_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB "
+                    f"host_gb={host_gb} takes {host_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB "
                     f"is available ({where}) beside the ring, and {_headroom(dev) >> 20} MiB is kept for the "
                     f"runtime; pass host_gb <= {max(0, avail - _headroom(dev)) / GiB:.3f}"
                 )
             try:
                 if host:
-                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host), pin=True)
+                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host), pin=dev.type == "cuda")
                 if host_experts:
                     h.host_experts = HostExperts([specs[i] for i in host_experts], dev)
             except (OSError, MemoryError) as e:
-                raise ConfigError(f"cannot pin a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") from None
+                raise ConfigError(f"cannot allocate a {host_bytes / GiB:.3f} GiB host tier ({e}); lower host_gb") \
+                    from None
         h.stats.model_bytes = plan.weight_bytes + sum(sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss)
         h.stats.units = len(plan.units)
         h.stats.resident_units = len(resident)
@@ -905,13 +905,15 @@ def load(
             it whole through the ring like any unit.
         distributed: under ``torchrun``, each rank reads and copies 1/N of every unit and the ranks
             all-gather it (NCCL between GPUs, gloo on the CPU); see :func:`attach` and ``tiered/dist.py``.
-        host_gb: CUDA only: GiB of pinned host memory (exact size, page-locked once) for a host tier:
-            streamed units (their 1/N chunks, distributed) read once at load and copied to the GPU from
-            there every pass, at the pinned H2D rate, touching neither disk nor page cache. Peak host RSS is
-            then bounded by ``ring_gb + host_gb`` plus a constant. Default 0: no host tier. What units leave
-            goes to routed MoE blocks, whole blocks at a time in forward order: all their experts are read once
-            at load, and each call copies only its routed experts to the GPU from there (no read after the
-            router; ``tiered.experts.HostExperts``).
+        host_gb: GiB of host memory (exact size) for a host tier: streamed units (their 1/N chunks, distributed)
+            read once at load and kept, spread over the execution order, touching neither disk nor page cache
+            again. On CUDA it is pinned, and each pass copies them to the GPU from there at the pinned H2D rate;
+            what units leave goes to routed MoE blocks, whole blocks at a time in forward order: all their
+            experts are read once at load, and each call copies only its routed experts to the GPU from there
+            (no read after the router; ``tiered.experts.HostExperts``). On the CPU the units compute in place
+            (as accelerate's ``max_memory["cpu"]`` keeps weights in RAM): ``ring_gb + host_gb`` is the memory
+            to compare with accelerate's. Peak host RSS is bounded by ``ring_gb + host_gb`` plus a constant.
+            Default 0: no host tier.
         routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
             router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
         expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):

@@ -210,9 +210,6 @@ def _experts_info(config, plan) -> dict | None:
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model_dir(parser, a.model_dir)
-    if a.host_gb and a.device == "cpu":  # as `generate` refuses it
-        _fail(parser, "--host-gb is a pinned host tier for a GPU: pass --device cuda (and --gpu-gb on a machine "
-                      "without one); on the CPU, raise --ring-gb instead")
     placement = None
     if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb:
         from .placement import GBPS
@@ -482,8 +479,6 @@ def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser)
         _fail(parser, "--chat formats text with the tokenizer's chat template; it cannot be used with --ids")
     if a.gpu_gb is not None and a.device == "cpu":
         _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
-    if a.host_gb and a.device == "cpu":
-        _fail(parser, "--host-gb is a pinned host tier for a GPU; with --device cpu raise --ring-gb instead")
 
 
 def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path, cfg: dict) -> tuple[Any, Any]:
@@ -746,9 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB of GPU memory for units kept resident plus the running unit's buffer, as accelerate's "
                    "max_memory counts; the prefetch buffers come on top (default: free memory - 4 GiB, all inside)")
     r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
-                   help="CUDA only: GiB of pinned host memory holding streamed units (then routed MoE blocks' "
-                   "experts), copied to the GPU from there every token without touching the disk (default 0: none; "
-                   "host RSS grows by it)")
+                   help="GiB of host memory holding streamed units, read once and kept: on CUDA pinned and copied to "
+                   "the GPU every token (then routed MoE blocks' experts too), on the CPU computed in place (as "
+                   "accelerate's max_memory['cpu']); no disk read for them after load (default 0: none; host RSS "
+                   "grows by it)")
     r.add_argument("--expert-cache-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="MoE models: GiB of routed experts kept on the device between tokens (default: on CUDA what "
                    "--gpu-gb leaves; 0: none)")
@@ -779,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                     help="GPU budget, GiB (default: the free memory of this machine's GPU - 4 GiB)")
     pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
-                    help="pinned host tier, GiB (default 0)")
+                    help="host tier, GiB (default 0; pinned on CUDA)")
     pg.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N", help="units of lookahead (default 2)")
     pg.add_argument("--disk-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
                     help="cold disk read rate (default 1.5: O_DIRECT on the project's H200 machine)")

@@ -104,7 +104,7 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
     eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
     resident = _choose_resident(plan, ring, dev, gpu_gb, prefetch, rows=eligible, slot_need=need)
     rows = eligible - resident
-    host = _choose_host(plan, resident, rows, need, host_gb) if dev.type == "cuda" else set()
+    host = _choose_host(plan, resident, rows, need, host_gb)
     streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
     p = Placement(str(dev), sorted(resident), sorted(host), streamed, sorted(rows))
     p.resident_bytes = sum(plan.units[i].nbytes for i in resident)

@@ -82,9 +82,9 @@ class CpuStage:
 
     def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
               io: IoPlan | None = None, keep: bool = False) -> Loaded:
-        assert not keep, "the host tier is CUDA-only"  # on the CPU the ring slot is the unit's memory
+        # the ring slot is the unit's memory; a host-tier slot (``keep``) stays allocated when the unit is released
         gather = io if io is not None and io.gathered else None
-        return Loaded(unit, views(unit, slot.view), slot=slot, io=gather, base=slot.view)
+        return Loaded(unit, views(unit, slot.view), slot=None if keep else slot, io=gather, base=slot.view)
 
     def gather(self, ld: Loaded) -> None:
         """Distributed: assemble the unit from every rank's chunk (gloo, blocking). Caller thread, once."""

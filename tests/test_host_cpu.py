@@ -1,0 +1,92 @@
+"""The host tier on the CPU (``host_gb``): streamed units read once into host memory and computed in place.
+
+Outputs bitwise equal to stock ``transformers`` with every reader backend; the host tier's units are read only at
+load and never again (a pass reads the rest); the placement spreads them over the execution order; memory: the RSS
+bound with ``host_gb`` is measured in a subprocess in ``tests/test_rss.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import Checkpoints, streaming_ring_gb
+from models import VOCAB
+
+import tiered
+from tiered.hostmem import page_up
+
+GiB = 1 << 30
+
+
+def _ids(batch: int = 2, seq: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _rings(d) -> tuple[float, float]:
+    """(ring_gb that streams, host_gb holding about half of what streams)."""
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        ring = streaming_ring_gb(probe)
+    with tiered.load(d, device="cpu", ring_gb=ring) as m:
+        st = m._tiered.streamer
+        streamed = sum(page_up(m._tiered.plan.units[i].nbytes) for i in st.streamed)
+    return ring, streamed / 2 / GiB
+
+
+@pytest.mark.parametrize("name", ["llama", "gptj", "mixtral"])
+@pytest.mark.parametrize("io", ["mmap", "direct", "mmap-ring"])
+def test_cpu_host_tier_equal_to_stock(ckpts: Checkpoints, name: str, io: str) -> None:
+    d = ckpts[name]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_gen = ref.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ring, host = _rings(d)
+    kw = {"io": "mmap", "zero_copy": False} if io == "mmap-ring" else {"io": io}
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, **kw)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT
+        pytest.skip(str(e))
+    with m, torch.no_grad():
+        s = tiered.stats(m)
+        st = m._tiered.streamer
+        assert s.host_units >= 1 and st.host_ids and not (st.host_ids & st.resident_ids)
+        assert not (st.host_ids & set(st.loader.mapped))  # computed on its own copy, not the mapping
+        assert s.host_bytes <= page_up(int(host * GiB))
+        assert torch.equal(m(ids).logits, want)
+        before = tiered.stats(m).snapshot()
+        assert torch.equal(m.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0), want_gen)
+        after = tiered.stats(m).snapshot()
+        assert after["host_used_bytes"] > before["host_used_bytes"]  # used every pass ...
+        assert after["load_bytes"] == before["load_bytes"]  # ... and never read again
+
+
+def test_cpu_host_tier_reads_less_per_pass(ckpts: Checkpoints) -> None:
+    """One forward: the bytes read after load drop by what the host tier holds."""
+    d = ckpts["llama"]
+    ring, host = _rings(d)
+    ids = _ids(1, 6)
+    got = {}
+    for h in (0.0, host):
+        with tiered.load(d, device="cpu", ring_gb=ring, host_gb=h, io="direct", prefetch=0) as m, torch.no_grad():
+            s0 = tiered.stats(m).snapshot()
+            m(ids)
+            s1 = tiered.stats(m).snapshot()
+            got[h] = (s1["read_bytes"] - s0["read_bytes"], sum(m._tiered.plan.units[i].src_bytes
+                                                                for i in m._tiered.streamer.host_ids))
+    (plain, _), (tiered_read, held) = got[0.0], got[host]
+    assert held > 0 and tiered_read == plain - held, got
+
+
+def test_host_tier_units_are_spread(ckpts: Checkpoints) -> None:
+    """Half the streamed bytes in the host tier: its units alternate with streamed ones (tiered.api._choose_host),
+    so the reader fetches a streamed unit while a host-tier one computes."""
+    d = ckpts["llama"]
+    ring, host = _rings(d)
+    with tiered.load(d, device="cpu", ring_gb=ring, host_gb=host) as m:
+        st = m._tiered.streamer
+        layers = [i for i in st.streamed if m._tiered.plan.units[i].name.startswith("model.layers.")]
+        marks = [i in st.host_ids for i in layers]
+        assert any(marks) and not all(marks)
+        assert not any(a and b for a, b in zip(marks, marks[1:], strict=False)) or sum(marks) > len(marks) / 2
