@@ -90,3 +90,22 @@ def test_host_tier_units_are_spread(ckpts: Checkpoints) -> None:
         marks = [i in st.host_ids for i in layers]
         assert any(marks) and not all(marks)
         assert not any(a and b for a, b in zip(marks, marks[1:], strict=False)) or sum(marks) > len(marks) / 2
+
+
+def test_cpu_host_tier_takes_routed_experts_after_its_units(ckpts: Checkpoints) -> None:
+    """A host budget beyond the streamed units holds whole MoE blocks' experts (read once at load); each call copies
+    its routed experts from there: no expert is read after load, outputs stay stock's."""
+    d = ckpts["mixtral"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_gen = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ring, _ = _rings(d)
+    with tiered.load(d, device="cpu", ring_gb=ring, host_gb=1.0) as m, torch.no_grad():
+        s = tiered.stats(m).snapshot()
+        assert s["expert_modules"] >= 2 and s["host_expert_modules"] == s["expert_modules"], s
+        assert torch.equal(m(ids).logits, want)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), want_gen)
+        after = tiered.stats(m).snapshot()
+        assert after["experts_read"] == s["experts_read"] and after["experts_from_host"] > 0, after

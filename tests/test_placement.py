@@ -142,7 +142,9 @@ def test_moe_host_tier_takes_units_then_whole_blocks_of_experts(dirs):
     assert predict(pa, g)["bytes_per_token"] == pytest.approx(predict(pu, g)["bytes_per_token"])
     assert predict(pa, g)["warm_s_per_token"] == pytest.approx(
         (pa.host_bytes + pa.routed_expert_bytes) / 50e9, rel=1e-9)
-    assert not _place(d, "cpu", ring_gb=0.001, gpu_gb=None)[0].host_expert_modules  # the host tier is CUDA's
+    assert not _place(d, "cpu", ring_gb=0.001, gpu_gb=None)[0].host_expert_modules  # host_gb=0: none
+    pc, _ = _place(d, "cpu", ring_gb=0.0002, gpu_gb=None, host_gb=1.0)  # on the CPU too: kept in host memory
+    assert not pc.streamed and pc.host_expert_modules == pc.expert_modules >= 2
 
 
 def _cli(*args):

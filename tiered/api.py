@@ -765,8 +765,7 @@ def attach(
         host = _choose_host(plan, resident, rows, slot_need, host_gb)
         mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
         specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
-        host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host)) \
-            if dev.type == "cuda" else []
+        host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host))
         if host or host_experts:
             host_bytes = sum(page_up(slot_need[i]) for i in host) + \
                 sum(HostExperts.bytes_for(specs[i]) for i in host_experts)

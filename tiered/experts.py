@@ -34,9 +34,10 @@ Memory: the compact tensors live for the call: ``U x`` expert bytes on the devic
 (CPU; a prefill that routes to every expert holds all of that block's experts for the call). CUDA adds
 the pinned staging buffer, allocated once (host RSS).
 
-The host tier (CUDA, ``host_gb`` left after its units): :class:`HostExperts` holds every expert of whole experts
-modules in pinned host memory, read once at load; step 2 is then an H2D copy of the routed experts from there
-on the compute stream (``Stats.experts_from_host``, ``host_expert_bytes``), with no read after the router.
+The host tier (``host_gb`` left after its units): :class:`HostExperts` holds every expert of whole experts modules in
+host memory (pinned on CUDA), read once at load; step 2 is then a copy of the routed experts from there (H2D on the
+compute stream on CUDA, a memcpy on the CPU; ``Stats.experts_from_host``, ``host_expert_bytes``), with no read
+after the router.
 
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
@@ -255,10 +256,11 @@ def expert_pairs(spec: ExpertSpec, todo: list[tuple[int, int]],
 
 
 class HostExperts:
-    """CUDA: the host tier's routed experts (``host_gb``). Every expert of each chosen experts module, read once at
-    load, cast as the module wants, into pinned host memory (one page-locked mapping, a ``(E, ...)`` region per
-    part, page-aligned); a call then copies its routed experts to the GPU from there (H2D on the compute stream,
-    at the pinned rate: no disk, no page cache, no staging, no reader thread), instead of reading them.
+    """The host tier's routed experts (``host_gb``). Every expert of each chosen experts module, read once at load,
+    cast as the module wants, into host memory (one mapping, page-locked on CUDA, a ``(E, ...)`` region per part,
+    page-aligned); a call then copies its routed experts from there — to the GPU (H2D on the compute stream, at the
+    pinned rate), or on the CPU into the call's compact tensors (a memcpy) — with no disk, no page cache, no staging
+    and no reader thread, instead of reading them.
 
     Memory: host RSS grows by :meth:`bytes_for` of each module (counted in ``host_gb``), allocated once.
 
@@ -273,7 +275,7 @@ class HostExperts:
     def __init__(self, specs: list[ExpertSpec], device: torch.device) -> None:
         self.specs = specs
         self.device = device
-        self.ring = Ring(sum(self.bytes_for(sp) for sp in specs), pin=device.type == "cuda")  # CPU: tests only
+        self.ring = Ring(sum(self.bytes_for(sp) for sp in specs), pin=device.type == "cuda")
         self._parts: dict[str, list[torch.Tensor]] = {}
         for sp in specs:
             views = []

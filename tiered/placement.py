@@ -118,12 +118,11 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         p.expert_modules = len(specs)
         p.experts_total = sum(sp.num_experts for sp in specs)
         p.routed_expert_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in specs)
-        if dev.type == "cuda":
-            left = int(host_gb * GiB) - sum(page_up(need[i]) for i in host)
-            in_host = [specs[i] for i in _choose_host_experts(specs, left)]
-            p.host_expert_modules = len(in_host)
-            p.host_expert_bytes = sum(HostExperts.bytes_for(sp) for sp in in_host)
-            p.routed_host_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in in_host)
+        left = int(host_gb * GiB) - sum(page_up(need[i]) for i in host)
+        in_host = [specs[i] for i in _choose_host_experts(specs, left)]
+        p.host_expert_modules = len(in_host)
+        p.host_expert_bytes = sum(HostExperts.bytes_for(sp) for sp in in_host)
+        p.routed_host_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in in_host)
         slot = max(slot_layout(sp)[1] for sp in specs)
         if expert_cache_gb is not None:
             room = int(expert_cache_gb * GiB)
