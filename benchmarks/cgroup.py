@@ -139,17 +139,7 @@ class MemoryCgroup:
             except OSError as e:
                 why = "processes live in it (no-internal-process rule)" if e.errno == errno.EBUSY else e.strerror
                 raise CgroupUnavailable(f"cannot enable +memory in {parent}/cgroup.subtree_control: {why}") from e
-        path = parent / f"{self.prefix}-{os.getpid()}-{secrets.token_hex(3)}"
-        try:
-            path.mkdir()
-        except OSError as e:
-            raise CgroupUnavailable(f"cannot create {path}: {e.strerror}") from e
-        self.path = path
-        try:
-            _write(path / "memory.max", str(self.limit_bytes))
-        except OSError as e:
-            self.remove()
-            raise CgroupUnavailable(f"cannot write {path}/memory.max: {e.strerror}") from e
+        path = self._make_group(parent, "memory.max")
         for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
             try:
                 _write(path / name, value)
@@ -159,22 +149,27 @@ class MemoryCgroup:
             self.notes.append("no memory.peak (kernel < 5.19): only VmHWM is reported")
         return path
 
-    def _create_v1(self, root: Path) -> Path:
-        """cgroup v1: a group under the memory hierarchy's root with ``memory.limit_in_bytes``."""
-        if os.geteuid() != 0:
-            raise CgroupUnavailable("not root: cannot create cgroups under the cgroup v1 memory hierarchy")
-        path = root / f"{self.prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+    def _make_group(self, parent: Path, limit_file: str) -> Path:
+        """Create this run's group under ``parent`` and write the limit to ``limit_file``; sets :attr:`path`."""
+        path = parent / f"{self.prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         try:
             path.mkdir()
         except OSError as e:
             raise CgroupUnavailable(f"cannot create {path}: {e.strerror}") from e
         self.path = path
-        self.v1 = True
         try:
-            _write(path / "memory.limit_in_bytes", str(self.limit_bytes))
+            _write(path / limit_file, str(self.limit_bytes))
         except OSError as e:
             self.remove()
-            raise CgroupUnavailable(f"cannot write {path}/memory.limit_in_bytes: {e.strerror}") from e
+            raise CgroupUnavailable(f"cannot write {path}/{limit_file}: {e.strerror}") from e
+        return path
+
+    def _create_v1(self, root: Path) -> Path:
+        """cgroup v1: a group under the memory hierarchy's root with ``memory.limit_in_bytes``."""
+        if os.geteuid() != 0:
+            raise CgroupUnavailable("not root: cannot create cgroups under the cgroup v1 memory hierarchy")
+        self.v1 = True
+        path = self._make_group(root, "memory.limit_in_bytes")
         if (path / "memory.memsw.limit_in_bytes").exists():
             try:  # memory + swap = memory: no escape into swap (limit_in_bytes must be set first)
                 _write(path / "memory.memsw.limit_in_bytes", str(self.limit_bytes))

@@ -23,6 +23,13 @@ def _ids(batch: int = 2, seq: int = 9, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def _stock(d, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock ``from_pretrained``'s logits for ``ids`` and its ``n`` greedy tokens."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        return ref(ids).logits, ref.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
 def _rings(d) -> tuple[float, float]:
     """(ring_gb that streams, host_gb holding about half of what streams)."""
     with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
@@ -37,11 +44,8 @@ def _rings(d) -> tuple[float, float]:
 @pytest.mark.parametrize("io", ["mmap", "direct", "mmap-ring"])
 def test_cpu_host_tier_equal_to_stock(ckpts: Checkpoints, name: str, io: str) -> None:
     d = ckpts[name]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     ids = _ids()
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_gen = ref.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want, want_gen = _stock(d, ids, 5)
     ring, host = _rings(d)
     kw = {"io": "mmap", "zero_copy": False} if io == "mmap-ring" else {"io": io}
     try:
@@ -96,11 +100,8 @@ def test_cpu_host_tier_takes_routed_experts_after_its_units(ckpts: Checkpoints) 
     """A host budget beyond the streamed units holds whole MoE blocks' experts (read once at load); each call copies
     its routed experts from there: no expert is read after load, outputs stay stock's."""
     d = ckpts["mixtral"]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     ids = _ids()
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_gen = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want, want_gen = _stock(d, ids, 4)
     ring, _ = _rings(d)
     with tiered.load(d, device="cpu", ring_gb=ring, host_gb=1.0) as m, torch.no_grad():
         s = tiered.stats(m).snapshot()
