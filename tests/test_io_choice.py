@@ -10,6 +10,7 @@ from conftest import Checkpoints
 
 import tiered
 import tiered.api
+from tiered.hostmem import host_memory_available
 from tiered.stats import page_cache_room
 
 
@@ -44,10 +45,13 @@ def test_page_cache_room_reads_a_cgroup_v1_memory_group(tmp_path: Path, layout: 
     d = cg / "memory" / "docker" / "abc" if layout == "host" else cg / "memory"
     d.mkdir(parents=True)
     (d / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")  # its own limit; an ancestor's is smaller
-    (d / "memory.stat").write_text(f"cache 1\nhierarchical_memory_limit {3 << 30}\n")
+    (d / "memory.stat").write_text(f"cache 1\nhierarchical_memory_limit {3 << 30}\ntotal_cache {256 << 20}\n")
     (d / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
     room, where = page_cache_room(proc=str(proc), cgroup_root=str(cg))
     assert room == 2 << 30 and where.startswith("cgroup v1 /docker/abc"), where
+    # what the process can still take without an OOM kill: the room plus the group's reclaimable page cache
+    avail, where = host_memory_available(proc=str(proc), cgroup_root=str(cg))
+    assert avail == (2 << 30) + (256 << 20) and where.startswith("cgroup v1"), where
     (d / "memory.stat").write_text("hierarchical_memory_limit 9223372036854771712\n")
     assert page_cache_room(proc=str(proc), cgroup_root=str(cg)) == (8 << 30, "MemAvailable")
 

@@ -67,12 +67,41 @@ def _read(path: str) -> str | None:
         return None
 
 
+def cgroup1_memory(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> dict | None:
+    """This process's cgroup v1 memory group, when it has a limit: ``limit`` (``hierarchical_memory_limit`` of
+    ``memory.stat``: the smallest ``memory.limit_in_bytes`` of it and its ancestors), ``usage``
+    (``memory.usage_in_bytes``, page cache included), ``cache`` (``memory.stat``'s ``total_cache``: its reclaimable
+    page cache), all bytes, and ``path``. Read under ``{cgroup_root}/memory{path}`` (a host) or
+    ``{cgroup_root}/memory`` (a container sees its own group there). None: no v1 memory group, or no limit."""
+    cg = _read(f"{proc}/self/cgroup") or ""
+    path = next((ln.strip().split(":", 2)[2] for ln in cg.splitlines()
+                 if len(ln.split(":", 2)) == 3 and "memory" in ln.split(":", 2)[1].split(",")), None)
+    if path is None:
+        return None
+    for base in (f"{cgroup_root}/memory{path.rstrip('/')}", f"{cgroup_root}/memory"):
+        usage = (_read(f"{base}/memory.usage_in_bytes") or "").strip()
+        if not usage.isdigit():
+            continue
+        stat = {k: int(v) for k, _, v in (ln.partition(" ") for ln in (_read(f"{base}/memory.stat") or "").splitlines())
+                if v.strip().isdigit()}
+        limit = stat.get("hierarchical_memory_limit")
+        if limit is None:
+            txt = (_read(f"{base}/memory.limit_in_bytes") or "").strip()
+            limit = int(txt) if txt.isdigit() else None
+        if limit is None or limit >= 1 << 62:  # PAGE_COUNTER_MAX rounded to pages: no limit
+            return None
+        return {"limit": limit, "usage": int(usage), "cache": stat.get("total_cache", stat.get("cache", 0)),
+                "path": path}
+    return None
+
+
 def host_memory_available(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> tuple[int | None, str]:
     """Bytes of memory this process can still take without an OOM kill, and where the figure came from.
 
     The least of ``MemAvailable`` (``/proc/meminfo``: free plus reclaimable page cache) and, for the
     process's cgroup v2 and each of its parents with a limit, ``memory.max - memory.current + file``
-    (``memory.stat``'s ``file``: page cache the group can reclaim; ``Documentation/admin-guide/cgroup-v2.rst``).
+    (``memory.stat``'s ``file``: page cache the group can reclaim; ``Documentation/admin-guide/cgroup-v2.rst``);
+    on a cgroup v1 memory hierarchy, the limit less the usage plus ``total_cache`` (:func:`cgroup1_memory`).
     ``(None, "unknown")`` when nothing can be read (not Linux).
     """
     best: int | None = None
@@ -97,4 +126,9 @@ def host_memory_available(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cg
         if path in ("", "/"):
             break
         path = path.rstrip("/").rpartition("/")[0] or "/"
+    v1 = cgroup1_memory(proc=proc, cgroup_root=cgroup_root)
+    if v1 is not None:
+        left = max(0, v1["limit"] - v1["usage"] + v1["cache"])
+        if best is None or left < best:
+            best, where = left, f"cgroup v1 {v1['path']} memory.limit_in_bytes={v1['limit']}"
     return best, where

@@ -118,33 +118,12 @@ def page_cache_room(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup")
 
 def _cgroup1_room(proc: str, cgroup_root: str) -> tuple[int, str] | None:
     """cgroup v1 memory controller: (limit - usage, where), or None (no v1 memory group, or no limit)."""
-    try:
-        with open(f"{proc}/self/cgroup") as f:
-            path = next((ln.strip().split(":", 2)[2] for ln in f
-                         if len(ln.split(":", 2)) == 3 and "memory" in ln.split(":", 2)[1].split(",")), None)
-        if path is None:
-            return None
-        for base in (f"{cgroup_root}/memory{path.rstrip('/')}", f"{cgroup_root}/memory"):
-            try:
-                with open(f"{base}/memory.usage_in_bytes") as f:
-                    cur = int(f.read().strip())
-            except OSError:
-                continue
-            limit = None
-            try:
-                with open(f"{base}/memory.stat") as f:
-                    limit = next((int(ln.split()[1]) for ln in f if ln.startswith("hierarchical_memory_limit ")), None)
-            except OSError:
-                pass
-            if limit is None:
-                with open(f"{base}/memory.limit_in_bytes") as f:
-                    limit = int(f.read().strip())
-            if limit >= 1 << 62:  # PAGE_COUNTER_MAX rounded to pages: no limit
-                return None
-            return max(0, limit - cur), f"cgroup v1 {path} memory.limit_in_bytes={limit}"
-    except (OSError, ValueError):
+    from .hostmem import cgroup1_memory
+
+    g = cgroup1_memory(proc=proc, cgroup_root=cgroup_root)
+    if g is None:
         return None
-    return None
+    return max(0, g["limit"] - g["usage"]), f"cgroup v1 {g['path']} memory.limit_in_bytes={g['limit']}"
 
 
 @dataclass
