@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import Checkpoints
 
 import tiered
@@ -72,3 +73,34 @@ def test_mmap_under_a_small_cgroup_warns(ckpts: Checkpoints, monkeypatch: pytest
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # plain RAM pressure: no warning
         tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
+
+
+def test_auto_keeps_a_page_cache_tier_in_the_room_the_limit_leaves(ckpts: Checkpoints,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """io="auto" picked O_DIRECT (the model does not fit the page-cache room) on the CPU: the units that fit in the
+    room left after the ring compute on the file mapping, so their pages stay in the page cache; the rest is read
+    O_DIRECT. Outputs are stock's; a pass reads from disk only what is outside the tier; no room, no tier."""
+    import transformers
+
+    d = ckpts["llama"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+    from tiered.format import open_checkpoint
+
+    total = open_checkpoint(d).nbytes  # what io="auto" compares with the room
+    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    seen = {}
+    for room in (total - 1, 1):  # just too small for the checkpoint: some units in the tier; no room: none
+        monkeypatch.setattr(tiered.api, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
+        with tiered.load(d, device="cpu", ring_gb=0.0002, io="auto") as m, torch.no_grad():
+            s = tiered.stats(m)
+            assert m._tiered.reader.io == "direct"
+            st = m._tiered.streamer
+            tier = set(st.loader.mapped)
+            assert s.page_cache_units == len(tier) and tier <= set(st.streamed)
+            assert torch.equal(m(ids).logits, want)
+            seen[room] = (len(tier), s.page_cache_bytes)
+    assert seen[total - 1][0] >= 1 and 0 < seen[total - 1][1] < total
+    assert seen[1] == (0, 0)

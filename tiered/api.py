@@ -47,6 +47,9 @@ CUDA_HOST_HEADROOM_BYTES = 896 << 20
 
 #: CUDA: the smallest piece a unit larger than the ring is read in (two must fit the ring).
 MIN_PIECE_BYTES = 4 << 20
+#: io="auto" on the CPU: page cache kept free beside the page-cache tier (:func:`_choose_page_cache_tier`) for the
+#: runtime's own file pages (libraries, the tokenizer) and what the limit's accounting leaves out.
+PAGE_CACHE_MARGIN_BYTES = 128 << 20
 
 #: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
 GPU_HEADROOM_BYTES = 4 * GiB
@@ -588,6 +591,37 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
     return host if used >= held else first
 
 
+def _page_cache_reserve(threads: int) -> int:
+    """Bytes of the page-cache room the page-cache tier leaves alone: the reader's O_DIRECT staging (``threads`` x
+    ``DIRECT_CHUNK``) and :data:`PAGE_CACHE_MARGIN_BYTES`."""
+    from .reader import DIRECT_CHUNK
+
+    return threads * DIRECT_CHUNK + PAGE_CACHE_MARGIN_BYTES
+
+
+def _choose_page_cache_tier(plan: Plan, taken: set[int], slot_need: list[int], ring_bytes: int, host_gb: float,
+                            threads: int) -> set[int]:
+    """``io="auto"`` on the CPU when it picked O_DIRECT (the model does not fit the page-cache room): streamed units
+    that compute on the file mapping (zero copy) instead of being read O_DIRECT, within the page cache the limit
+    still leaves once the ring and the host tier are filled, spread over the execution order (as the host tier).
+    Their pages stay in the page cache between passes — the other units' O_DIRECT reads never enter it, so nothing
+    cycles it out — and a pass reads only the rest from disk: the cgroup's spare memory, which a model larger than
+    it would otherwise thrash through, becomes a tier of its own. Page cache is reclaimable, so a wrong estimate
+    costs re-reads (page faults), never an OOM kill. Kept out of it: what the running unit maps, the reader's O_DIRECT
+    staging and :data:`PAGE_CACHE_MARGIN_BYTES`."""
+    room, _ = page_cache_room()
+    if room is None:
+        return set()
+    cands = [u for u in plan.units if u.index not in taken and zero_copy_eligible(u)]
+    if not cands:
+        return set()
+    spare = room - ring_bytes - int(host_gb * GiB) - max(page_up(u.nbytes) for u in cands) - _page_cache_reserve(threads)
+    if spare <= 0:
+        return set()
+    others = {u.index for u in plan.units} - {u.index for u in cands}
+    return _choose_host(plan, others, set(), slot_need, spare / GiB)
+
+
 def _choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
     """Routed experts modules (indices into ``specs``, forward order) whose every expert goes into the host tier
     with the ``left`` bytes the host tier's units leave (each module's parts page-rounded, as
@@ -679,6 +713,7 @@ def attach(
                    expert_cache_gb=expert_cache_gb)
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
+    auto_io = io == "auto"
     io = _choose_io(io, ckpt)
     opts = dataclasses.replace(opts, io=io)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
@@ -764,6 +799,11 @@ def attach(
         rows = eligible - resident
         host = _choose_host(plan, resident, rows, slot_need, host_gb)
         mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
+        if auto_io and io == "direct" and dev.type == "cpu" and zero_copy and dist is None and drop_pages:
+            cached = _choose_page_cache_tier(plan, resident | host | rows, slot_need, ring_bytes, host_gb, threads)
+            mapped |= cached
+            h.stats.page_cache_units = len(cached)
+            h.stats.page_cache_bytes = sum(plan.units[i].src_bytes for i in cached)
         specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
         host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host))
         if host or host_experts:

@@ -157,6 +157,9 @@ class Stats:
         ``snapshot()["dense_bytes"]`` is ``streamed_bytes`` less expert and embedding bytes.
     mapped_units: CPU zero copy: streamed units that compute on views of the checkpoint's file mapping (no
         ring copy; their bytes still count in ``read_bytes`` and ``streamed_bytes`` when a pass uses them).
+    page_cache_units, page_cache_bytes: ``io="auto"`` on the CPU when it picked O_DIRECT: streamed units (of
+        ``mapped_units``) kept computing on the file mapping so that their pages stay in the page cache room the
+        limit leaves (``tiered.api._choose_page_cache_tier``); the rest is read O_DIRECT.
     piece_units: CUDA: units larger than the ring, read through it in pieces into one full-size device buffer.
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
         pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
@@ -193,6 +196,8 @@ class Stats:
     expert_cache_misses: int = 0
     expert_modules: int = 0
     mapped_units: int = 0
+    page_cache_units: int = 0
+    page_cache_bytes: int = 0
     piece_units: int = 0
     ring_bytes: int = 0
     ring_high_water: int = 0
