@@ -110,3 +110,20 @@ def test_cpu_host_tier_takes_routed_experts_after_its_units(ckpts: Checkpoints) 
         assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), want_gen)
         after = tiered.stats(m).snapshot()
         assert after["experts_read"] == s["experts_read"] and after["experts_from_host"] > 0, after
+
+
+def test_cpu_host_tier_memory_check_counts_the_ring(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the ring is untouched anonymous memory that MemAvailable does not see yet: a ring and a host tier
+    that each fit what is available but not together are refused (HostMemoryError), not OOM-killed later."""
+    import tiered.api as api
+
+    d = ckpts["llama"]
+    ring, host = _rings(d)
+    ring_bytes, host_bytes = page_up(int(ring * GiB)), page_up(int(host * GiB))
+    spare = max(ring_bytes, host_bytes) + 4096  # each fits, the two do not
+    monkeypatch.setattr(api, "host_memory_available", lambda: (api.HOST_HEADROOM_BYTES + spare, "simulated"))
+    with pytest.raises(tiered.HostMemoryError, match="host_gb"):
+        tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, io="pread")
+    monkeypatch.setattr(api, "host_memory_available",
+                        lambda: (api.HOST_HEADROOM_BYTES + ring_bytes + host_bytes + (1 << 20), "simulated"))
+    tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, io="pread").close()  # both fit: fine

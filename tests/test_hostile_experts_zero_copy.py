@@ -655,16 +655,17 @@ print(json.dumps({"growth": proc_status()["VmHWM"] - base, "experts": s["expert_
 
 
 def test_rss_bound_with_routed_experts_one_token(tmp_path):
-    """fp32 Mixtral, 16 experts of 1.5 MiB x 4 layers (96 MiB of experts): three one-token passes may hold 2 experts
-    per call, so peak RSS growth stays far below the experts' total."""
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    """fp32 Mixtral, 16 experts of 3 MiB x 4 layers (192 MiB of experts): three one-token passes may hold 2 experts
+    per call, so peak RSS growth stays far below the experts' total (the runtime's own growth on a first forward,
+    thread stacks and allocator arenas included, measured 37-50 MiB on the 2-core CI machine)."""
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=16,
                                      num_experts_per_tok=2, max_position_embeddings=64)
     d = tmp_path / "big_moe"
     models.save_model(transformers.MixtralForCausalLM(cfg), d, seed=1, dtype=torch.float32, max_shard_size="8MB")
     total = sum(p.stat().st_size for p in d.glob("*.safetensors"))
-    assert total > 90 << 20
-    out = _child(RSS_CHILD, str(d), str(4 / 1024))  # 4 MiB ring: well below one layer (24 MiB of experts)
+    assert total > 180 << 20
+    out = _child(RSS_CHILD, str(d), str(4 / 1024))  # 4 MiB ring: well below one layer (48 MiB of experts)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["experts"] == 4 and r["read"] <= 3 * 4 * 2, r

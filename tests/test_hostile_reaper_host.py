@@ -602,6 +602,9 @@ def _fill_interrupted(m):
     raised, running = False, 0
     callbacks = gc.callbacks[:]  # other libraries' gc callbacks would swallow the interrupt (see above)
     gc.callbacks.clear()
+    # Python's own SIGINT handler (raises KeyboardInterrupt): a process started in the background of a
+    # non-interactive shell (a CI job under `cmd &`) inherits SIGINT ignored, and Python then installs none
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         hx.fill(h.reader, h.stats)
     except KeyboardInterrupt:
@@ -609,6 +612,7 @@ def _fill_interrupted(m):
             running = inflight[0]
         raised = True
     finally:
+        signal.signal(signal.SIGINT, old)
         gc.callbacks[:] = callbacks
         sent.set()
         assert _wait(lambda: inflight[0] == 0, 30)
@@ -890,7 +894,8 @@ def test_more_host_budget_never_puts_fewer_bytes_in_the_host_tier_through_place(
     assert not drops, f"more host_gb, fewer bytes in the host tier (budget, bytes, budget, bytes): {drops}"
 
 
-@pytest.mark.parametrize("host_gb", [-1, -0.5, -1e-9, float("nan"), float("inf"), float("-inf"), "1", True, None])
+@pytest.mark.parametrize("host_gb", [-1, -0.5, -1e-9, float("nan"), float("inf"), float("-inf"), "1", True, None,
+                                     1e300])  # 1e300 GiB overflows a byte count: refused, not an OverflowError
 def test_bad_host_gb_through_load_is_a_config_error(dirs, host_gb):
     with pytest.raises(ConfigError, match="host_gb"):
         tiered.load(dirs["llama"], device="cpu", ring_gb=1.0, host_gb=host_gb)

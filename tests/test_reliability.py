@@ -815,6 +815,7 @@ m = tiered.load(d, device="cpu", ring_gb=ring)
 with torch.no_grad():
     want = m(ids).logits
 main = threading.main_thread().ident
+signal.signal(signal.SIGINT, signal.default_int_handler)  # inherited SIG_IGN (a background CI job) would drop it
 for k in range(8):  # a real SIGINT, delivered the moment the main thread enters `target`
     armed = [True]
     def tracer(frame, event, arg):
@@ -932,6 +933,7 @@ m = tiered.load(d, device="cpu", ring_gb=ring)
 with torch.no_grad():
     m(torch.tensor([[1, 2, 3]]))
 main = threading.main_thread().ident
+signal.signal(signal.SIGINT, signal.default_int_handler)  # inherited SIG_IGN (a background CI job) would drop it
 armed = [True]
 def tracer(frame, event, arg):
     if event == "call" and frame.f_code.co_name == target and armed[0]:

@@ -339,7 +339,8 @@ def _unit_hooks(s: Streamer, i: int, *, root: bool) -> tuple[Any, Any]:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int/float (not a bool) whose GiB still converts to a whole number of bytes (1e300 GiB does not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and math.isfinite(x * GiB)
 
 
 def _check_options(*, ring_gb: object, prefetch: object, threads: object, gpu_gb: object, io: object,
@@ -809,12 +810,16 @@ def attach(
         if host or host_experts:
             host_bytes = sum(page_up(slot_need[i]) for i in host) + \
                 sum(HostExperts.bytes_for(specs[i]) for i in host_experts)
-            avail, where = host_memory_available()  # the ring is pinned (and so counted) already
-            if avail is not None and host_bytes + _headroom(dev) > avail:
+            avail, where = host_memory_available()
+            # a pinned ring (CUDA) is counted in what is available already; the CPU's is untouched anonymous memory
+            # that no figure sees yet, so it counts here
+            ring_unseen = h.ring.size if dev.type == "cpu" else 0
+            if avail is not None and host_bytes + ring_unseen + _headroom(dev) > avail:
                 raise HostMemoryError(
-                    f"host_gb={host_gb} takes {host_bytes / GiB:.3f} GiB of host memory but only {avail / GiB:.3f} GiB "
-                    f"is available ({where}) beside the ring, and {_headroom(dev) >> 20} MiB is kept for the "
-                    f"runtime; pass host_gb <= {max(0, avail - _headroom(dev)) / GiB:.3f}"
+                    f"host_gb={host_gb} takes {host_bytes / GiB:.3f} GiB of host memory but only "
+                    f"{max(0, avail - ring_unseen) / GiB:.3f} GiB is available ({where}) beside the ring, and "
+                    f"{_headroom(dev) >> 20} MiB is kept for the runtime; pass host_gb <= "
+                    f"{max(0, avail - ring_unseen - _headroom(dev)) / GiB:.3f}"
                 )
             try:
                 if host:

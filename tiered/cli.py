@@ -303,7 +303,8 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   + (f"; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
                      f"{pl['expert_hit_rate']:.0%} if routing is uniform)" if pl["device"] != "cpu" else "")
                   + (f"; {pl['host_expert_modules']} blocks' experts in the host tier "
-                     f"({pl['host_expert_bytes'] / GiB:.3g} GiB pinned, copied from there)"
+                     f"({pl['host_expert_bytes'] / GiB:.3g} GiB{' pinned' if pl['device'] != 'cpu' else ''}, copied "
+                     f"from there)"
                      if pl["host_expert_modules"] else ""))
         pr = pl["predicted"]
         if pr:

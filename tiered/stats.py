@@ -161,9 +161,10 @@ class Stats:
         ``mapped_units``) kept computing on the file mapping so that their pages stay in the page cache room the
         limit leaves (``tiered.api._choose_page_cache_tier``); the rest is read O_DIRECT.
     piece_units: CUDA: units larger than the ring, read through it in pieces into one full-size device buffer.
-    host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into
-        pinned host memory (``host_bytes``, also in ``load_bytes``) and copied to the GPU from there on every
-        pass (``host_used_bytes``: their bytes the passes used; not disk reads, so not in ``streamed_bytes``).
+    host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into host
+        memory (pinned on CUDA; ``host_bytes``, page-rounded, also in ``load_bytes``) and copied to the GPU from there
+        on every pass, or on the CPU computed in place (``host_used_bytes``: their bytes the passes used; not disk
+        reads, so not in ``streamed_bytes``).
         ``host_expert_modules``: routed experts modules whose every expert is in the host tier too (in
         ``host_bytes``); a call copies its ``experts_from_host`` experts (``host_expert_bytes``, also in
         ``host_used_bytes``) to the GPU from there instead of reading them (not in ``experts_read``).
@@ -336,7 +337,7 @@ class Stats:
         if s["host_units"] or s["host_expert_modules"]:
             held = f"{s['host_units']} units" + (f" + the experts of {s['host_expert_modules']} MoE blocks"
                                                  if s["host_expert_modules"] else "")
-            parts.append(f"host tier {held}, {gib(s['host_bytes'])} pinned, "
+            parts.append(f"host tier {held}, {gib(s['host_bytes'])}{' pinned' if s['h2d_bytes'] else ''}, "
                          f"{gb(s['host_used_bytes'])} used by passes")
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
