@@ -939,8 +939,10 @@ def load(
             no file page is mapped into the process), ``"direct"`` (``O_DIRECT`` reads: no page cache at all;
             cold-cache and cgroup use)
             or ``"auto"`` (``direct`` when the checkpoint is larger than the page cache can hold:
-            MemAvailable or the cgroup's ``memory.max``; measured on an H200 in a 3 GiB cgroup, GPT-J-6B:
-            6.0 s/token direct vs 10.7 s/token mmap).
+            MemAvailable or the cgroup's limit, v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; measured on an H200
+            in a 3 GiB cgroup, GPT-J-6B: 6.0 s/token direct vs 10.7 s/token mmap). On the CPU ``"auto"`` then also
+            keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
+            the host tier compute on the file mapping and stay cached between passes (``Stats.page_cache_units``).
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
