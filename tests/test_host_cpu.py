@@ -127,3 +127,40 @@ def test_cpu_host_tier_memory_check_counts_the_ring(ckpts: Checkpoints, monkeypa
     monkeypatch.setattr(api, "host_memory_available",
                         lambda: (api.HOST_HEADROOM_BYTES + ring_bytes + host_bytes + (1 << 20), "simulated"))
     tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, io="pread").close()  # both fit: fine
+
+
+@pytest.mark.parametrize("io", ["pread", "direct", "mmap-ring"])
+def test_cpu_host_tier_holds_units_larger_than_the_ring(ckpts: Checkpoints, io: str) -> None:
+    """The host tier's units are read straight into it, never through the ring: a ring below the largest unit works
+    when the host tier holds that unit (here every unit: host_gb=1), with stock's outputs."""
+    d = ckpts["llama"]
+    with tiered.load(d, device="cpu", ring_gb=1.0, embedding_rows=False) as probe:
+        largest = max(page_up(u.nbytes) for u in probe._tiered.plan.units)
+    ids = _ids()
+    want, _ = _stock(d, ids, 1)
+    kw = {"io": "mmap", "zero_copy": False} if io == "mmap-ring" else {"io": io}
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=largest / 2 / GiB, host_gb=1.0, embedding_rows=False, **kw)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT
+        pytest.skip(str(e))
+    with m, torch.no_grad():
+        st = m._tiered.streamer
+        assert st.host_ids == set(st.streamed)
+        assert torch.equal(m(ids).logits, want)
+
+
+def test_auto_maps_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """io="auto" that picked O_DIRECT on the CPU: a unit larger than the ring computes on the file mapping (as with
+    io="mmap") instead of RingTooSmallError; the others are read O_DIRECT."""
+    d = ckpts["llama"]
+    with tiered.load(d, device="cpu", ring_gb=1.0, embedding_rows=False) as probe:
+        sizes = sorted(page_up(u.nbytes) for u in probe._tiered.plan.units)
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # no room: direct
+    ids = _ids()
+    want, _ = _stock(d, ids, 1)
+    ring = (sizes[-1] - 4096) / GiB  # below the largest unit, above the others
+    with pytest.raises(tiered.RingTooSmallError):
+        tiered.load(d, device="cpu", ring_gb=ring, io="direct", embedding_rows=False)  # asked for O_DIRECT: refused
+    with tiered.load(d, device="cpu", ring_gb=ring, io="auto", embedding_rows=False) as m, torch.no_grad():
+        assert m._tiered.reader.io == "direct" and tiered.stats(m).mapped_units >= 1
+        assert torch.equal(m(ids).logits, want)

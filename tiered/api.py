@@ -740,7 +740,16 @@ def attach(
     # CPU zero copy: streamed units that need no conversion compute on views of the file mapping (no ring)
     mappable = {u.index for u in plan.units if zero_copy and dev.type == "cpu" and io == "mmap" and dist is None
                 and drop_pages and u.index not in eligible and zero_copy_eligible(u)}
-    ring_units = [u for u in plan.units if u.index not in eligible | mappable]
+    if auto_io and io == "direct" and dev.type == "cpu" and zero_copy and dist is None and drop_pages:
+        # io="auto" picked O_DIRECT on the CPU: a unit larger than the ring that can compute on the file mapping
+        # does so (through the page cache, as with io="mmap") instead of being refused
+        mappable |= {u.index for u in plan.units if u.index not in eligible and zero_copy_eligible(u)
+                     and page_up(slot_need[u.index]) > ring_bytes}
+    # CPU: the units the host tier will hold are read straight into it, never through the ring (nothing is resident
+    # on the CPU unless everything is, and then the ring holds it all)
+    host_first = _choose_host(plan, set(), eligible, slot_need, host_gb) \
+        if dev.type == "cpu" and host_gb and dist is None else set()
+    ring_units = [u for u in plan.units if u.index not in eligible | mappable | host_first]
     pieces = _pieces(ring_units, ring_bytes, ring_gb, plan.align) if dev.type == "cuda" and dist is None else {}
     whole_units = [u for u in ring_units if u.index not in pieces]
     big = max(whole_units or ring_units or plan.units, key=lambda u: slot_need[u.index])
