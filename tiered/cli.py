@@ -613,9 +613,13 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
         lines.append(f"{rate}; all {n_units} units resident in {where} (read once, at load: "
                      f"{gb(after['load_bytes'])}); nothing streamed per token")
     else:
-        ring_units = model._tiered.streamer.streamed  # through the ring (row-read embeddings apart)
+        st = model._tiered.streamer
+        ring_units = [i for i in st.streamed if i not in st.host_ids]  # read each pass (row-read embeddings apart)
         src = sum(plan.units[i].src_bytes for i in ring_units)
         part = f"the {len(ring_units)} streamed units are {gb(src)}" if ring_units else "no unit streams whole"
+        if st.host_ids:
+            part += (f" ({len(st.host_ids)} more in the host tier: {gib(after['host_bytes'])}, read once at load, "
+                     f"{gb(after['host_used_bytes'] - before['host_used_bytes'])} used by the passes)")
         if after["row_units"]:
             rows = after["embedding_bytes"] - before["embedding_bytes"]
             part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"

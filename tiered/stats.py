@@ -271,10 +271,10 @@ class Stats:
             self.host_expert_modules += 1
 
     def add_host_used(self, nbytes: int) -> None:
-        """A forward pass bound a host-tier unit of ``nbytes`` (copied to the GPU from pinned host memory)."""
+        """A forward pass bound a host-tier unit of ``nbytes`` (not a read: not in ``streamed_bytes`` or
+        ``units_streamed``)."""
         with self._lock:
             self.host_used_bytes += nbytes
-            self.units_streamed += 1
 
     def add_gathered(self, nbytes: int) -> None:
         """Distributed: ``nbytes`` of a unit arrived from the other ranks (all-gather), not from this rank's disk."""
