@@ -164,3 +164,22 @@ def test_auto_maps_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: 
     with tiered.load(d, device="cpu", ring_gb=ring, io="auto", embedding_rows=False) as m, torch.no_grad():
         assert m._tiered.reader.io == "direct" and tiered.stats(m).mapped_units >= 1
         assert torch.equal(m(ids).logits, want)
+
+
+def test_generate_summary_names_the_host_and_page_cache_tiers(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiered generate`'s summary: the units read each pass, the host tier's apart, and the page-cache tier."""
+    from tiered.cli import main
+    from tiered.format import open_checkpoint
+
+    d = ckpts["llama"]
+    ring, host = _rings(d)
+    total = open_checkpoint(d).nbytes
+    monkeypatch.setattr(tiered.api, "_choose_io", lambda io, ckpt: "direct")  # as "auto" picks it under a limit
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (4 * total, "cgroup /x memory.max=1"))  # room for a tier
+    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    main(["generate", str(d), "--ids", "--prompt", "1 2 3", "--max-new-tokens", "2", "--device", "cpu",
+          "--ring-gb", str(ring), "--host-gb", str(host / 4), "--io", "auto"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "in the host tier" in text and "kept in the page cache between tokens" in text, text

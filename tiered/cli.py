@@ -625,6 +625,9 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
             part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"
         if after["mapped_units"]:
             part += f"; {after['mapped_units']} of them compute on the file mapping (zero copy)"
+        if after["page_cache_units"]:
+            part += (f", {after['page_cache_units']} of those ({gb(after['page_cache_bytes'])}) kept in the page cache "
+                     f"between tokens (io=auto: the room the memory limit leaves; the rest read O_DIRECT)")
         if after["expert_modules"]:
             ex = after["expert_bytes"] - before["expert_bytes"]
             part += (f", plus {gb(ex)} of routed experts ({after['expert_modules']} MoE blocks read only the "
