@@ -309,22 +309,29 @@ def test_interpreter_exit_with_pending_reaps_is_clean(dirs):
     assert took < 100, took
 
 
+def _drop_with_a_failing_loader_close(d):
+    """Load ``d``, make its loader's close raise (after closing), drop the model and collect it: its parts
+    (loader, reader, ring), for the caller to watch."""
+    a = tiered.load(d, device="cpu", ring_gb=1.0, prefetch=1)
+    loader, reader, ring = _parts(a)
+    orig = loader.close
+
+    def failing(*x, **k):
+        orig(*x, **k)
+        raise RuntimeError("hostile: loader close failed")
+
+    loader.close = failing
+    _drop(a)
+    del a
+    gc.collect()
+    return loader, reader, ring
+
+
 def test_reaper_survives_a_failing_close_and_closes_the_next_drop(llama_ref):
     """An exception in a dropped model's close (there is no caller to report it to) does not stop the reaper:
     the next dropped model is still closed."""
     d, _ = llama_ref
-    a = tiered.load(d, device="cpu", ring_gb=1.0, prefetch=1)
-    la = a._tiered.streamer.loader
-    orig = la.close
-
-    def failing(*x, **k):
-        orig(*x, **k)
-        raise RuntimeError("hostile: close failed")
-
-    la.close = failing
-    _drop(a)
-    del a
-    gc.collect()
+    la, _, _ = _drop_with_a_failing_loader_close(d)
     assert _wait(lambda: not la._thread.is_alive(), 30)
     b = tiered.load(d, device="cpu", ring_gb=1.0, prefetch=1)
     pb = _parts(b)
@@ -338,18 +345,7 @@ def test_a_failing_part_does_not_leave_the_rest_of_a_dropped_model_open(llama_re
     """One part of a dropped model failing to close (its loader here) must not leak the others: nothing will
     ever retry the close of a dropped model, so its reader threads, shard mappings and ring must still go."""
     d, _ = llama_ref
-    a = tiered.load(d, device="cpu", ring_gb=1.0, prefetch=1)
-    loader, reader, ring = _parts(a)
-    orig = loader.close
-
-    def failing(*x, **k):
-        orig(*x, **k)
-        raise RuntimeError("hostile: loader close failed")
-
-    loader.close = failing
-    _drop(a)
-    del a
-    gc.collect()
+    loader, reader, ring = _drop_with_a_failing_loader_close(d)
     try:
         assert _wait(lambda: not loader._thread.is_alive(), 30)
         ok = _wait(lambda: reader.pool._shutdown and not reader.maps and "buf" not in ring.__dict__, 5)
