@@ -16,16 +16,19 @@ One JSON line. A model with a router whose ``weight`` is ``(E, hidden)`` (Mixtra
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_common import greedy, parser  # noqa: E402
+
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir")
+    p = parser(__doc__)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -43,8 +46,7 @@ def main() -> None:
     for i, b in enumerate(blocks):
         b.experts.register_forward_pre_hook(record(i), with_kwargs=True)
     ids = torch.randint(100, m.config.vocab_size - 1, (1, a.prompt_len), generator=torch.Generator().manual_seed(a.seed))
-    with torch.no_grad():
-        m.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+    greedy(m, ids, a.new_tokens)
     k = m.config.num_experts_per_tok
     E = blocks[0].gate.weight.shape[0]
     hit = total = 0

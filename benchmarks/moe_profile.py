@@ -13,15 +13,19 @@ memcpy HtoD included) on stderr. Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import tiered
 from tiered import experts as ex
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_common import greedy, parser  # noqa: E402
 
 
 class _Clock:
@@ -38,15 +42,13 @@ class _Clock:
 
 def _decode(model, ids, n):
     c = _Clock()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=c, pad_token_id=0)
+    out = greedy(model, ids, n, streamer=c)
     steps = [b - a for a, b in zip(c.times[1:], c.times[2:], strict=False)]
     return statistics.median(steps), out[0, ids.shape[1]:].tolist()
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir")
+    p = parser(__doc__)
     p.add_argument("--gpu-gb", type=float, default=2.0)
     p.add_argument("--ring-gb", type=float, default=6.0)
     p.add_argument("--threads", type=int, default=4)
@@ -89,8 +91,6 @@ def main() -> int:
         total = time.perf_counter() - t0
         s = tiered.stats(m).snapshot()
         if a.profile:
-            import sys
-
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
