@@ -202,6 +202,13 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
     host = a.host_gb if a.host_gb is not None else a.ring_gb / 2
     runs += [R("io", "tiered", "streamed-host", io="direct" if cuda else "auto", cache="cold", limit=True,
                opts={**streamed, "ring_gb": a.ring_gb - host, "host_gb": host}, new_tokens=slow)]
+    # a ring smaller than a unit (--pieces-ring-gb): every larger unit streams in pieces, reads pipelined, and the
+    # host tier (each of --pieces-host-gb) holds whole small units and the first pieces of the others
+    if a.pieces_ring_gb and cuda:
+        for hg in [0.0, *a.pieces_host_gb]:
+            runs += [R("io", "tiered", f"streamed-pieces-host{hg:g}" if hg else "streamed-pieces", io="direct",
+                       cache="cold", limit=True, opts={**streamed, "ring_gb": a.pieces_ring_gb, "host_gb": hg},
+                       new_tokens=slow)]
     runs += [R("deepspeed", "deepspeed", "zero3-offload", new_tokens=slow)]
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
@@ -552,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-gb", type=float, default=None, help="tiered ring, GiB")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU budget of tiered streamed and accelerate, GiB")
     p.add_argument("--cpu-gb", type=float, default=None, help="accelerate max_memory['cpu'], GiB (default: = ring)")
+    p.add_argument("--pieces-ring-gb", type=float, default=None, metavar="GiB",
+                   help="CUDA, group io: also run tiered io=direct, cold, limited, with this ring (smaller than a "
+                        "unit: units stream in pieces), without and with each --pieces-host-gb host tier")
+    p.add_argument("--pieces-host-gb", type=lambda v: [float(x) for x in v.split(",") if x.strip()], default=[],
+                   metavar="GiB[,GiB...]", help="host tiers of the --pieces-ring-gb runs (comma list)")
     p.add_argument("--host-gb", type=float, default=None,
                    help="the streamed-host run's host tier, GiB, taken out of --ring-gb (default: half of it)")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of the limited runs (default: ring + 2)")

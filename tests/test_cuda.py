@@ -287,6 +287,51 @@ def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
         assert st.stage._pool.qsize() + sum(ld.dev is not None for ld in ahead) == st.stage.n_bufs
 
 
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_host_tier_holds_pieces_of_units_larger_than_the_ring(io: str, tmp_path: Path, monkeypatch) -> None:
+    """A host tier smaller than any layer holds the first pieces of the units larger than the ring (one per unit in
+    turn); the rest streams through the ring, its reads pipelined (the next piece queued before this one is waited
+    for). Stock's bits; per pass, exactly the held pieces' bytes come from the host tier instead of the disk; the
+    placement `tiered inspect` prints is the load's; the ring never holds more than its size."""
+    from tiered.cli import _plan_for
+    from tiered.placement import place
+
+    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    d = _big_layers(tmp_path / "m")
+    ref = _ref(d)
+    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(6)).to(DEV)
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_gen = ref.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ring_gb = (640 << 10) / GiB
+    per_pass = {}
+    small = (900 << 10) / GiB  # below a layer (1.3 MB) and the head (1 MiB): several pieces of ~0.2 MiB
+    for host_gb in (0.0, small):
+        with tiered.load(d, device=DEV, ring_gb=ring_gb, gpu_gb=0, io=io, host_gb=host_gb) as m, torch.no_grad():
+            h, st = m._tiered, m._tiered.streamer
+            s = tiered.stats(m)
+            assert s.piece_units >= 4
+            s0 = s.snapshot()
+            assert torch.equal(m(ids).logits, want)
+            s1 = s.snapshot()
+            per_pass[host_gb] = (s1["streamed_bytes"] - s0["streamed_bytes"], s1["host_used_bytes"] - s0["host_used_bytes"])
+            assert torch.equal(m(ids).logits, want)
+            assert torch.equal(m.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+            assert h.ring.high_water <= h.ring.size
+            if host_gb:
+                assert s.host_pieces >= 3 and st.host_pieces, s.snapshot()
+                assert max(st.host_pieces.values()) - min(st.host_pieces.values()) <= 1
+                held = sum(st.host_piece_bytes.values())
+                config, _, plan = _plan_for(d, None, "cuda")
+                p = place(plan, config, device="cuda", ring_gb=ring_gb, gpu_gb=0, host_gb=host_gb)
+                assert p.host_pieces == st.host_pieces and set(p.host) == st.host_ids
+    (streamed0, used0), (streamed1, used1) = per_pass[0.0], per_pass[small]
+    assert used0 == 0 and used1 > 0
+    assert streamed0 - streamed1 == used1  # what the host tier gave is exactly what the disk did not
+    whole = sum(st.read_share[i] for i in st.host_ids)  # small units it holds whole (a norm), if any
+    assert used1 == held + whole and held > 0
+
+
 def test_ring_too_small_for_a_piece_says_so(tmp_path: Path) -> None:
     d = _big_layers(tmp_path / "m")
     with pytest.raises(tiered.RingTooSmallError, match="two pieces"):

@@ -125,6 +125,44 @@ def test_host_tier_is_spread_over_the_streamed_units(dirs):
     assert set(pa.host) == set(p0.streamed) and not pa.streamed
 
 
+def test_host_tier_holds_first_pieces_of_units_larger_than_the_ring(dirs, monkeypatch):
+    """CUDA: a host tier too small for a whole unit still takes bytes off the disk: the first pieces of the units
+    larger than the ring, one per unit in turn (spread over the pass), within the budget. Per token, the disk then
+    reads exactly those pieces' checkpoint bytes less (each piece's own, from tiered.dist.split_unit)."""
+    from tiered import api
+    from tiered import dist as _dist
+
+    monkeypatch.setattr(api, "MIN_PIECE_BYTES", 16 << 10)
+    d = dirs["llama"]
+    ring_gb = (96 << 10) / GiB  # below every layer: they all stream in pieces
+    p0, plan = _place(d, "cuda", ring_gb=ring_gb, gpu_gb=0, embedding_rows=False)
+    assert len(p0.pieces) >= 4 and not p0.host_pieces and not p0.host
+    one = api._piece_slot(plan.units[min(p0.pieces)], p0.pieces[min(p0.pieces)], plan.align)
+    from tiered.hostmem import page_up
+
+    small = sum(page_up(plan.units[i].nbytes) for i in p0.streamed if i not in p0.pieces)  # taken whole first
+    smallest = min(plan.units[i].nbytes for i in p0.pieces)
+    extra = min(smallest - 4096, (len(p0.pieces) + 2) * one)  # no large unit fits; a bit more than a piece each
+    ph, _ = _place(d, "cuda", ring_gb=ring_gb, gpu_gb=0, embedding_rows=False, host_gb=(small + extra) / GiB)
+    assert ph.host_pieces and not set(ph.host) & set(ph.host_pieces)
+    left = small + extra - sum(page_up(plan.units[i].nbytes) for i in ph.host)  # what whole units left
+    assert 0 < ph.host_piece_bytes <= left
+    assert max(ph.host_pieces.values()) - min(ph.host_pieces.values()) <= 1  # one per unit in turn
+    assert len(ph.host_pieces) == min(len(ph.pieces), left // one)  # every unit gets one before any gets two
+    held = 0
+    for i, k in ph.host_pieces.items():
+        held += sum(_dist.split_unit(plan.units[i], j, ph.pieces[i], plan.align)[0].src_bytes for j in range(k))
+    whole = sum(plan.units[i].src_bytes for i in ph.host)
+    assert p0.streamed_bytes - ph.streamed_bytes - whole == held > 0
+    assert predict(ph)["cold_s_per_token"] < predict(p0)["cold_s_per_token"]
+    # the choice itself: budget exhausted in order, never more than a unit's pieces
+    units = {i: plan.units[i] for i in p0.pieces}
+    got = api._choose_host_pieces(plan, p0.pieces, 10 * GiB)
+    assert got == p0.pieces  # a budget that holds everything holds every piece
+    assert api._choose_host_pieces(plan, p0.pieces, one - 1) == {}
+    assert api._choose_host_pieces(plan, p0.pieces, one) == {min(units): 1}
+
+
 def test_moe_host_tier_takes_units_then_whole_blocks_of_experts(dirs):
     """host_gb beyond the streamed units goes to routed blocks' experts (whole blocks, forward order); their
     routed bytes then cost an H2D, not a read: the prediction falls, the bytes per token do not."""

@@ -455,13 +455,17 @@ def _check_host_memory(ring_bytes: int, ring_gb: float, need: int, device: torch
 
 def _pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> dict[int, int]:
     """CUDA, one process: for each unit larger than the ring that can be cut (no whole-tensor conversion; see
-    :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most half the ring,
-    so the next piece is read while the last one's H2D runs.
+    :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most a third of the
+    ring (half when a third is below :data:`MIN_PIECE_BYTES`), so the next piece is read while one is waited for and
+    the last one's H2D runs (:data:`tiered.loader.PIECES_IN_FLIGHT`).
 
     Raises:
         RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.
     """
     room = ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # a piece's slot, page-rounded, fits here
+    third = ring_bytes // 3 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+    if third >= MIN_PIECE_BYTES:
+        room = third
     out: dict[int, int] = {}
     for u in units:
         if page_up(u.nbytes) <= ring_bytes:
@@ -590,6 +594,31 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
             first.add(u.index)
             held += n
     return host if used >= held else first
+
+
+def _piece_slot(u: Unit, n: int, align: int) -> int:
+    """Bytes of one ring (or host-tier) slot of ``u`` read in ``n`` pieces (:func:`tiered.dist.split_unit`)."""
+    return page_up(_dist._align(max(1, math.ceil(u.nbytes / n)), align))
+
+
+def _choose_host_pieces(plan: Plan, pieces: dict[int, int], budget: int) -> dict[int, int]:
+    """CUDA: what the host tier holds of streamed units larger than the ring (``pieces``: unit index -> pieces) with
+    the ``budget`` bytes whole units and experts left: unit index -> how many of its first pieces. Taken one piece
+    per unit in turn, in execution order, so the streamed bytes left are spread over the pass (as
+    :func:`_choose_host` spreads whole units). Each held piece is one the ring does not read per pass."""
+    out: dict[int, int] = {}
+    order = sorted(pieces)
+    for r in range(max(pieces.values(), default=0)):
+        took = False
+        for i in order:
+            need = _piece_slot(plan.units[i], pieces[i], plan.align)
+            if r < pieces[i] and out.get(i, 0) == r and need <= budget:
+                out[i] = r + 1
+                budget -= need
+                took = True
+        if not took:
+            break
+    return out
 
 
 def _page_cache_reserve(threads: int) -> int:
@@ -816,8 +845,13 @@ def attach(
             h.stats.page_cache_bytes = sum(plan.units[i].src_bytes for i in cached)
         specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
         host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host))
-        if host or host_experts:
-            host_bytes = sum(page_up(slot_need[i]) for i in host) + \
+        streamed_pieces = {i: n for i, n in pieces.items() if i not in host and i not in resident}
+        host_pieces = _choose_host_pieces(plan, streamed_pieces, int(host_gb * GiB) - sum(
+            page_up(slot_need[i]) for i in host) - sum(HostExperts.bytes_for(specs[i]) for i in host_experts))
+        piece_host_bytes = sum(k * _piece_slot(plan.units[i], streamed_pieces[i], plan.align)
+                               for i, k in host_pieces.items())
+        if host or host_experts or host_pieces:
+            host_bytes = sum(page_up(slot_need[i]) for i in host) + piece_host_bytes + \
                 sum(HostExperts.bytes_for(specs[i]) for i in host_experts)
             avail, where = host_memory_available()
             # a pinned ring (CUDA) is counted in what is available already; the CPU's is untouched anonymous memory
@@ -831,8 +865,9 @@ def attach(
                     f"{max(0, avail - ring_unseen - _headroom(dev)) / GiB:.3f}"
                 )
             try:
-                if host:
-                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host), pin=dev.type == "cuda")
+                if host or host_pieces:
+                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host) + piece_host_bytes,
+                                       pin=dev.type == "cuda")
                 if host_experts:
                     h.host_experts = HostExperts([specs[i] for i in host_experts], dev)
             except (OSError, MemoryError) as e:
@@ -848,7 +883,7 @@ def attach(
         h.stats.piece_units = len(pieces)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
                               rows=rows, dist=dist, host=host, host_ring=h.host_ring, mapped=mapped,
-                              pieces={i: n for i, n in pieces.items() if i not in host})
+                              pieces=streamed_pieces, host_pieces=host_pieces)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)

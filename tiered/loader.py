@@ -21,6 +21,7 @@ and a caller waiting on one gets an error, never a hang.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -34,14 +35,17 @@ from torch import nn
 
 from . import faults
 from .dist import IoPlan, read_args
-from .errors import StreamerError
+from .errors import RingTooSmallError, StreamerError
 from .plan import Unit
 from .reader import Reader
 from .ring import Ring
 from .stage import CpuStage, CudaStage, Loaded, views
 from .stats import Stats
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "PIECES_IN_FLIGHT"]
+
+#: Pieces of a unit larger than the ring read at once (their copies queued together on the reader threads).
+PIECES_IN_FLIGHT = 2
 
 
 class Loader:
@@ -65,10 +69,14 @@ class Loader:
         host: dict | None = None,
         mapped: set[int] = frozenset(),  # type: ignore[assignment]
         pieces: dict[int, list[tuple[Unit, int, int]]] | None = None,
+        host_pieces: dict[int, list] | None = None,
     ) -> None:
         self.reader = reader
         # CUDA: units larger than the ring, as (piece, offset in the unit's layout, bytes) read one at a time
         self.pieces = pieces or {}
+        # the host tier's part of such units: unit index -> Slots of its first pieces (read once, kept; filled by
+        # Streamer.load_host before the first pass)
+        self.host_pieces = host_pieces if host_pieces is not None else {}
         self.mapped = set(mapped)  # CPU zero copy: units bound as views of the file mapping (no ring, no copy)
         self.io = io or {}  # distributed: how each unit is read on this rank (tiered/dist.py)
         self.host = host if host is not None else {}  # unit index -> its host-tier Slot (read once, kept)
@@ -217,28 +225,65 @@ class Loader:
 
     def _load_pieces(self, u: Unit, resident: bool) -> Loaded:
         """CUDA, a unit larger than the ring: each piece (a few whole-element runs of its targets, see
-        :func:`tiered.dist.split_unit`) is read into a ring slot and copied (H2D, copy stream) into its place in
-        one full-size device buffer; reading piece ``k + 1`` overlaps the H2D of piece ``k``, and the ring
-        holds at most two pieces of this unit. The unit is ready when its last piece's copy is (the copy
-        stream runs in order), so its views are exactly the whole unit's: outputs stay bitwise equal."""
+        :func:`tiered.dist.split_unit`) is copied (H2D, copy stream) into its place in one full-size device buffer —
+        from the host tier when it holds the piece (its first pieces: no read), else read into a ring slot first.
+
+        Reads are pipelined: the next piece's copies are queued on the reader threads before this one's are waited
+        for (:meth:`Reader.start_unit`), so the disk queue never runs dry between pieces (at most
+        :data:`PIECES_IN_FLIGHT` pieces read at once; the ring holds those and the pieces whose H2D runs). The unit
+        is ready when its last piece's copy is (the copy stream runs in order), so its views are exactly the whole
+        unit's: outputs stay bitwise equal."""
         stage = self.stage
         assert isinstance(stage, CudaStage)
         buf = stage.buffer(u.nbytes, resident=resident, abort=self._abort)
+        held = self.host_pieces.get(u.index, []) if not resident else []
         ready = None
+        reading: collections.deque = collections.deque()  # (slot, jobs, at, n, piece, t0), oldest first
+
+        def put_oldest() -> torch.cuda.Event:
+            slot, jobs, at, n, piece, t0 = reading[0]
+            self.reader.finish(jobs)  # raises the first copy's error once all are done; the slot is freed below
+            reading.popleft()
+            try:
+                ev = stage.put(buf, slot, at, n)
+            except BaseException:
+                self.ring.free(slot)
+                raise
+            self.stats.add_read(piece.src_bytes, time.perf_counter() - t0, resident=resident)
+            return ev
+
         try:
-            for piece, at, n in self.pieces[u.index]:
-                slot = self.ring.alloc(piece.nbytes, u.name, abort=self._abort,
-                                       reclaim=lambda: stage.retire(block=True))
+            for k, (piece, at, n) in enumerate(self.pieces[u.index]):
+                if k < len(held):  # in the host tier: H2D straight from its pinned slot
+                    ready = stage.put(buf, held[k], at, n, keep=True)
+                    continue
+                slot = None
+                while slot is None and reading:  # room without waiting: the slots being read are not retired
+                    stage.retire(block=False)
+                    try:
+                        slot = self.ring.alloc(piece.nbytes, u.name, wait=False)
+                    except RingTooSmallError:
+                        ready = put_oldest()
+                if slot is None:
+                    slot = self.ring.alloc(piece.nbytes, u.name, abort=self._abort,
+                                           reclaim=lambda: stage.retire(block=True))
                 try:
                     t0 = time.perf_counter()
-                    got = self.reader.read_unit(piece, slot.view)
-                    self.stats.add_read(got, time.perf_counter() - t0, resident=resident)
+                    jobs = self.reader.start_unit(piece, slot.view)
                 except BaseException:
                     self.ring.free(slot)
                     raise
-                ready = stage.put(buf, slot, at, n)
+                reading.append((slot, jobs, at, n, piece, t0))
+                if len(reading) > PIECES_IN_FLIGHT - 1:
+                    ready = put_oldest()
+            while reading:
+                ready = put_oldest()
             faults.hit("stage", unit=u.name)
         except BaseException:
+            while reading:  # never free a slot a copy still writes into
+                slot, jobs = reading.popleft()[:2]
+                self.reader.cancel(jobs)
+                self.ring.free(slot)
             if not resident:
                 stage.give_back(buf, ready)
             raise

@@ -320,16 +320,58 @@ class Reader:
         Raises:
             ShardChangedError: a shard was replaced, truncated or rewritten since it was opened.
         """
+        self._check_files(unit)
+        self.copy_all(unit, self._pairs(unit, slot), lambda: [self._convert(unit, conv, slot) for conv in unit.converts])
+        return unit.src_bytes
+
+    def _check_files(self, unit: Unit) -> None:
         for path in {c.src.file for tgt in unit.targets for c in tgt.copies} | {
             s.file for conv in unit.converts for ss in conv.sources.values() for s in ss
         }:
             self.maps[path].check()
+
+    @staticmethod
+    def _pairs(unit: Unit, slot: torch.Tensor) -> list[tuple[TensorInfo, torch.Tensor]]:
         pairs = []
         for tgt in unit.targets:
             whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
             pairs += [(c.src, whole if c.place is None else c.place(whole)) for c in tgt.copies]
-        self.copy_all(unit, pairs, lambda: [self._convert(unit, conv, slot) for conv in unit.converts])
-        return unit.src_bytes
+        return pairs
+
+    def start_unit(self, unit: Unit, slot: torch.Tensor) -> list[Future]:
+        """:meth:`read_unit` without waiting: queue ``unit``'s copies into ``slot`` on the reader threads and return
+        their jobs, so the caller can queue the next unit's copies before these finish (the reader threads never
+        run dry between two reads). ``unit`` must have no conversion (``Unit.converts``: those run on the caller's
+        thread). The caller must pass the jobs to :meth:`finish` (or :meth:`cancel`) before it frees ``slot``.
+
+        Raises:
+            ShardChangedError: a shard was replaced, truncated or rewritten since it was opened.
+        """
+        if unit.converts:
+            raise ValueError(f"start_unit: unit {unit.name!r} runs a conversion; use read_unit")
+        self._check_files(unit)
+        jobs: list[Future] = []
+        try:
+            self._submit_pairs(jobs, unit, self._pairs(unit, slot), None)
+        except BaseException:
+            self.cancel(jobs)
+            raise
+        return jobs
+
+    @staticmethod
+    def finish(jobs: list[Future]) -> None:
+        """Wait for every job of :meth:`start_unit`; then re-raise the first copy's exception, if any."""
+        _wait_all(jobs)
+        for f in jobs:
+            f.result()
+
+    @staticmethod
+    def cancel(jobs: list[Future]) -> None:
+        """Cancel the jobs not started yet and wait for the running ones (their errors are dropped): the slot they
+        write into may then be freed."""
+        for f in jobs:
+            f.cancel()
+        _wait_all(jobs)
 
     def copy_all(self, unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]], also=None, *,
                  chunk: int | None = None) -> None:
@@ -342,19 +384,7 @@ class Reader:
         """
         jobs: list[Future] = []
         try:
-            for src, dest in pairs:
-                n = src.numel
-                if n == 0:
-                    continue
-                size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
-                if self.io != "mmap":  # a piece must fit the per-thread staging buffer
-                    size = min(size, DIRECT_CHUNK)
-                step = max(1, size // src.dtype.itemsize)
-                if dest.is_contiguous() or n <= step:
-                    for lo in range(0, n, step):
-                        self._submit(jobs, unit, src, dest, lo, min(n, lo + step))
-                else:
-                    self._submit(jobs, unit, src, dest, 0, n)
+            self._submit_pairs(jobs, unit, pairs, chunk)
             if also is not None:
                 also()
         except BaseException:
@@ -365,6 +395,22 @@ class Reader:
         _wait_all(jobs)
         for f in jobs:
             f.result()
+
+    def _submit_pairs(self, jobs: list[Future], unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]],
+                      chunk: int | None) -> None:
+        for src, dest in pairs:
+            n = src.numel
+            if n == 0:
+                continue
+            size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
+            if self.io != "mmap":  # a piece must fit the per-thread staging buffer
+                size = min(size, DIRECT_CHUNK)
+            step = max(1, size // src.dtype.itemsize)
+            if dest.is_contiguous() or n <= step:
+                for lo in range(0, n, step):
+                    self._submit(jobs, unit, src, dest, lo, min(n, lo + step))
+            else:
+                self._submit(jobs, unit, src, dest, 0, n)
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:
         """Run a non-placeable ``transformers`` conversion on mapped sources; copy the results in."""

@@ -168,6 +168,8 @@ class Stats:
         ``host_expert_modules``: routed experts modules whose every expert is in the host tier too (in
         ``host_bytes``); a call copies its ``experts_from_host`` experts (``host_expert_bytes``, also in
         ``host_used_bytes``) to the GPU from there instead of reading them (not in ``experts_read``).
+        ``host_pieces``: CUDA, pieces of units larger than the ring that the host tier holds (their first pieces; in
+        ``host_bytes``); the rest of such a unit streams through the ring.
     model_bytes: the model's distinct weights in its dtype (``Plan.weight_bytes``: a tied head counted once, routed
         experts included).
     io: the reader backend the model uses (``io="auto"`` resolved).
@@ -213,6 +215,7 @@ class Stats:
     gathered_bytes: int = 0
     io: str = ""  # the reader backend in use: "mmap", "pread" or "direct" ("auto" resolved)
     host_units: int = 0
+    host_pieces: int = 0
     host_bytes: int = 0
     host_used_bytes: int = 0
     host_expert_modules: int = 0
@@ -334,9 +337,9 @@ class Stats:
         parts = [read]
         if s["h2d_bytes"]:
             parts.append(f"H2D {gb(s['h2d_bytes'])} at {gbps(s['h2d_bytes'], s['h2d_s'])} (ring->GPU)")
-        if s["host_units"] or s["host_expert_modules"]:
-            held = f"{s['host_units']} units" + (f" + the experts of {s['host_expert_modules']} MoE blocks"
-                                                 if s["host_expert_modules"] else "")
+        if s["host_units"] or s["host_expert_modules"] or s["host_pieces"]:
+            held = f"{s['host_units']} units" + (f" + {s['host_pieces']} pieces of others" if s["host_pieces"] else "") \
+                + (f" + the experts of {s['host_expert_modules']} MoE blocks" if s["host_expert_modules"] else "")
             parts.append(f"host tier {held}, {gib(s['host_bytes'])}{' pinned' if s['h2d_bytes'] else ''}, "
                          f"{gb(s['host_used_bytes'])} used by passes")
         if s["world_size"] > 1:

@@ -84,6 +84,9 @@ class Streamer:
             (no ring slot, no copy); their pages are dropped from the process when the unit is released.
         pieces: CUDA, one process: unit index -> number of pieces, for units larger than the ring; each is
             read piece by piece through the ring into one full-size device buffer (:meth:`Loader._load_pieces`).
+        host_pieces: CUDA, one process: unit index (of ``pieces``) -> how many of its first pieces the host tier
+            holds (read once into ``host_ring`` by :meth:`load_host`, copied to the GPU from there every pass); the
+            rest of the unit streams through the ring.
     """
 
     def __init__(
@@ -102,12 +105,16 @@ class Streamer:
         host_ring: Ring | None = None,
         mapped: set[int] = frozenset(),  # type: ignore[assignment]
         pieces: dict[int, int] | None = None,
+        host_pieces: dict[int, int] | None = None,
     ) -> None:
         self.plan = plan
         self.dist = dist
         self.host_ids = set(host)
         self.host_ring = host_ring
         self.host_slots: dict[int, object] = {}  # filled by load_host
+        self.host_pieces = {i: k for i, k in (host_pieces or {}).items() if k > 0}
+        self.host_piece_slots: dict[int, list] = {}  # unit index -> Slots of its first pieces; filled by load_host
+        self.host_piece_bytes: dict[int, int] = {}  # unit index -> checkpoint bytes of those pieces
         self.units = plan.units
         self.ring = ring
         self.device = device
@@ -160,7 +167,8 @@ class Streamer:
                     cut[i].append((piece, k * chunk, min(chunk, u.nbytes - k * chunk)))
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
-                             mapped=mapped, pieces=cut)
+                             mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots)
+        self._cut = cut
 
     # ---------------------------------------------------------------- loader thread
     def _deadlock(self) -> BaseException | None:
@@ -289,6 +297,19 @@ class Streamer:
             self.host_slots[i] = slot
             self.stats.host_units += 1
             self.stats.host_bytes += slot.size
+        for i in sorted(self.host_pieces):  # the first pieces of units larger than the ring
+            slots, src = [], 0
+            for piece, _, _ in self._cut[i][: self.host_pieces[i]]:
+                slot = self.host_ring.alloc(piece.nbytes, self.units[i].name, wait=False)  # type: ignore[union-attr]
+                t0 = time.perf_counter()
+                n = self.loader.reader.read_unit(piece, slot.view)
+                self.stats.add_read(n, time.perf_counter() - t0, resident=True)
+                slots.append(slot)
+                src += n
+                self.stats.host_bytes += slot.size
+            self.host_piece_slots[i] = slots
+            self.host_piece_bytes[i] = src
+            self.stats.host_pieces += len(slots)
 
     def acquire(self, i: int) -> None:
         """Bind unit ``i``'s tensors into its modules (pre-hook; any caller thread).
@@ -340,7 +361,10 @@ class Streamer:
             if i in self.host_slots:
                 self.stats.add_host_used(self.read_share[i])
             else:
-                self.stats.add_streamed(self.read_share[i])  # counted when used, not when read
+                held = self.host_piece_bytes.get(i, 0)  # the host tier's pieces of it: used, not read
+                if held:
+                    self.stats.add_host_used(held)
+                self.stats.add_streamed(self.read_share[i] - held)  # counted when used, not when read
 
     def _prefetch_after(self, i: int) -> None:
         for j in self.order.ahead(i, self.prefetch):
