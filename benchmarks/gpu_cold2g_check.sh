@@ -4,10 +4,10 @@
 # tiered io=direct with a 0.45 GiB ring, and tiered io=direct with a ring smaller than a layer (PIECES_RING, GiB:
 # every layer streams in pieces, reads pipelined) without and with host tiers (PIECES_HOST, comma list of GiB) that
 # hold the first pieces of the layers. Results in $OUT/<date>-<machine>-full-cold2g.{md,json}.
-#   PIECES_RING=0.15 PIECES_HOST=0.35,0.6 SKIP_TESTS=0 bash benchmarks/gpu_cold2g_check.sh
+#   PIECES_RING=0.15 PIECES_HOST=0.2,0.34 SKIP_TESTS=0 bash benchmarks/gpu_cold2g_check.sh
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 timeout "${RUN_TIMEOUT:-540}" $PY benchmarks/run.py --suite full --device cuda --groups limit,io --mem-limit-gb 2 \
-  --gpu-gb 3 --ring-gb 0.45 --cpu-gb 0.8 --pieces-ring-gb "${PIECES_RING:-0.15}" --pieces-host-gb "${PIECES_HOST:-0.35,0.6}" \
+  --gpu-gb 3 --ring-gb 0.45 --cpu-gb 0.8 --pieces-ring-gb "${PIECES_RING:-0.15}" --pieces-host-gb "${PIECES_HOST:-0.2,0.34}" \
   --runs 'main/accelerate-*,main/tiered-streamed/original/direct/cold/limit,main/tiered-streamed-pieces*' \
   --out-dir "$OUT" --no-plots --tag cold2g 2>&1 | grep -v "Loading weights" | tail -25

@@ -883,7 +883,7 @@ def attach(
         h.stats.piece_units = len(pieces)
         h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=prefetch, resident=resident, stats=h.stats,
                               rows=rows, dist=dist, host=host, host_ring=h.host_ring, mapped=mapped,
-                              pieces=streamed_pieces, host_pieces=host_pieces)
+                              pieces={i: n for i, n in pieces.items() if i not in host}, host_pieces=host_pieces)
         if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
             progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in resident) >= GiB
         h.streamer.load_resident(progress=progress)
