@@ -239,6 +239,7 @@ class Loader:
         held = self.host_pieces.get(u.index, []) if not resident else []
         ready = None
         reading: collections.deque = collections.deque()  # (slot, jobs, at, n, piece, t0), oldest first
+        done_at = [0.0]  # when the last piece's reads finished: read time is counted once where pieces overlap
 
         def put_oldest() -> torch.cuda.Event:
             slot, jobs, at, n, piece, t0 = reading[0]
@@ -249,7 +250,9 @@ class Loader:
             except BaseException:
                 self.ring.free(slot)
                 raise
-            self.stats.add_read(piece.src_bytes, time.perf_counter() - t0, resident=resident)
+            now = time.perf_counter()
+            self.stats.add_read(piece.src_bytes, now - max(t0, done_at[0]), resident=resident)
+            done_at[0] = now
             return ev
 
         try:
