@@ -507,3 +507,96 @@ def test_generate_moe_with_an_expert_cache(tmp_path: Path) -> None:
     assert "routed experts" in r.stderr and "the expert cache holds" in r.stderr, r.stderr
     r = cli("generate", d, "--ids", "--prompt", "1 2", "--device", "cpu", "--expert-cache-gb", -1)
     assert r.returncode == 2 and "--expert-cache-gb" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- inspect --io
+
+
+def _inspect_json(*args: object) -> dict:
+    r = cli("inspect", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_inspect_io_changes_the_cpu_placement_as_load_does(dirs: dict[str, Path], facts: dict) -> None:
+    """On the CPU, --io decides which streamed units compute on the file mapping (zero copy: io=mmap only) and which
+    are copied into the ring: inspect's placement names them as tiered.load maps them, says which io it assumed,
+    and the units' tiers do not change with it."""
+    d, ring = dirs["notok"], facts["ring_gb"]  # a ring that streams the model
+    got = {}
+    for io in ("mmap", "pread", "direct"):
+        pl = _inspect_json(d, "--ring-gb", ring, "--io", io)["placement"]
+        assert pl["options"]["io"] == io == pl["io"]
+        with tiered.load(d, device="cpu", ring_gb=ring, io=io) as m:
+            assert set(pl["mapped"]) == set(m._tiered.streamer.loader.mapped), io
+            assert len(pl["mapped"]) == tiered.stats(m).mapped_units and not pl["page_cache"]
+        got[io] = pl
+    streamed = got["mmap"]["streamed"]
+    assert streamed and sorted(got["mmap"]["mapped"]) == sorted(streamed)  # the tiny Llama: every one maps
+    assert got["pread"]["mapped"] == got["direct"]["mapped"] == []
+    for io in ("pread", "direct"):
+        assert {k: got[io][k] for k in ("resident", "host", "streamed", "rows", "units")} == \
+            {k: got["mmap"][k] for k in ("resident", "host", "streamed", "rows", "units")}
+    n = len(streamed)
+    r = cli("inspect", d, "--ring-gb", ring, "--io", "direct")
+    assert r.returncode == 0 and "prefetch=2, io=direct)" in r.stdout, r.stdout
+    assert f"io=direct: 0 of the {n} streamed units compute on views of the file mapping" in r.stdout, r.stdout
+    r = cli("inspect", d, "--ring-gb", ring)  # no --io: tiered.load's default
+    assert r.returncode == 0 and f"io=mmap: {n} of the {n} streamed units" in r.stdout, r.stdout
+    r = cli("inspect", d, "--io", "pread")  # --io alone asks for the placement (default ring)
+    assert r.returncode == 0 and "placement (cpu, ring_gb=4.0," in r.stdout and "io=pread)" in r.stdout, r.stdout
+
+
+def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:
+    """A ring below the largest unit: with io=mmap every unit maps and load takes it; with io=direct they are all
+    copied into the ring and load refuses it, which inspect says (and its JSON figures show)."""
+    d = dirs["notok"]
+    ring = _inspect_json(d)["ring_min_gb"] / 2
+    mm = _inspect_json(d, "--ring-gb", ring, "--io", "mmap")["placement"]
+    di = _inspect_json(d, "--ring-gb", ring, "--io", "direct")["placement"]
+    assert mm["ring_need_bytes"] <= mm["ring_bytes"] < di["ring_need_bytes"]
+    tiered.load(d, device="cpu", ring_gb=ring, io="mmap").close()
+    with pytest.raises(tiered.RingTooSmallError):
+        tiered.load(d, device="cpu", ring_gb=ring, io="direct")
+    assert "tiered.load refuses this ring" not in cli("inspect", d, "--ring-gb", ring, "--io", "mmap").stdout
+    r = cli("inspect", d, "--ring-gb", ring, "--io", "direct")
+    assert r.returncode == 0 and "tiered.load refuses this ring" in r.stdout and "or --io mmap" in r.stdout, r.stdout
+
+
+def test_inspect_io_auto_resolves_as_load_does(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--io auto is resolved against the page-cache room as tiered.load resolves it; when it picks O_DIRECT on the
+    CPU, the units it keeps on the mapping (larger than the ring, and its page-cache tier) are load's."""
+    from tiered.format import open_checkpoint
+
+    d = dirs["notok"]
+    total = open_checkpoint(d).nbytes
+    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    for room, want in ((total - 1, "direct"), (1 << 50, "mmap")):
+        monkeypatch.setattr(tiered.api, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
+        assert main(["inspect", str(d), "--ring-gb", "0.0002", "--io", "auto", "--json"]) == 0
+        pl = json.loads(capsys.readouterr().out)["placement"]
+        assert pl["options"]["io"] == "auto" and pl["io"] == want
+        with tiered.load(d, device="cpu", ring_gb=0.0002, io="auto") as m:
+            s = tiered.stats(m)
+            assert s.io == want
+            assert set(pl["mapped"]) == set(m._tiered.streamer.loader.mapped)
+            assert len(pl["page_cache"]) == s.page_cache_units
+        if want == "direct":
+            assert 1 <= len(pl["page_cache"]) < len(pl["streamed"])
+        assert main(["inspect", str(d), "--ring-gb", "0.0002", "--io", "auto"]) == 0
+        assert f"io=auto -> {want})" in capsys.readouterr().out
+
+
+def test_inspect_io_direct_predicts_every_pass_from_the_disk(dirs: dict[str, Path]) -> None:
+    """CUDA placement (planned on any machine with --gpu-gb): io=direct bypasses the page cache, so the warm
+    prediction is the disk's; mmap and pread read a warm pass from the page cache."""
+    d = dirs["notok"]
+    args = (d, "--device", "cuda", "--ring-gb", 0.01, "--gpu-gb", 0)
+    pr = {io: _inspect_json(*args, "--io", io)["placement"]["predicted"] for io in ("mmap", "pread", "direct")}
+    assert pr["mmap"] == pr["pread"]
+    assert pr["mmap"]["warm_s_per_token"] < pr["mmap"]["cold_s_per_token"] == pr["direct"]["cold_s_per_token"]
+    assert pr["direct"]["warm_s_per_token"] == pr["direct"]["cold_s_per_token"] > 0
+    r = cli("inspect", *args, "--io", "direct")
+    assert r.returncode == 0 and "io=direct bypasses the page cache" in r.stdout, r.stdout
+    assert "from a warm page cache" not in r.stdout

@@ -48,9 +48,10 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
                 placement: dict | None = None) -> dict:
     """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes).
 
-    ``placement``: ``tiered.load`` options (``ring_gb``, ``gpu_gb``, ``host_gb``, ``prefetch``) and ``gbps``
-    (bandwidths, :data:`tiered.placement.GBPS`'s keys): adds ``"placement"`` (where each unit goes) and
-    ``"predicted"`` (decode s/token, warm and cold; CUDA only) from :mod:`tiered.placement`."""
+    ``placement``: ``tiered.load`` options (``ring_gb``, ``gpu_gb``, ``host_gb``, ``prefetch``, ``io``) and ``gbps``
+    (bandwidths, :data:`tiered.placement.GBPS`'s keys): adds ``"placement"`` (where each unit goes; ``"io"``: the
+    backend, ``"auto"`` resolved) and ``"predicted"`` (decode s/token, warm and cold; CUDA only) from
+    :mod:`tiered.placement`."""
     from .hostmem import page_up
     from .plan import layer_index
 
@@ -61,8 +62,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         from .placement import place, predict
 
         opts = {k: v for k, v in placement.items() if k != "gbps"}
-        _, _, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
-        pl = place(fresh, config, device=device, **opts)
+        _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
+        pl = place(fresh, config, device=device, ckpt=fresh_ckpt, **opts)
         placed = {"options": opts, **pl.as_dict(),
                   "units": {u.name: ("gpu" if u.index in pl.resident else "host" if u.index in pl.host
                                      else "rows" if u.index in pl.rows else "streamed") for u in fresh.units},
@@ -211,13 +212,13 @@ def _experts_info(config, plan) -> dict | None:
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model_dir(parser, a.model_dir)
     placement = None
-    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb:
+    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb or a.io is not None:
         from .placement import GBPS
 
         gbps = {k: v for k, v in (("disk", a.disk_gbps), ("page_cache", a.cache_gbps), ("h2d", a.h2d_gbps))
                 if v is not None}
         placement = {"ring_gb": a.ring_gb if a.ring_gb is not None else 4.0, "gpu_gb": a.gpu_gb,
-                     "host_gb": a.host_gb, "prefetch": a.prefetch, "gbps": {**GBPS, **gbps}}
+                     "host_gb": a.host_gb, "prefetch": a.prefetch, "io": a.io or "mmap", "gbps": {**GBPS, **gbps}}
     with _option_errors_as_usage(parser):
         info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement)
     from .ring import gib_up
@@ -283,13 +284,25 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if pl:
         o = pl["options"]
         gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
+        io = o["io"] if o["io"] == pl["io"] else f"{o['io']} -> {pl['io']}"  # "auto" as tiered.load resolves it here
         print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
-              f"prefetch={o['prefetch']}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
+              f"prefetch={o['prefetch']}, io={io}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
               f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
               f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"
               + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
+        if pl["device"] == "cpu" and pl["streamed"]:
+            n, k = len(pl["mapped"]), len(pl["streamed"])
+            why = "" if pl["io"] == "mmap" or pl["page_cache"] else " (zero copy needs io=mmap)"
+            print(f"  io={pl['io']}: {n} of the {k} streamed units compute on views of the file mapping (zero copy, "
+                  f"no ring copy), {k - n} are copied into the ring{why}"
+                  + (f"; {len(pl['page_cache'])} of them are io=auto's page-cache tier (kept in the page cache "
+                     f"between passes, the rest read O_DIRECT)" if pl["page_cache"] else ""))
+        if pl["ring_need_bytes"] > pl["ring_bytes"]:
+            print(f"  note: tiered.load refuses this ring: the largest unit copied into it needs "
+                  f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "
+                  f"{gib_up(pl['ring_need_bytes'])}" + ("" if pl["io"] == "mmap" else " or --io mmap"))
         if pl["device"] != "cpu" and o["gpu_gb"] is not None and pl["device_buffer_bytes"] and \
                 pl["resident_bytes"] + pl["device_buffer_bytes"] > o["gpu_gb"] * GiB:
             one = pl["device_buffer_bytes"] // (o["prefetch"] + 1)
@@ -307,7 +320,13 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      f"from there)"
                      if pl["host_expert_modules"] else ""))
         pr = pl["predicted"]
-        if pr:
+        if pr and pl["io"] == "direct":
+            g = placement["gbps"]  # type: ignore[index]
+            print(f"  predicted decode, batch 1, streaming only (a lower bound: compute not counted): "
+                  f"{pr['cold_s_per_token']:.3g} s/token, warm or cold: io=direct bypasses the page cache, every "
+                  f"pass reads from the disk ({g['disk']:g} GB/s; {g['h2d']:g} GB/s H2D); set yours with "
+                  f"--disk-gbps, --h2d-gbps")
+        elif pr:
             g = placement["gbps"]  # type: ignore[index]
             print(f"  predicted decode, batch 1, streaming only (a lower bound: compute not counted): "
                   f"{pr['warm_s_per_token']:.3g} s/token from a warm page cache ({g['page_cache']:g} GB/s page "
@@ -776,8 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--device", type=_device, default="cpu",
                    help="plan alignment for this device (cuda: 512 B, cpu: 64 B; default %(default)s)")
     i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4)")
-    pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb: where tiered.load puts each "
-                              "unit with those options, and (--device cuda) the decode time that predicts")
+    pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb, --io: where tiered.load puts "
+                              "each unit with those options, and (--device cuda) the decode time that predicts")
     pg.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
                     help="host ring, GiB (default 4, tiered.load's)")
     pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
@@ -785,6 +804,11 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
                     help="host tier, GiB (default 0; pinned on CUDA)")
     pg.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N", help="units of lookahead (default 2)")
+    pg.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default=None,
+                    help="the reader backend, as tiered generate's --io (default mmap, tiered.load's; auto is "
+                    "resolved against this machine's page cache). On the CPU only mmap lets streamed units compute "
+                    "on the file mapping (no ring copy; auto: units larger than the ring and its page-cache tier); "
+                    "on CUDA direct bypasses the page cache, so the warm prediction is the disk's")
     pg.add_argument("--disk-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
                     help="cold disk read rate (default 1.5: O_DIRECT on the project's H200 machine)")
     pg.add_argument("--cache-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
