@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from test_reliability import USE_AFTER_CLOSE, _run_child, _Tables
 
 import tiered
+import tiered.api  # the tests below patch its constants (the package imports it lazily)
 import tiered.expert_cache
 from tiered import faults
 from tiered.errors import StreamerError
