@@ -57,7 +57,11 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-resident", action="store_true",
                    help="skip the all-resident load (its compute floor): the routed run then starts in a fresh process")
+    p.add_argument("--prewarm-gb", type=float, default=0.0,
+                   help="allocate and free this many GB on the GPU first (the caching allocator keeps the segment)")
     a = p.parse_args()
+    if a.prewarm_gb:
+        torch.empty(int(a.prewarm_gb * 1e9), dtype=torch.uint8, device="cuda")
     torch.manual_seed(0)
     ids = torch.randint(100, 30000, (1, 16)).cuda()
     res = {}
