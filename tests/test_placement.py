@@ -212,6 +212,27 @@ def test_inspect_prints_placement_and_prediction(dirs):
         assert r.returncode == 2 and "--gpu-gb" in r.stderr, r.stderr
 
 
+def test_inspect_prints_pieces_and_the_host_tiers_share_of_them(dirs, monkeypatch, capsys):
+    """`tiered inspect --device cuda` with a ring below the layers says they stream in pieces, and with a host tier
+    too small for a layer, how many first pieces it holds (the load's choice: tests/test_cuda.py)."""
+    from tiered import api
+    from tiered.cli import main
+
+    monkeypatch.setattr(api, "MIN_PIECE_BYTES", 16 << 10)
+    d = dirs["llama"]
+    ring = str((96 << 10) / GiB)
+    assert main(["inspect", str(d), "--device", "cuda", "--ring-gb", ring, "--gpu-gb", "0"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "streamed units are larger than the ring: each streams in pieces" in out, out
+    assert "host tier holds the first" not in out
+    p, _ = _place(d, "cuda", ring_gb=(96 << 10) / GiB, gpu_gb=0, host_gb=(200 << 10) / GiB)
+    assert p.host_pieces
+    assert main(["inspect", str(d), "--device", "cuda", "--ring-gb", ring, "--gpu-gb", "0",
+                 "--host-gb", str((200 << 10) / GiB)]) in (0, None)
+    out = capsys.readouterr().out
+    assert f"the host tier holds the first {sum(p.host_pieces.values())} pieces of {len(p.host_pieces)} of them" in out
+
+
 def test_gpu_gb_on_the_cpu_warns(dirs):
     with pytest.warns(UserWarning, match="gpu_gb=1 has no effect on device=cpu"):
         tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", gpu_gb=1).close()

@@ -292,6 +292,12 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
+        if pl["pieces"]:
+            held = pl["host_pieces"]
+            print(f"  {len(pl['pieces'])} streamed units are larger than the ring: each streams in pieces "
+                  f"({sum(pl['pieces'].values())} in all, a third of the ring each at most) into one device buffer"
+                  + (f"; the host tier holds the first {sum(held.values())} pieces of {len(held)} of them "
+                     f"({pl['host_piece_bytes'] / GiB:.3g} GiB pinned, not read per token)" if held else ""))
         if pl["device"] == "cpu" and pl["streamed"]:
             n, k = len(pl["mapped"]), len(pl["streamed"])
             why = "" if pl["io"] == "mmap" or pl["page_cache"] else " (zero copy needs io=mmap)"
