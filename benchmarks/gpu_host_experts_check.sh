@@ -5,16 +5,32 @@
 # units, or the routed run's units plus every block's experts, in pinned host memory), alternating, REPS times;
 # then the Qwen3-30B-A3B shape (12 layers) the same way, once. Results in $OUT/host_experts.jsonl.
 # WITHOUT_HOST=1 adds the runs without a host tier; PROFILE=1 adds benchmarks/moe_profile.py --host-gb 20 --profile of each
-# shape ($OUT/profile-ARCH.txt: resident floor, routed+host, and where its GPU and CPU time go).
-#   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 WITHOUT_HOST=0 PROFILE=0 \
-#     bash benchmarks/gpu_host_experts_check.sh
+# shape ($OUT/profile-ARCH.txt: resident floor, routed+host, and where its GPU and CPU time go). Each run decodes
+# WARMUP tokens first, unmeasured (default 16: routed decoding is ~1.5x slower over the first 16-32 tokens after load,
+# benchmarks/NOTES.md; 0 measures from the first token). ACCELERATE=1 adds accelerate disk offload of each shape at the
+# same GPU budget (max_memory cuda 2 GiB, cpu 1 GiB; 4 tokens; $OUT/accelerate-ARCH.jsonl).
+#   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 WARMUP=16 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 WITHOUT_HOST=0 PROFILE=0 \
+#     ACCELERATE=0 bash benchmarks/gpu_host_experts_check.sh
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 R="$OUT/host_experts.jsonl"
 run() {  # checkpoint, label, then stream_run flags
   local g=$1 label=$2; shift 2
   timeout 300 $PY benchmarks/stream_run.py "$g" --out "$R" --label "$label" --ring-gb 6 --gpu-gb 2 --new-tokens 16 \
-    --threads 4 "$@" 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-220
+    --threads 4 --warmup-tokens "${WARMUP:-16}" "$@" 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-220
+}
+accelerate() {  # arch: accelerate disk offload of $G at the same GPU budget
+  [ "${ACCELERATE:-0}" = 1 ] || return 0
+  $PY - "$G" "$OUT/accelerate_spec.json" <<'PY'
+import json, sys, torch
+torch.manual_seed(0)
+ids = torch.randint(100, 30000, (16,)).tolist()
+json.dump({"system": "accelerate", "model_dir": sys.argv[1], "prompt_ids": ids, "new_tokens": 4, "device": "cuda",
+           "gpu_gb": 2.0, "cpu_gb": 1.0, "offload_folder": "/tmp/tiered-acc-offload"}, open(sys.argv[2], "w"))
+PY
+  timeout "${ACC_TIMEOUT:-240}" $PY benchmarks/systems.py "$OUT/accelerate_spec.json" 2>"$OUT/accelerate-$1.log" \
+    | grep BENCH_RESULT | tee "$OUT/accelerate-$1.jsonl" | cut -c1-300
+  rm -rf /tmp/tiered-acc-offload
 }
 profile() {
   [ "${PROFILE:-0}" = 1 ] || return 0
@@ -30,6 +46,7 @@ if [ "${SKIP_MIXTRAL:-0}" != 1 ]; then
     [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "mixtral-dense-$i" --no-routed-experts
   done
   profile mixtral
+  accelerate mixtral
   rm -rf "$G"
 fi
 [ "${SKIP_QWEN:-0}" = 1 ] && exit 0
@@ -38,4 +55,5 @@ run "$G" "qwen3-routed-host20" --host-gb 20
 run "$G" "qwen3-dense-host20" --host-gb 20 --no-routed-experts
 [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "qwen3-routed"
 profile qwen3
+accelerate qwen3
 rm -rf "$G"
