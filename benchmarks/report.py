@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,7 @@ def markdown(res: dict[str, Any]) -> str:
             "GPU peak = `torch.cuda.max_memory_allocated`. Decode s/token = median gap between consecutive new tokens "
             "(a `generate()` streamer). Tokens ok = greedy ids equal to the reference run of the same checkpoint "
             "(transformers when it ran). GB = 1e9 bytes, GiB = 2^30."]
+    out += _repeats(res.get("runs", []))
     notes = list(res.get("notes", []))
     for r in res.get("runs", []):
         for n in (r.get("notes") or []) + (r.get("child", {}) or {}).get("notes", []):
@@ -189,6 +191,34 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("plots"):
         out += ["", *[f"![{p}]({p})" for p in res["plots"]]]
     return "\n".join(out) + "\n"
+
+
+def _repeats(runs: list[dict[str, Any]]) -> list[str]:
+    """With ``run.py --repeat``: the median decode s/token of each run over its rounds (keys ``KEY#n``), and its ratio
+    to accelerate disk offload's median under the same cache and memory limit (> 1: faster than accelerate)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        base, sep, _ = r.get("key", "").rpartition("#")
+        if sep:
+            by.setdefault(base, []).append(r)
+    if not by:
+        return []
+    med: dict[str, float | None] = {}
+    for base, rs in by.items():
+        vals = sorted(x for x in (r.get("decode_s_per_token_median") for r in rs if r.get("status") == "ok") if x)
+        med[base] = statistics.median(vals) if vals else None
+    out = ["", "Over the rounds (`--repeat`; rounds alternate in order):", "",
+           "| run | rounds ok | decode s/token, each round | median | accelerate's median ÷ this |", "|---|---|---|---|---|"]
+    for base, rs in by.items():
+        rest = base.split("/", 2)[-1]  # layout/io/cache[/limit]: accelerate's row under the same cache and limit
+        acc = [m for b, m in med.items() if "/accelerate-" in b and b.split("/")[-1] == base.split("/")[-1]
+               and (b.endswith("/limit") == base.endswith("/limit")) and m]
+        each = ", ".join(_f(r.get("decode_s_per_token_median"), 3) if r.get("status") == "ok" else "–" for r in rs)
+        m = med[base]
+        ratio = f"{acc[0] / m:.2f}×" if acc and m and "/accelerate-" not in base else "–"
+        out.append(f"| {rs[0].get('label', base)} ({rest}) | {sum(r.get('status') == 'ok' for r in rs)}/{len(rs)} | "
+                   f"{each} | {_f(m, 3)} | {ratio} |")
+    return out
 
 
 def _row_name(r: dict[str, Any], with_ckpt: bool = False) -> str:

@@ -22,6 +22,7 @@ Only the standard library is imported here; children import torch, transformers,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import fnmatch
 import importlib.metadata
@@ -216,6 +217,12 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
         keep = [r for r in keep if r.cache != "cold"]
     if a.no_limit:
         keep = [r for r in keep if not r.limit]
+    if a.repeat > 1:  # rounds, the order reversed every other round, so drift in the machine hits every run alike
+        rounds = []
+        for k in range(a.repeat):
+            for r in (keep if k % 2 == 0 else keep[::-1]):
+                rounds.append(dataclasses.replace(r, key=f"{r.key}#{k + 1}"))
+        keep = rounds
     return ckpts, keep
 
 
@@ -559,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-gb", type=float, default=None, help="tiered ring, GiB")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU budget of tiered streamed and accelerate, GiB")
     p.add_argument("--cpu-gb", type=float, default=None, help="accelerate max_memory['cpu'], GiB (default: = ring)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the selected runs N times, in rounds (every other round in reverse order); the report "
+                        "adds the median decode s/token of each run over the rounds and its ratio to accelerate's")
     p.add_argument("--pieces-ring-gb", type=float, default=None, metavar="GiB",
                    help="CUDA, group io: also run tiered io=direct, cold, limited, with this ring (smaller than a "
                         "unit: units stream in pieces), without and with each --pieces-host-gb host tier")

@@ -174,3 +174,26 @@ def test_full_plan_lists_without_cuda() -> None:
               "main/tiered-streamed/resharded/mmap/warm", "main/deepspeed-zero3-offload/original/mmap/warm"):
         assert k in keys, k
     assert "'ring_gb': 1.0, 'gpu_gb': 2.0" in r.stdout
+
+
+def test_repeat_runs_rounds_in_alternating_order_and_reports_medians() -> None:
+    """`run.py --repeat 3`: each selected run three times, in rounds whose order alternates (drift hits all alike),
+    and the report gives each run's median over its rounds and accelerate's median divided by it."""
+    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--groups", "limit,io",
+           "--runs", "main/accelerate-*,main/tiered-streamed/original/direct/cold/limit", "--repeat", "3", "--list"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    keys = [line.split()[1] for line in r.stdout.splitlines()]
+    acc, tie = "main/accelerate-disk-offload/original/mmap/cold/limit", "main/tiered-streamed/original/direct/cold/limit"
+    assert keys == [f"{acc}#1", f"{tie}#1", f"{tie}#2", f"{acc}#2", f"{acc}#3", f"{tie}#3"]
+    runs = []
+    for key, spt in ((f"{acc}#1", 6.0), (f"{tie}#1", 5.0), (f"{tie}#2", 4.0), (f"{acc}#2", 7.0), (f"{acc}#3", 6.5),
+                     (f"{tie}#3", 6.0)):
+        runs.append({"key": key, "label": key.split("/")[1], "status": "ok", "decode_s_per_token_median": spt})
+    runs[-1]["status"] = "failed (exit 1)"  # a failed round is left out of the median
+    md = "\n".join(report._repeats(runs))
+    line = next(ln for ln in md.splitlines() if ln.startswith("| tiered-streamed ("))
+    assert "| 2/3 |" in line and "| 4.500 |" in line, line  # median of 5.0 and 4.0
+    assert "1.44×" in line, line  # accelerate's median 6.5 / 4.5
+    acc_line = next(ln for ln in md.splitlines() if ln.startswith("| accelerate-disk-offload ("))
+    assert "| 6.500 |" in acc_line and acc_line.endswith("| – |"), acc_line
