@@ -442,6 +442,24 @@ def test_host_tier_on_cuda(name: str, ckpts: Checkpoints) -> None:
                 assert s1["streamed_bytes"] > s0["streamed_bytes"]
 
 
+def test_tied_embedding_and_head_share_one_host_slot_on_cuda(ckpts: Checkpoints) -> None:
+    """embedding_rows=False, a tied model, everything in the host tier: the embedding and the head share one pinned
+    slot (the tied bytes held and read once) and each is copied to the GPU from it: stock's bits."""
+    d = ckpts["llama_tied_single"]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with tiered.load(d, device=DEV, ring_gb=0.0005, gpu_gb=0, host_gb=1.0, embedding_rows=False) as m, torch.no_grad():
+        h, st, s = m._tiered, m._tiered.streamer, tiered.stats(m)
+        emb = next(u.index for u in h.plan.units if u.name.endswith("embed_tokens"))
+        head = next(u.index for u in h.plan.units if u.name == "lm_head")
+        assert {emb, head} <= st.host_ids and st.host_slots[head] is st.host_slots[emb]
+        assert torch.equal(m(_ids()).logits, want)
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+        assert s.read_bytes == s.model_bytes  # each distinct weight read once, at load
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_host_tier_experts_on_cuda(name: str, ckpts: Checkpoints) -> None:
     """host_gb larger than the streamed units: the rest takes whole MoE blocks' experts (HostExperts), and a call

@@ -183,3 +183,26 @@ def test_generate_summary_names_the_host_and_page_cache_tiers(ckpts: Checkpoints
     out = capsys.readouterr()
     text = out.out + out.err
     assert "in the host tier" in text and "kept in the page cache between tokens" in text, text
+
+
+def test_tied_embedding_and_head_share_one_host_slot(ckpts: Checkpoints) -> None:
+    """A tied head reads the same checkpoint bytes as its embedding: with embedding_rows=False both are units, and the
+    host tier holds those bytes once (one slot, one read at load), not twice; outputs stay stock's."""
+    d = ckpts["llama_tied_single"]
+    ids = _ids()
+    want, want_gen = _stock(d, ids, 5)
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        ring = streaming_ring_gb(probe)
+    with tiered.load(d, device="cpu", ring_gb=ring, host_gb=1.0, embedding_rows=False) as m, torch.no_grad():
+        h, st, s = m._tiered, m._tiered.streamer, tiered.stats(m)
+        emb = next(u.index for u in h.plan.units if u.name.endswith("embed_tokens"))
+        head = next(u.index for u in h.plan.units if u.name == "lm_head")
+        assert {emb, head} <= st.host_ids
+        assert st.host_slots[head] is st.host_slots[emb]
+        distinct = {t.copies[0].src.name for i in st.host_ids for t in h.plan.units[i].targets}
+        assert s.host_bytes == sum(page_up(h.plan.units[i].nbytes) for i in st.host_ids if i != head)
+        assert s.read_bytes == s.model_bytes  # every distinct weight read once, at load
+        assert len(distinct) < sum(len(h.plan.units[i].targets) for i in st.host_ids)  # the tied weight is in both
+        assert torch.equal(m(ids).logits, want)
+        assert torch.equal(m.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0), want_gen)
+        assert s.read_bytes == s.model_bytes  # nothing read after load

@@ -27,7 +27,7 @@ from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
 from .hostmem import PAGE_SIZE, host_memory_available, page_up
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
-from .plan import Plan, Unit, build_plan
+from .plan import Plan, Unit, build_plan, same_bytes
 from .reader import Reader, zero_copy_eligible
 from .ring import GiB, Ring, gib_up
 from .rows import RowGather, row_eligible
@@ -567,13 +567,22 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
     streamed ones, but ``streamed / read + host / H2D`` when they form one block (measured on the H200, GPT-J-6B
     fp16 with half of its layers in the host tier, the first half: 0.252 s/token = 4.83 GB / 30.9 GB/s + 5.24 GB /
     55 GB/s). Each streamed byte costs the same per pass, so which units does not matter beyond that; a budget that
-    holds them all takes them all."""
-    cands = [u for u in plan.units if u.index not in resident and u.index not in rows]
+    holds them all takes them all.
+
+    A unit whose slot would hold the same bytes as an earlier candidate's (a tied head after its embedding:
+    :func:`tiered.plan.same_bytes`) shares that unit's slot: it costs nothing and comes with it."""
+    every = [u for u in plan.units if u.index not in resident and u.index not in rows]
+    twins = same_bytes(every)
+    cands = [u for u in every if u.index not in twins]
     need = {u.index: page_up(slot_need[u.index]) for u in cands}
     budget = int(host_gb * GiB)
     total = sum(need.values())
+
+    def with_twins(chosen: set[int]) -> set[int]:
+        return chosen | {i for i, first in twins.items() if first in chosen}
+
     if budget >= total:
-        return set(need)
+        return with_twins(set(need))
     host: set[int] = set()
     used = seen = 0
     for u in cands:  # Bresenham: take a unit while the tier is behind its even share of the units so far
@@ -593,7 +602,13 @@ def _choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list
         if held + n <= budget:
             first.add(u.index)
             held += n
-    return host if used >= held else first
+    return with_twins(host if used >= held else first)
+
+
+def _host_slot_bytes(plan: Plan, host: set[int], slot_need: list[int]) -> int:
+    """Host-tier bytes of the whole units ``host`` (page-rounded slots; a unit sharing a twin's slot counted once)."""
+    twins = same_bytes([plan.units[i] for i in sorted(host)])
+    return sum(page_up(slot_need[i]) for i in host if i not in twins)
 
 
 def _piece_slot(u: Unit, n: int, align: int) -> int:
@@ -844,14 +859,15 @@ def attach(
             h.stats.page_cache_units = len(cached)
             h.stats.page_cache_bytes = sum(plan.units[i].src_bytes for i in cached)
         specs = [sp for ss in experts.values() for sp in ss]  # forward order, as the ExpertGathers below
-        host_experts = _choose_host_experts(specs, int(host_gb * GiB) - sum(page_up(slot_need[i]) for i in host))
+        host_slots = _host_slot_bytes(plan, host, slot_need)
+        host_experts = _choose_host_experts(specs, int(host_gb * GiB) - host_slots)
         streamed_pieces = {i: n for i, n in pieces.items() if i not in host and i not in resident}
-        host_pieces = _choose_host_pieces(plan, streamed_pieces, int(host_gb * GiB) - sum(
-            page_up(slot_need[i]) for i in host) - sum(HostExperts.bytes_for(specs[i]) for i in host_experts))
+        host_pieces = _choose_host_pieces(plan, streamed_pieces, int(host_gb * GiB) - host_slots
+                                          - sum(HostExperts.bytes_for(specs[i]) for i in host_experts))
         piece_host_bytes = sum(k * _piece_slot(plan.units[i], streamed_pieces[i], plan.align)
                                for i, k in host_pieces.items())
         if host or host_experts or host_pieces:
-            host_bytes = sum(page_up(slot_need[i]) for i in host) + piece_host_bytes + \
+            host_bytes = host_slots + piece_host_bytes + \
                 sum(HostExperts.bytes_for(specs[i]) for i in host_experts)
             avail, where = host_memory_available()
             # a pinned ring (CUDA) is counted in what is available already; the CPU's is untouched anonymous memory
@@ -866,7 +882,7 @@ def attach(
                 )
             try:
                 if host or host_pieces:
-                    h.host_ring = Ring(sum(page_up(slot_need[i]) for i in host) + piece_host_bytes,
+                    h.host_ring = Ring(host_slots + piece_host_bytes,
                                        pin=dev.type == "cuda")
                 if host_experts:
                     h.host_experts = HostExperts([specs[i] for i in host_experts], dev)

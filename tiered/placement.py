@@ -102,6 +102,7 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
         _choose_resident,
         _fits_whole,
         _gpu_budget,
+        _host_slot_bytes,
         _piece_slot,
         _pieces,
     )
@@ -146,7 +147,7 @@ def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float
     if dev.type == "cuda" and (streamed or host):  # host-tier units are copied into the same device buffers
         p.device_buffer_bytes = (prefetch + 1) * max(plan.units[i].nbytes for i in [*streamed, *host])
     specs = [sp for ss in experts.values() for sp in ss]
-    left = int(host_gb * GiB) - sum(page_up(need[i]) for i in host)
+    left = int(host_gb * GiB) - _host_slot_bytes(plan, host, need)
     in_host = [specs[i] for i in _choose_host_experts(specs, left)] if specs else []
     if dev.type == "cuda":  # units larger than the ring stream in pieces; the host tier may hold their first ones
         try:

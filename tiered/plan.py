@@ -91,6 +91,37 @@ class Unit:
     src_bytes: int = 0
 
 
+def same_bytes_key(u: Unit) -> tuple | None:
+    """A key equal for two units exactly when their slots hold the same bytes: the same checkpoint bytes, copied whole
+    into targets of the same dtypes, shapes and offsets (a tied embedding and head read from one checkpoint tensor).
+    None when a conversion or a placed copy makes that undecidable from the plan."""
+    if u.converts or not u.targets:
+        return None
+    parts = []
+    for t in u.targets:
+        if any(c.place is not None for c in t.copies):
+            return None
+        parts.append((t.offset, str(t.dtype), tuple(t.shape),
+                      tuple((str(c.src.file), c.src.offset, c.src.nbytes, str(c.src.dtype)) for c in t.copies)))
+    return (u.nbytes, tuple(parts))
+
+
+def same_bytes(units: list[Unit]) -> dict[int, int]:
+    """Unit index -> the index of the first unit of ``units`` (in their order) whose slot holds the same bytes
+    (:func:`same_bytes_key`); units with no such earlier twin are not keys."""
+    first: dict[tuple, int] = {}
+    out: dict[int, int] = {}
+    for u in units:
+        k = same_bytes_key(u)
+        if k is None:
+            continue
+        if k in first:
+            out[u.index] = first[k]
+        else:
+            first[k] = u.index
+    return out
+
+
 @dataclass
 class Plan:
     """Units in predicted execution order, plus checkpoint keys nothing uses.

@@ -40,7 +40,7 @@ from .dist import Dist, io_plans, read_args, split_unit
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
-from .plan import Plan, Unit
+from .plan import Plan, Unit, same_bytes
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
 from .stage import CpuStage, CudaStage, Loaded
@@ -287,7 +287,12 @@ class Streamer:
     def load_host(self) -> None:
         """Read every host-tier unit (this rank's chunk of it, distributed) once into its slot of the pinned
         host ring; from then on the loader copies it to the GPU from there. Caller thread; blocks."""
+        twins = same_bytes([self.units[i] for i in sorted(self.host_ids)])  # a tied head shares its embedding's slot
         for i in sorted(self.host_ids):
+            if i in twins:
+                self.host_slots[i] = self.host_slots[twins[i]]
+                self.stats.host_units += 1
+                continue
             u = self._io[i]
             rd, size, at = read_args(u, self.io_plans[i] if self.io_plans else None)
             slot = self.host_ring.alloc(size, u.name, wait=False)  # type: ignore[union-attr]
