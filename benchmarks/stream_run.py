@@ -83,8 +83,12 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded at once (tokens/s counts all of them)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--warmup-tokens", type=int, default=0,
-                   help="first run a generate of this many tokens (same prompt), not measured: the decode then starts "
-                        "from a process that has already streamed (clocks, first DMA from the host tier)")
+                   help="first run a generate of this many tokens, not measured: the decode then starts from a process "
+                        "that has already streamed")
+    p.add_argument("--warmup-prompt-len", type=int, default=None,
+                   help="the warm-up's prompt length (default: the measured prompt's, which makes the measured decode "
+                        "repeat the warm-up's sequence lengths: anything cached per shape, e.g. cuDNN attention "
+                        "graphs, is then warm; a different length keeps those shapes new, as in one long generation)")
     p.add_argument("--drop-caches", action="store_true", help="echo 3 > /proc/sys/vm/drop_caches first (root)")
     p.add_argument("--no-embedding-rows", action="store_true",
                    help="stream the embedding whole through the ring (embedding_rows=False), as before issue 8")
@@ -147,8 +151,12 @@ def main() -> int:
         torch.distributed.barrier()
     ids = torch.randint(100, min(vocab, 30000), (a.batch, a.prompt_len), device=model.device)
     if a.warmup_tokens:
+        wids = ids
+        if a.warmup_prompt_len and a.warmup_prompt_len != a.prompt_len:
+            wids = torch.randint(100, min(vocab, 30000), (a.batch, a.warmup_prompt_len), device=model.device,
+                                 generator=torch.Generator(device=model.device).manual_seed(12345))
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=a.warmup_tokens, min_new_tokens=a.warmup_tokens, do_sample=False,
+            model.generate(wids, max_new_tokens=a.warmup_tokens, min_new_tokens=a.warmup_tokens, do_sample=False,
                            pad_token_id=0)
     clock = _Clock()
     s0 = tiered.stats(model).read_bytes
