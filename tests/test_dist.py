@@ -157,3 +157,65 @@ def test_two_ranks_under_torchrun_equal_stock_transformers(ckpts, tmp_path, name
     assert all(g["gathered_bytes"] > 0 for g in res)
     for g in res:  # each rank's RSS in the passes: its own ring (+ activations, the collectives' buffers)
         assert g["peak_rss_growth_in_passes"] <= g["ring_bytes"] + (64 << 20), g
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread", "direct"])
+def test_pipelined_piece_reads_equal_the_whole_unit(ckpts, io):
+    """CUDA's pieces path queues a piece's reads (Reader.start_unit) before the previous piece's are waited for
+    (Reader.finish): every piece of every unit in flight two at a time, assembled, equals the whole unit read at once.
+    A failing copy is raised by finish only once all of that piece's copies are done; cancel leaves no copy running."""
+    from tiered import faults
+
+    path = ckpts["llama"]
+    plan = build_plan(meta_model_from_dir(path), open_checkpoint(path), align=512)
+    try:
+        reader = Reader(open_checkpoint(path), threads=3, io=io)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    checked = False
+    try:
+        for u in plan.units:
+            whole = torch.full((u.nbytes,), 0xAB, dtype=torch.uint8)
+            reader.read_unit(u, whole)
+            n = 3
+            cuts = [split_unit(u, r, n, 512) for r in range(n)]
+            if cuts[0] is None:
+                continue
+            chunk = cuts[0][1]
+            got = torch.full((n * chunk,), 0xCD, dtype=torch.uint8)
+            inflight = []
+            for r, (piece, _) in enumerate(cuts):
+                inflight.append(reader.start_unit(piece, got[r * chunk:(r + 1) * chunk]))
+                if len(inflight) == 2:
+                    reader.finish(inflight.pop(0))
+            for jobs in inflight:
+                reader.finish(jobs)
+            for a, b in zip(_target_bytes(u, whole), _target_bytes(u, got), strict=True):  # padding is never read
+                assert torch.equal(a, b), u.name
+            checked = True
+        assert checked
+        layer = next(u for u in plan.units if "layers.0" in u.name)
+        piece, chunk = split_unit(layer, 0, 1, 512)
+        buf = torch.zeros(chunk, dtype=torch.uint8)
+        calls = {"n": 0}
+
+        def boom(**info):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError("injected: the disk went away")
+
+        with faults.inject("read", boom):
+            jobs = reader.start_unit(piece, buf)
+            with pytest.raises(OSError, match="injected"):
+                reader.finish(jobs)
+        assert all(f.done() for f in jobs)  # raised only once every copy of the piece had finished
+        jobs = reader.start_unit(piece, buf)
+        reader.cancel(jobs)
+        assert all(f.done() for f in jobs)  # cancelled or finished: nothing writes into buf any more
+        import dataclasses
+
+        converted = dataclasses.replace(layer, converts=[object()])  # runs on the caller's thread: read_unit only
+        with pytest.raises(ValueError, match="conversion"):
+            reader.start_unit(converted, torch.zeros(layer.nbytes, dtype=torch.uint8))
+    finally:
+        reader.close()
