@@ -124,7 +124,7 @@ def _experts_faults(n_ok: int, exc=KeyboardInterrupt):
     """A 'read' fault that lets ``n_ok`` expert reads through, then raises ``exc`` once."""
     state = {"n": 0, "fired": False}
 
-    def fn(unit, tensor, offset):
+    def fn(unit, tensor, offset, **_):
         if ".experts." not in tensor or state["fired"]:
             return
         state["n"] += 1

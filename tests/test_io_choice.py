@@ -104,3 +104,68 @@ def test_auto_keeps_a_page_cache_tier_in_the_room_the_limit_leaves(ckpts: Checkp
             seen[room] = (len(tier), s.page_cache_bytes)
     assert seen[total - 1][0] >= 1 and 0 < seen[total - 1][1] < total
     assert seen[1] == (0, 0)
+
+
+@pytest.mark.parametrize("slow", ["pread", "direct"])
+def test_auto_measures_direct_against_buffered_and_keeps_the_faster(slow: str, ckpts: Checkpoints,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """io="auto" that picked O_DIRECT alternates O_DIRECT and buffered pread (+ DONTNEED) unit by unit while it
+    streams, then keeps the faster: here the other one, since every copy of ``slow`` is made 20 ms slower. After the
+    choice every read uses it; outputs are stock's throughout; stats report both rates and the choice."""
+    import transformers
+
+    import tiered.reader
+    from tiered import faults
+
+    d = ckpts["llama"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 3)
+    monkeypatch.setattr(tiered.reader, "PROBE_BYTES", 1)
+    used: list[str] = []
+
+    def timed(**info):
+        used.append(info["io"])
+        if info["io"] == slow:
+            import time
+
+            time.sleep(0.02)
+
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=0.0002, io="auto", zero_copy=False)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    with m, torch.no_grad(), faults.inject("read", timed):
+        r = m._tiered.reader
+        assert r.adapt and r.choice is None
+        passes = 0
+        while r.choice is None:
+            assert torch.equal(m(ids).logits, want)
+            passes += 1
+            assert passes < 20, r._probe
+        s = tiered.stats(m)
+        fast = "direct" if slow == "pread" else "pread"
+        assert r.choice["chosen"] == fast == s.io == r.backend and s.io_choice == r.choice
+        assert r.choice[f"{fast}_gbps"] > r.choice[f"{slow}_gbps"] > 0
+        assert {"direct", "pread"} <= set(used)  # both were tried
+        for _ in range(2):  # a pass that started before the choice may still finish on the other backend
+            m(ids)
+        used.clear()
+        assert torch.equal(m(ids).logits, want)
+        assert used and set(used) == {fast}, set(used)
+    with tiered.load(d, device="cpu", ring_gb=0.0002, io="direct", zero_copy=False) as m2:
+        assert not m2._tiered.reader.adapt  # an explicit backend is kept as asked
+
+
+def test_summary_says_what_auto_measured() -> None:
+    from tiered.stats import Stats
+
+    s = Stats()
+    s.io = "direct"
+    assert "chosen over" not in str(s)
+    s.set_io_choice({"direct_gbps": 0.3, "pread_gbps": 0.45, "chosen": "pread"})
+    line = str(s)
+    assert "io=pread chosen over direct: direct 0.3 vs pread 0.45 GB/s" in line, line

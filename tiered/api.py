@@ -837,7 +837,10 @@ def attach(
                 f"(>= {gib_up(big.nbytes)} GiB is enough to run)"
             ) from None
         h.stats.ring_bytes = h.ring.size
-        h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io)
+        # io="auto" that picked O_DIRECT: measure it against buffered reads while streaming, keep the faster
+        h.reader = Reader(ckpt, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, io=io,
+                          adapt=auto_io and io == "direct" and dist is None)
+        h.reader.on_choice = h.stats.set_io_choice
         if dist is not None and dev.type == "cuda":  # one budget for all: the smallest
             local = _gpu_budget(dev, gpu_gb)
             gpu_gb = _dist.min_over_ranks(dist, local) / GiB

@@ -8,7 +8,8 @@ Points (thread, keyword arguments passed to the armed callable):
 
 * ``"read"`` — a reader thread, before copying a span of a tensor into a ring slot; or the loader
   thread, before reading a source of a conversion it cannot place (``unit``: unit name, ``tensor``:
-  checkpoint tensor name, ``offset``: absolute file offset, bytes).
+  checkpoint tensor name, ``offset``: absolute file offset, bytes; from a reader thread also ``io``: the
+  backend of that copy, ``"mmap"``, ``"pread"`` or ``"direct"``).
 * ``"stage"`` — the loader thread, after a unit was read into its slot and before it is staged
   (on CUDA: before the H2D copy is issued) (``unit``).
 """

@@ -16,6 +16,13 @@ the per-thread staging buffer when the copy casts). The kernel copies out of the
 page of the file is ever mapped into the process (no ``RssFile`` to drop, no ``MADV_DONTNEED`` TLB
 shootdowns, no page-fault lock shared by the threads) and kernel readahead serves cold reads.
 
+``adapt=True`` (``io="auto"`` when it picks O_DIRECT): the reader measures both cold-read backends while it
+streams — O_DIRECT, and buffered ``pread`` (kernel readahead) followed by ``posix_fadvise(POSIX_FADV_DONTNEED)`` of
+what it copied, so the page cache never holds more than what is in flight — alternating them unit by unit until
+each has read :data:`PROBE_UNITS` units and :data:`PROBE_BYTES` bytes, then keeps the one with the higher
+bytes per second of copy time (O_DIRECT unless buffered is :data:`PROBE_MARGIN` faster); :attr:`Reader.choice` says
+what was measured and chosen. Issue 9: on the H200's virtual disk either could win from one day to the next.
+
 Copies run on a small thread pool (``torch`` copies release the GIL); a large tensor is split into
 chunks so several page-fault streams are in flight — one stream does not saturate NVMe.
 Casting (a fp32 checkpoint run in bf16) happens in the same copy: ``dest.copy_(src)``.
@@ -27,6 +34,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,12 @@ from .plan import Unit
 __all__ = ["ShardMap", "Reader"]
 _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough to spread over threads
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues busy; x threads = staging RSS
+#: adapt=True: unit reads each backend makes before the choice, and bytes it must have read (both must be reached)
+PROBE_UNITS = 4
+PROBE_BYTES = 256 << 20
+#: adapt=True: how much faster (bytes per copy second) buffered reads must be to replace O_DIRECT, which keeps the
+#: page cache out of the picture (a cgroup charges it) and measured as fast or faster on most runs of issue 9
+PROBE_MARGIN = 1.10
 
 
 class ShardMap:
@@ -183,6 +197,9 @@ class Reader:
         drop_pages: ``madvise(MADV_DONTNEED)`` each span after copying it (keep True: it is what
             bounds RSS; False exists to show that the bound breaks without it).
         drop_page_cache: also ``posix_fadvise(POSIX_FADV_DONTNEED)`` (for cgroups that charge page cache).
+        io: ``"mmap"``, ``"pread"`` or ``"direct"``.
+        adapt: with ``io="direct"``: measure O_DIRECT against buffered ``pread`` + ``DONTNEED`` while streaming and
+            keep the faster (module docstring); :attr:`choice` reports it.
     """
 
     def __init__(
@@ -193,6 +210,7 @@ class Reader:
         drop_pages: bool = True,
         drop_page_cache: bool = False,
         io: str = "mmap",
+        adapt: bool = False,
     ):
         if io not in ("mmap", "direct", "pread"):
             raise ConfigError(f"io={io!r}: use 'mmap' (page cache), 'pread' (page cache, read(2)) or 'direct' (O_DIRECT)")
@@ -217,6 +235,15 @@ class Reader:
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tiered-read")
         self.drop_pages = drop_pages
         self.drop_page_cache = drop_page_cache
+        # adapt: per backend [unit reads, bytes, copy seconds] until the choice; then only the chosen one
+        self.adapt = adapt and io == "direct"
+        self._probe = {"direct": [0, 0, 0.0], "pread": [0, 0, 0.0]}
+        self._probe_lock = threading.Lock()
+        self._turn = 0
+        #: adapt=True: {"direct_gbps", "pread_gbps", "chosen"} once chosen (GB/s = 1e9 bytes per copy second)
+        self.choice: dict[str, Any] | None = None
+        #: called once with :attr:`choice` when it is made (on a reader thread)
+        self.on_choice: Any = None
 
     def _stage(self) -> tuple[mmap.mmap, torch.Tensor]:
         st = getattr(self._local, "stage", None)
@@ -266,7 +293,7 @@ class Reader:
                 )
             got += k
 
-    def _copy_pread(self, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int) -> None:
+    def _copy_pread(self, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int, *, drop: bool = False) -> None:
         """``pread`` of elements ``[lo, hi)`` of ``t`` from the page cache into ``dest`` (contiguous)."""
         isz = t.dtype.itemsize
         a, n = t.offset + lo * isz, (hi - lo) * isz
@@ -277,16 +304,55 @@ class Reader:
             _, stage = self._stage()
             self._pread_into(fd, stage[:n], a, t)
             dest.reshape(-1)[lo:hi].copy_(stage[:n].view(t.dtype))
-        if self.drop_page_cache:
+        if self.drop_page_cache or drop:
             os.posix_fadvise(fd, a, n, os.POSIX_FADV_DONTNEED)
 
-    def _copy(self, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int) -> None:
-        """Copy elements ``[lo, hi)`` of ``t`` (flattened) into the same elements of ``dest``."""
-        if self.io == "direct" and dest.is_contiguous():
+    def _backend(self) -> str:
+        """The backend of the next unit read: ``io``, or with ``adapt`` while probing, each in turn."""
+        if not self.adapt:
+            return self.io
+        if self.choice is not None:
+            return self.choice["chosen"]
+        with self._probe_lock:
+            self._turn += 1
+            return "direct" if self._turn % 2 else "pread"
+
+    def _measured(self, backend: str, nbytes: int, seconds: float) -> None:
+        """A chunk copied by ``backend`` while probing; once both have read enough, choose."""
+        with self._probe_lock:
+            if self.choice is not None:
+                return
+            rec = self._probe[backend]
+            rec[1] += nbytes
+            rec[2] += seconds
+            d, p = self._probe["direct"], self._probe["pread"]
+            if not (min(d[0], p[0]) >= PROBE_UNITS and min(d[1], p[1]) >= PROBE_BYTES and d[2] > 0 and p[2] > 0):
+                return
+            dg, pg = d[1] / d[2] / 1e9, p[1] / p[2] / 1e9
+            self.choice = {"direct_gbps": dg, "pread_gbps": pg,
+                           "chosen": "pread" if pg > PROBE_MARGIN * dg else "direct"}
+        if self.on_choice is not None:
+            self.on_choice(self.choice)
+
+    def _unit_started(self, backend: str) -> None:
+        if self.adapt and self.choice is None:
+            with self._probe_lock:
+                self._probe[backend][0] += 1
+
+    @property
+    def backend(self) -> str:
+        """The backend unit reads use now (with ``adapt``: ``io`` until the choice, then the chosen one)."""
+        return self.choice["chosen"] if self.choice is not None else self.io
+
+    def _copy(self, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int, backend: str | None = None) -> None:
+        """Copy elements ``[lo, hi)`` of ``t`` (flattened) into the same elements of ``dest`` with ``backend``
+        (default: ``io``)."""
+        backend = backend or self.io
+        if backend == "direct" and dest.is_contiguous():
             self._copy_direct(t, dest, lo, hi)
             return
-        if self.io == "pread" and dest.is_contiguous():
-            self._copy_pread(t, dest, lo, hi)
+        if backend == "pread" and dest.is_contiguous():
+            self._copy_pread(t, dest, lo, hi, drop=self.adapt)
             return
         m = self.maps[t.file]
         isz = t.dtype.itemsize
@@ -306,9 +372,14 @@ class Reader:
         jobs.append(fut)
         self.pool.submit(_run_job, fut, self._task, args)
 
-    def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int) -> None:
-        faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize)
-        self._copy(t, dest, lo, hi)
+    def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int, backend: str | None = None) -> None:
+        t0 = time.perf_counter()  # the fault seam inside the timed span: a test can make one backend slow
+        faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize, io=backend or self.io)
+        if not self.adapt or self.choice is not None:
+            self._copy(t, dest, lo, hi, backend)
+            return
+        self._copy(t, dest, lo, hi, backend)
+        self._measured(backend or self.io, (hi - lo) * t.dtype.itemsize, time.perf_counter() - t0)
 
     def read_unit(self, unit: Unit, slot: torch.Tensor) -> int:
         """Fill ``slot`` (uint8, >= ``unit.nbytes``) with ``unit``'s tensors at their layout offsets.
@@ -398,6 +469,8 @@ class Reader:
 
     def _submit_pairs(self, jobs: list[Future], unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]],
                       chunk: int | None) -> None:
+        backend = self._backend()  # one backend for all of a unit's copies (readahead sees one stream)
+        self._unit_started(backend)
         for src, dest in pairs:
             n = src.numel
             if n == 0:
@@ -408,9 +481,9 @@ class Reader:
             step = max(1, size // src.dtype.itemsize)
             if dest.is_contiguous() or n <= step:
                 for lo in range(0, n, step):
-                    self._submit(jobs, unit, src, dest, lo, min(n, lo + step))
+                    self._submit(jobs, unit, src, dest, lo, min(n, lo + step), backend)
             else:
-                self._submit(jobs, unit, src, dest, 0, n)
+                self._submit(jobs, unit, src, dest, 0, n, backend)
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:
         """Run a non-placeable ``transformers`` conversion on mapped sources; copy the results in."""

@@ -172,7 +172,8 @@ class Stats:
         ``host_bytes``); the rest of such a unit streams through the ring.
     model_bytes: the model's distinct weights in its dtype (``Plan.weight_bytes``: a tied head counted once, routed
         experts included).
-    io: the reader backend the model uses (``io="auto"`` resolved).
+    io: the reader backend the model uses (``io="auto"`` resolved; when it resolved to O_DIRECT, the reader compares
+        it with buffered reads while streaming and ``io`` becomes the faster: ``io_choice`` has both rates).
     world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
         and ``h2d_bytes`` count only its own 1/N chunk of each unit.
@@ -214,6 +215,7 @@ class Stats:
     rank: int = 0
     gathered_bytes: int = 0
     io: str = ""  # the reader backend in use: "mmap", "pread" or "direct" ("auto" resolved)
+    io_choice: dict | None = None  # io="auto" on O_DIRECT: what the reader measured and chose (tiered/reader.py)
     host_units: int = 0
     host_pieces: int = 0
     host_bytes: int = 0
@@ -273,6 +275,13 @@ class Stats:
             self.host_bytes += nbytes
             self.host_expert_modules += 1
 
+    def set_io_choice(self, choice: dict) -> None:
+        """io="auto" that picked O_DIRECT: the reader measured O_DIRECT and buffered reads while streaming and chose
+        (``{"direct_gbps", "pread_gbps", "chosen"}``); ``io`` becomes the chosen backend."""
+        with self._lock:
+            self.io_choice = dict(choice)
+            self.io = choice["chosen"]
+
     def add_host_used(self, nbytes: int) -> None:
         """A forward pass bound a host-tier unit of ``nbytes`` (not a read: not in ``streamed_bytes`` or
         ``units_streamed``)."""
@@ -310,6 +319,10 @@ class Stats:
         """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
         s = self.snapshot()
         via = f", io={s['io']}" if s["io"] else ""
+        if s["io_choice"]:  # io="auto" measured both cold-read backends while streaming
+            c = s["io_choice"]
+            via += f" chosen over {'pread' if c['chosen'] == 'direct' else 'direct'}: direct {c['direct_gbps']:.3g} " \
+                   f"vs pread {c['pread_gbps']:.3g} GB/s per copy thread"
         if s["mapped_units"]:  # their bytes are faulted in by the compute itself: no copy, no read time of their own
             read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {s['mapped_units']} units compute on the file "
                     "mapping, zero copy: no ring copy)")
