@@ -1006,6 +1006,9 @@ def load(
             in a 3 GiB cgroup, GPT-J-6B: 6.0 s/token direct vs 10.7 s/token mmap). On the CPU ``"auto"`` then also
             keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
             the host tier compute on the file mapping and stay cached between passes (``Stats.page_cache_units``).
+            When ``"auto"`` picks ``direct``, the reader also times it against buffered ``pread`` (each followed by
+            ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
+            ``tiered/reader.py``).
         threads: reader threads.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
