@@ -210,13 +210,14 @@ def _repeats(runs: list[dict[str, Any]]) -> list[str]:
     out = ["", "Over the rounds (`--repeat`; rounds alternate in order):", "",
            "| run | rounds ok | decode s/token, each round | median | accelerate's median ÷ this |", "|---|---|---|---|---|"]
     for base, rs in by.items():
-        rest = base.split("/", 2)[-1]  # layout/io/cache[/limit]: accelerate's row under the same cache and limit
-        acc = [m for b, m in med.items() if "/accelerate-" in b and b.split("/")[-1] == base.split("/")[-1]
-               and (b.endswith("/limit") == base.endswith("/limit")) and m]
+        ckpt, rest = base.split("/", 1)[0], base.split("/", 2)[-1]  # checkpoint; layout/io/cache[/limit]
+        # accelerate's row on the same checkpoint, under the same cache and limit
+        acc = [m for b, m in med.items() if "/accelerate-" in b and b.split("/", 1)[0] == ckpt
+               and b.split("/")[-1] == base.split("/")[-1] and (b.endswith("/limit") == base.endswith("/limit")) and m]
         each = ", ".join(_f(r.get("decode_s_per_token_median"), 3) if r.get("status") == "ok" else "–" for r in rs)
         m = med[base]
         ratio = f"{acc[0] / m:.2f}×" if acc and m and "/accelerate-" not in base else "–"
-        out.append(f"| {rs[0].get('label', base)} ({rest}) | {sum(r.get('status') == 'ok' for r in rs)}/{len(rs)} | "
+        out.append(f"| {rs[0].get('label', base)} ({ckpt}: {rest}) | {sum(r.get('status') == 'ok' for r in rs)}/{len(rs)} | "
                    f"{each} | {_f(m, 3)} | {ratio} |")
     return out
 

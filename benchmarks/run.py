@@ -566,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-gb", type=float, default=None, help="tiered ring, GiB")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU budget of tiered streamed and accelerate, GiB")
     p.add_argument("--cpu-gb", type=float, default=None, help="accelerate max_memory['cpu'], GiB (default: = ring)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
+    p.add_argument("--repeat", type=lambda v: max(1, int(v)) if int(v) >= 1 else p.error("--repeat must be >= 1"),
+                   default=1, metavar="N",
                    help="run the selected runs N times, in rounds (every other round in reverse order); the report "
                         "adds the median decode s/token of each run over the rounds and its ratio to accelerate's")
     p.add_argument("--pieces-ring-gb", type=float, default=None, metavar="GiB",

@@ -192,8 +192,26 @@ def test_repeat_runs_rounds_in_alternating_order_and_reports_medians() -> None:
         runs.append({"key": key, "label": key.split("/")[1], "status": "ok", "decode_s_per_token_median": spt})
     runs[-1]["status"] = "failed (exit 1)"  # a failed round is left out of the median
     md = "\n".join(report._repeats(runs))
-    line = next(ln for ln in md.splitlines() if ln.startswith("| tiered-streamed ("))
+    line = next(ln for ln in md.splitlines() if ln.startswith("| tiered-streamed (main: "))
     assert "| 2/3 |" in line and "| 4.500 |" in line, line  # median of 5.0 and 4.0
     assert "1.44×" in line, line  # accelerate's median 6.5 / 4.5
-    acc_line = next(ln for ln in md.splitlines() if ln.startswith("| accelerate-disk-offload ("))
+    acc_line = next(ln for ln in md.splitlines() if ln.startswith("| accelerate-disk-offload (main: "))
     assert "| 6.500 |" in acc_line and acc_line.endswith("| – |"), acc_line
+
+
+def test_repeat_ratio_compares_with_accelerate_on_the_same_checkpoint() -> None:
+    """A sweep checkpoint's row is divided by its own accelerate median, not the main checkpoint's, and says which
+    checkpoint it is (found by an adversarial review)."""
+
+    def row(key: str, spt: float) -> dict:
+        return {"key": key, "label": key.split("/")[1], "status": "ok", "decode_s_per_token_median": spt}
+
+    runs = [row("main/accelerate-disk-offload/original/mmap/warm#1", 1.0),
+            row("main/tiered-streamed/original/mmap/warm#1", 0.5),
+            row("L14/accelerate-disk-offload/original/mmap/warm#1", 4.0),
+            row("L14/tiered-streamed/original/mmap/warm#1", 2.0)]
+    lines = report._repeats(runs)
+    l14 = [ln for ln in lines if ln.startswith("| tiered-streamed (L14: ")]
+    main = [ln for ln in lines if ln.startswith("| tiered-streamed (main: ")]
+    assert len(l14) == 1 and "| 2.00× |" in l14[0], l14  # L14's accelerate 4.0 / 2.0
+    assert len(main) == 1 and "| 2.00× |" in main[0], main  # main's 1.0 / 0.5

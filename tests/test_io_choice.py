@@ -169,3 +169,42 @@ def test_summary_says_what_auto_measured() -> None:
     s.set_io_choice({"direct_gbps": 0.3, "pread_gbps": 0.45, "chosen": "pread"})
     line = str(s)
     assert "io=pread chosen over direct: direct 0.3 vs pread 0.45 GB/s" in line, line
+
+
+def test_auto_probe_times_both_backends_on_every_kind_of_read(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a MoE model a pass alternates layer reads and routed-expert reads; the probe alternates backends per read
+    (unit, kind), so both backends time both kinds (one turn for all reads gave the expert reads one backend only:
+    found by an adversarial review). Outputs stay stock's."""
+    import collections
+
+    import transformers
+
+    import tiered.reader
+    from tiered import faults
+
+    d = ckpts["mixtral"]
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        from conftest import streaming_ring_gb
+
+        ring = streaming_ring_gb(probe)
+    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 10**9)  # keep probing
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+
+    def rec(**info):
+        seen["experts" if ".experts." in info["tensor"] else "dense"].add(info["io"])
+
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=ring, io="auto", zero_copy=False, prefetch=0)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT
+        pytest.skip(str(e))
+    with m, torch.no_grad():
+        assert m._tiered.reader.adapt and tiered.stats(m).expert_modules > 0
+        with faults.inject("read", rec):
+            for _ in range(4):
+                assert torch.equal(m(ids).logits, want)
+    assert seen["experts"] == {"direct", "pread"} and seen["dense"] == {"direct", "pread"}, dict(seen)

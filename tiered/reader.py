@@ -239,7 +239,7 @@ class Reader:
         self.adapt = adapt and io == "direct"
         self._probe = {"direct": [0, 0, 0.0], "pread": [0, 0, 0.0]}
         self._probe_lock = threading.Lock()
-        self._turn = 0
+        self._turns: dict[tuple, int] = {}
         #: adapt=True: {"direct_gbps", "pread_gbps", "chosen"} once chosen (GB/s = 1e9 bytes per copy second)
         self.choice: dict[str, Any] | None = None
         #: called once with :attr:`choice` when it is made (on a reader thread)
@@ -307,15 +307,18 @@ class Reader:
         if self.drop_page_cache or drop:
             os.posix_fadvise(fd, a, n, os.POSIX_FADV_DONTNEED)
 
-    def _backend(self) -> str:
-        """The backend of the next unit read: ``io``, or with ``adapt`` while probing, each in turn."""
+    def _backend(self, key: tuple) -> str:
+        """The backend of the next read of ``key`` (a unit, and whether the read is the whole unit or some of its
+        routed experts): ``io``; with ``adapt`` while probing, each backend in turn *for that key*, so over two
+        passes both time the same reads (one turn for all reads would give each kind of read, e.g. a MoE pass's
+        alternating layers and expert reads, always the same backend)."""
         if not self.adapt:
             return self.io
         if self.choice is not None:
             return self.choice["chosen"]
         with self._probe_lock:
-            self._turn += 1
-            return "direct" if self._turn % 2 else "pread"
+            n = self._turns[key] = self._turns.get(key, -1) + 1
+            return "direct" if n % 2 == 0 else "pread"
 
     def _measured(self, backend: str, nbytes: int, seconds: float) -> None:
         """A chunk copied by ``backend`` while probing; once both have read enough, choose."""
@@ -469,7 +472,7 @@ class Reader:
 
     def _submit_pairs(self, jobs: list[Future], unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]],
                       chunk: int | None) -> None:
-        backend = self._backend()  # one backend for all of a unit's copies (readahead sees one stream)
+        backend = self._backend((unit.name, chunk))  # one backend for all of a read's copies (one readahead stream)
         self._unit_started(backend)
         for src, dest in pairs:
             n = src.numel
