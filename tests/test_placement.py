@@ -202,6 +202,9 @@ def test_inspect_prints_placement_and_prediction(dirs):
     info = json.loads(r.stdout)
     pl = info["placement"]
     assert set(pl["units"].values()) <= {"gpu", "host", "rows", "streamed"} and len(pl["units"]) == len(info["units"])
+    r = _cli("inspect", d, "--ring-gb", 1.0, "--json")  # the CPU: a ring that holds the model keeps it all there
+    cpu = json.loads(r.stdout)["placement"]["units"]
+    assert set(cpu.values()) == {"ring"}, cpu
     assert pl["predicted"]["warm_s_per_token"] > 0
     r = _cli("inspect", d)  # without placement options: as before
     assert r.returncode == 0 and "placement" not in r.stdout

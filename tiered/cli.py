@@ -65,7 +65,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
         pl = place(fresh, config, device=device, ckpt=fresh_ckpt, **opts)
         placed = {"options": opts, **pl.as_dict(),
-                  "units": {u.name: ("gpu" if u.index in pl.resident else "host" if u.index in pl.host
+                  # resident: on the GPU on CUDA; on the CPU in the ring, which then holds the whole model
+                  "units": {u.name: (("gpu" if device.startswith("cuda") else "ring") if u.index in pl.resident
+                                     else "host" if u.index in pl.host
                                      else "rows" if u.index in pl.rows else "streamed") for u in fresh.units},
                   "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
