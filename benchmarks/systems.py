@@ -266,7 +266,8 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     rd_s, h2d_b, h2d_s = s1["read_s"] - s0["read_s"], s1["h2d_bytes"] - s0["h2d_bytes"], s1["h2d_s"] - s0["h2d_s"]
     r.update({
         "model_gb": s1["model_bytes"] / 1e9,
-        "io_used": model._tiered.opts.io,  # what io="auto" resolved to
+        "io_used": s1.get("io") or model._tiered.opts.io,  # what io="auto" resolved to (and then measured: below)
+        "io_choice": s1.get("io_choice"),  # io="auto" on O_DIRECT: both backends' copy rates and the one kept
         "units": s1["units"],
         "resident_units": s1["resident_units"],
         "ring_gb": spec.ring_gb,
