@@ -201,8 +201,15 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
     # the same host memory as the ring alone (and as accelerate's max_memory['cpu'] by default), split into a ring and
     # a host tier (--host-gb; default half): on CUDA pinned and copied to the GPU, on the CPU computed in place
     host = a.host_gb if a.host_gb is not None else a.ring_gb / 2
-    runs += [R("io", "tiered", "streamed-host", io="direct" if cuda else "auto", cache="cold", limit=True,
-               opts={**streamed, "ring_gb": a.ring_gb - host, "host_gb": host}, new_tokens=slow)]
+    # (on the CPU with io="auto", which measures O_DIRECT against buffered reads while it streams, and with O_DIRECT
+    # alone beside it: what the measured choice is worth)
+    hopts = {**streamed, "ring_gb": a.ring_gb - host, "host_gb": host}
+    if cuda:
+        runs += [R("io", "tiered", "streamed-host", io="direct", cache="cold", limit=True, opts=hopts, new_tokens=slow)]
+    else:  # io="auto" as it is, then with its measured choice held at O_DIRECT: what the choice is worth
+        runs += [R("io", "tiered", "streamed-host", io="auto", cache="cold", limit=True, opts=hopts, new_tokens=slow),
+                 R("io", "tiered", "streamed-host-keep-direct", io="auto", cache="cold", limit=True,
+                   opts={**hopts, "io_probe_margin": float("inf")}, new_tokens=slow)]
     # a ring smaller than a unit (--pieces-ring-gb): every larger unit streams in pieces, reads pipelined, and the
     # host tier (each of --pieces-host-gb) holds whole small units and the first pieces of the others
     if a.pieces_ring_gb and cuda:
@@ -475,7 +482,8 @@ class Runner:
                 "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
-                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy")}}
+                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy",
+                                                                  "io_probe_margin")}}
         sp = self.work / f"spec-{len(self.logs)}.json"
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"
