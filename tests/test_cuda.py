@@ -224,19 +224,24 @@ def _big_layers(root: Path, dtype=torch.float32, tie: bool = False) -> Path:
     return root
 
 
+def _big_layers_and_stock(tmp_path: Path, monkeypatch, *, seed: int):
+    """:func:`_big_layers` with 64 KiB pieces allowed, ids ``(2, 9)`` on the GPU, and stock's logits for them and
+    greedy generate (6 tokens) from the first row."""
+    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    d = _big_layers(tmp_path / "m")
+    ref = _ref(d)
+    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    with torch.no_grad():
+        return d, ids, ref(ids).logits, ref.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
 @pytest.mark.parametrize("io", ["mmap", "pread", "direct"])
 @pytest.mark.parametrize("mode", ["streamed", "resident"])
 def test_units_larger_than_the_ring_stream_in_pieces(io: str, mode: str, tmp_path: Path, monkeypatch) -> None:
     """Issue 8, capability 1 on CUDA: every layer and the head are larger than the ring; each is read through it
     in pieces into one full-size device buffer. Logits and greedy generate equal stock's on the GPU bit for bit,
     the ring never holds more than its size, and RingTooSmallError is gone."""
-    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
-    d = _big_layers(tmp_path / "m")
-    ref = _ref(d)
-    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_gen = ref.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    d, ids, want, want_gen = _big_layers_and_stock(tmp_path, monkeypatch, seed=4)
     ring_gb = (640 << 10) / GiB  # 0.625 MiB: pieces of < 0.3 MiB
     kw = {"gpu_gb": 0} if mode == "streamed" else {"gpu_gb": 1}
     with tiered.load(d, device=DEV, ring_gb=ring_gb, io=io, **kw) as m, torch.no_grad():
@@ -297,13 +302,7 @@ def test_host_tier_holds_pieces_of_units_larger_than_the_ring(io: str, tmp_path:
     from tiered.cli import _plan_for
     from tiered.placement import place
 
-    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
-    d = _big_layers(tmp_path / "m")
-    ref = _ref(d)
-    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(6)).to(DEV)
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_gen = ref.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    d, ids, want, want_gen = _big_layers_and_stock(tmp_path, monkeypatch, seed=6)
     ring_gb = (640 << 10) / GiB
     per_pass = {}
     small = (900 << 10) / GiB  # below a layer (1.3 MB) and the head (1 MiB): several pieces of ~0.2 MiB
