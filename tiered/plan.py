@@ -95,7 +95,7 @@ def same_bytes_key(u: Unit) -> tuple | None:
     """A key equal for two units exactly when their slots hold the same bytes: the same checkpoint bytes, copied whole
     into targets of the same dtypes, shapes and offsets (a tied embedding and head read from one checkpoint tensor).
     None when a conversion or a placed copy makes that undecidable from the plan."""
-    if u.converts or not u.targets:
+    if getattr(u, "converts", None) or not getattr(u, "targets", None):  # also a bare stand-in with index/nbytes only
         return None
     parts = []
     for t in u.targets:
