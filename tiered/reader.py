@@ -312,10 +312,8 @@ class Reader:
         routed experts): ``io``; with ``adapt`` while probing, each backend in turn *for that key*, so over two
         passes both time the same reads (one turn for all reads would give each kind of read, e.g. a MoE pass's
         alternating layers and expert reads, always the same backend)."""
-        if not self.adapt:
-            return self.io
-        if self.choice is not None:
-            return self.choice["chosen"]
+        if not self.adapt or self.choice is not None:
+            return self.backend
         with self._probe_lock:
             n = self._turns[key] = self._turns.get(key, -1) + 1
             return "direct" if n % 2 == 0 else "pread"
@@ -378,11 +376,9 @@ class Reader:
     def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int, backend: str | None = None) -> None:
         t0 = time.perf_counter()  # the fault seam inside the timed span: a test can make one backend slow
         faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize, io=backend or self.io)
-        if not self.adapt or self.choice is not None:
-            self._copy(t, dest, lo, hi, backend)
-            return
         self._copy(t, dest, lo, hi, backend)
-        self._measured(backend or self.io, (hi - lo) * t.dtype.itemsize, time.perf_counter() - t0)
+        if self.adapt and self.choice is None:  # still probing: time this copy for its backend
+            self._measured(backend or self.io, (hi - lo) * t.dtype.itemsize, time.perf_counter() - t0)
 
     def read_unit(self, unit: Unit, slot: torch.Tensor) -> int:
         """Fill ``slot`` (uint8, >= ``unit.nbytes``) with ``unit``'s tensors at their layout offsets.
