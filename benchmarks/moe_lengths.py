@@ -19,7 +19,8 @@ Loads the model once (routed experts, ``host_gb``) and runs greedy decodes, each
 If 2 and 3 are fast and 4 and 7 slow, the cost is per sequence length; if 6 is fast too, it is cuDNN's.
 ``--resident`` repeats 1, 2, 4 and 6 on a second, all-resident load (``gpu_gb=100``), each prompt 200 tokens
 longer (lengths new to the process): whether stock compute pays it too. ``--profile-new``: a ``torch.profiler``
-CPU table of 4 new-length tokens (prompt F, 120 tokens) on stderr.
+CPU table of 4 new-length tokens (prompt F, 120 tokens) on stderr; ``--trace PATH``: a Chrome trace of 3 more
+(prompt G, 150 tokens), to read where the host waits and where the copy engine idles.
 Prints one JSON line per decode: label, median s/token, and each token's seconds.
 """
 
@@ -92,6 +93,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--resident", action="store_true", help="also the all-resident load (gpu_gb=100)")
     p.add_argument("--profile-new", action="store_true", help="profile 4 new-length tokens (CPU table on stderr)")
+    p.add_argument("--trace", default=None,
+                   help="write a torch.profiler Chrome trace (JSON) of 3 new-length tokens (prompt G, 150) to this path")
     a = p.parse_args()
     with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb) as m:
         _series(m, a.new_tokens, {"load": "routed+host"}, full=True)
@@ -102,6 +105,12 @@ def main() -> int:
                 _run(m, "F-new-len-profiled", _prompt(6, 120), 4, {"load": "routed+host"})
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), file=sys.stderr)
+        if a.trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _run(m, "G-new-len-traced", _prompt(7, 150), 3, {"load": "routed+host"})
+            prof.export_chrome_trace(a.trace)
     if a.resident:
         torch.cuda.empty_cache()
         with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=100, threads=a.threads) as m:
