@@ -21,7 +21,9 @@ If 2 and 3 are fast and 4 and 7 slow, the cost is per sequence length; if 6 is f
 longer (lengths new to the process): whether stock compute pays it too. ``--profile-new``: a ``torch.profiler``
 CPU table of 4 new-length tokens (prompt F, 120 tokens) on stderr; ``--trace PATH``: a Chrome trace of 3 more
 (prompt G, 150 tokens), to read where the host waits and where the copy engine idles.
-Prints one JSON line per decode: label, median s/token, and each token's seconds.
+``--compare-prefetch``: the whole series again on a second routed load with ``expert_prefetch`` flipped
+(``--no-expert-prefetch`` flips the first), prompts 400 tokens longer. Prints one JSON line per decode: label,
+median s/token, and each token's seconds; and one with each routed load's ``tiered.stats`` line.
 """
 
 from __future__ import annotations
@@ -92,12 +94,20 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--resident", action="store_true", help="also the all-resident load (gpu_gb=100)")
+    p.add_argument("--no-expert-prefetch", action="store_true", help="expert_prefetch=False in the routed load")
+    p.add_argument("--compare-prefetch", action="store_true",
+                   help="then the same series on a second routed load with the other expert_prefetch setting "
+                        "(prompts 400 tokens longer: lengths new to the process)")
     p.add_argument("--profile-new", action="store_true", help="profile 4 new-length tokens (CPU table on stderr)")
     p.add_argument("--trace", default=None,
                    help="write a torch.profiler Chrome trace (JSON) of 3 new-length tokens (prompt G, 150) to this path")
     a = p.parse_args()
-    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb) as m:
-        _series(m, a.new_tokens, {"load": "routed+host"}, full=True)
+    pf = not a.no_expert_prefetch
+    with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb,
+                     expert_prefetch=pf) as m:
+        _series(m, a.new_tokens, {"load": "routed+host", "expert_prefetch": pf}, full=True)
+        print(json.dumps({"label": "stats", "load": "routed+host", "expert_prefetch": pf,
+                          "stats": str(tiered.stats(m))}), flush=True)
         if a.profile_new:
             from torch.profiler import ProfilerActivity, profile
 
@@ -111,6 +121,13 @@ def main() -> int:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 _run(m, "G-new-len-traced", _prompt(7, 150), 3, {"load": "routed+host"})
             prof.export_chrome_trace(a.trace)
+    if a.compare_prefetch:
+        torch.cuda.empty_cache()
+        with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb,
+                         expert_prefetch=not pf) as m:
+            _series(m, a.new_tokens, {"load": "routed+host", "expert_prefetch": not pf}, full=True, shift=400)
+            print(json.dumps({"label": "stats", "load": "routed+host", "expert_prefetch": not pf,
+                              "stats": str(tiered.stats(m))}), flush=True)
     if a.resident:
         torch.cuda.empty_cache()
         with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=100, threads=a.threads) as m:

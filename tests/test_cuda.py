@@ -493,6 +493,78 @@ def test_host_tier_experts_on_cuda(name: str, ckpts: Checkpoints) -> None:
         assert s["experts_from_host"] > 0 and s["experts_read"] > 0
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_expert_prefetch_on_cuda(name: str, ckpts: Checkpoints, monkeypatch) -> None:
+    """expert_prefetch (tiered/speculate.py): with the dense parts resident and every expert in the host tier, each
+    call guesses the next block's experts and a thread copies them early; the next call takes the right guesses
+    from there. Stock's bits with the real guesses, with guesses that are always wrong, and with prefetch off."""
+    d = ckpts[name]
+    ref = _ref(d)
+    prompt = _ids()[:1]
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    del ref
+    gpu_gb = 0.8 * total / GiB  # not the whole model (experts are routed), more than its dense part
+    kw = dict(device=DEV, ring_gb=0.002, gpu_gb=gpu_gb, host_gb=1.0, expert_cache_gb=0)
+    with tiered.load(d, **kw) as m, torch.no_grad():
+        h = m._tiered
+        assert h.speculator is not None and h.stats.host_expert_modules == len(h.experts) >= 2
+        assert sum(eg.next_block is not None for eg in h.experts) == len(h.experts) - 1
+        assert torch.equal(m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        assert torch.equal(m(_ids()).logits, want)  # batch 2: more guesses than slots are not made
+        s = tiered.stats(m).snapshot()
+        assert s["experts_prefetched"] > 0 and 0 < s["expert_prefetch_hits"] <= s["experts_prefetched"]
+        assert "expert prefetch" in str(tiered.stats(m))
+    from tiered.speculate import Speculator
+
+    real = Speculator.guess
+
+    def wrong(self, hidden, router, k):  # the experts the router ranks last: (nearly) never the routed ones
+        g = real(self, hidden, router, router.shape[0])
+        return None if g is None else g.reshape(-1, router.shape[0])[:, -k:].reshape(-1)
+
+    monkeypatch.setattr(Speculator, "guess", wrong)
+    with tiered.load(d, **kw) as m, torch.no_grad():
+        assert torch.equal(m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        assert tiered.stats(m).experts_prefetched > 0
+    monkeypatch.undo()
+    with tiered.load(d, **kw, expert_prefetch=False) as m, torch.no_grad():
+        assert m._tiered.speculator is None
+        assert torch.equal(m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        assert tiered.stats(m).experts_prefetched == 0
+
+
+def test_expert_prefetch_threads_and_close_on_cuda(ckpts: Checkpoints) -> None:
+    """Two threads generating on one prefetching model (the experts calls serialise per module, the guesses of one
+    thread may meet the other's calls): both get stock's tokens; close() stops the prefetch thread."""
+    d = ckpts["mixtral"]
+    ref = _ref(d)
+    prompts = [_ids(s)[:1] for s in (1, 2)]
+    with torch.no_grad():
+        want = [ref.generate(p, max_new_tokens=6, do_sample=False, pad_token_id=0) for p in prompts]
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    del ref
+    m = tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.8 * total / GiB, host_gb=1.0, expert_cache_gb=0)
+    got: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        with torch.no_grad():
+            got[i] = m.generate(prompts[i], max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(torch.equal(got[i], want[i]) for i in (0, 1))
+    sp = m._tiered.speculator
+    assert sp is not None and sp._thread.is_alive()
+    m.close()
+    assert sp.closed and not sp._thread.is_alive()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize(("name", "host_gb"), [("llama", "0"), ("mixtral", "0"), ("llama", "1")])
 def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Checkpoints, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from .plan import Plan, Unit, build_plan, same_bytes
 from .reader import Reader, zero_copy_eligible
 from .ring import GiB, Ring, gib_up
 from .rows import RowGather, row_eligible
+from .speculate import Speculator, find_router
 from .stats import Stats, page_cache_room, proc_status
 from .streamer import Streamer
 
@@ -74,6 +75,7 @@ class Options:
     distributed: bool = False  # (True or a ProcessGroup) each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # host tier, GiB: streamed units read once and kept (CUDA: pinned, copied to the GPU)
     expert_cache_gb: float | None = None  # routed experts kept on the device (None: CUDA, what gpu_gb leaves; CPU 0)
+    expert_prefetch: bool = True  # CUDA, host-tier experts: guess the next block's experts and copy them early
 
 
 #: Seconds ``close()`` waits for a forward running in another thread to stop before releasing anyway.
@@ -100,6 +102,7 @@ class _Handle:
         self.experts: list[Any] = []  # ExpertGather per routed experts module
         self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
         self.expert_cache: ExpertCache | None = None  # routed experts kept on the device
+        self.speculator: Speculator | None = None  # CUDA: the next block's guessed experts, copied early
         self.closed = False
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
@@ -130,7 +133,7 @@ class _Handle:
             for eg in self.experts:
                 eg.close()
             _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache,
-                               self.host_experts)
+                               self.speculator, self.host_experts)
             self.closed = True
         finally:
             if got:
@@ -505,6 +508,34 @@ def _expert_cache(experts: dict[int, list[ExpertSpec]], device: torch.device, gb
                           "pass a smaller expert_cache_gb (0: none) or gpu_gb") from None
 
 
+def _speculator(model: nn.Module, specs: list[ExpertSpec], device: torch.device, left: int,
+                stats: Stats) -> Speculator | None:
+    """The model's :class:`~tiered.speculate.Speculator`: ``config.num_experts_per_tok`` slots of the largest expert,
+    if that fits in ``left`` bytes of the GPU budget; None otherwise (no prefetch, nothing else changes)."""
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    if not isinstance(k, int) or k < 1:
+        return None
+    slot = max(slot_layout(sp)[1] for sp in specs)
+    if k * slot > left:
+        return None
+    try:
+        return Speculator(slot, k, device, stats)
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError: run without the guess
+        return None
+
+
+def _link_speculator(model: nn.Module, gathers: list[ExpertGather], sp: Speculator) -> None:
+    """Give each experts call the speculator and, where the next block's experts are in the host tier and its
+    router weight is found, what it needs to guess and fill for that block."""
+    for eg, nxt in zip(gathers, [*gathers[1:], None], strict=True):
+        eg.speculator = sp
+        if nxt is None or nxt.host is None:
+            continue
+        found = find_router(model, nxt.spec.name, nxt.spec.num_experts)
+        if found is not None:
+            eg.next_block = (nxt.block, found, nxt.host, nxt.slot_offsets)
+
+
 def _gpu_budget(device: torch.device, gpu_gb: float | None) -> int:
     """Bytes of GPU memory for resident units: ``gpu_gb``, or what is free minus ``GPU_HEADROOM_BYTES``."""
     return int(gpu_gb * GiB) if gpu_gb is not None else torch.cuda.mem_get_info(device)[0] - GPU_HEADROOM_BYTES
@@ -700,6 +731,7 @@ def attach(
     routed_experts: bool = True,
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
+    expert_prefetch: bool = True,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -755,7 +787,7 @@ def attach(
     opts = Options(ring_gb=ring_gb, device=str(dev), prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads,
                    drop_pages=drop_pages, drop_page_cache=drop_page_cache, embedding_rows=embedding_rows,
                    distributed=dist is not None, host_gb=host_gb, routed_experts=routed_experts, zero_copy=zero_copy,
-                   expert_cache_gb=expert_cache_gb)
+                   expert_cache_gb=expert_cache_gb, expert_prefetch=bool(expert_prefetch))
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     auto_io = io == "auto"
@@ -933,8 +965,12 @@ def attach(
                                       "pass routed_experts=False") from None
                 staging = (h.expert_staging.buf, threading.Lock(), [None, None])
             buf_bytes = h.stats.device_buffer_bytes // (prefetch + 1)  # 0 when nothing streams
-            h.expert_cache = _expert_cache(experts, dev, expert_cache_gb, budget - h.stats.resident_bytes
-                                           - counted * buf_bytes)
+            left = budget - h.stats.resident_bytes - counted * buf_bytes
+            if expert_prefetch and dev.type == "cuda" and h.host_experts is not None and dist is None:
+                h.speculator = _speculator(module, specs, dev, left, h.stats)
+                if h.speculator is not None:
+                    left -= h.speculator.nbytes
+            h.expert_cache = _expert_cache(experts, dev, expert_cache_gb, left)
             if h.expert_cache is not None:
                 h.stats.expert_cache_slots = h.expert_cache.slots
                 h.stats.expert_cache_bytes = h.expert_cache.nbytes
@@ -948,12 +984,14 @@ def attach(
                 h.host_experts.fill(h.reader, h.stats)
                 for eg in h.experts:
                     eg.host = h.host_experts.parts(eg.spec)  # None: this block's experts are read
+                if h.speculator is not None:
+                    _link_speculator(module, h.experts, h.speculator)
         _allow_one_compile_per_unit(len(plan.units))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
         # collected, and this gives back the threads, the device pool and the ring.
         _on_drop(module, s.loader, s.stage, h.reader, h.ring, h.host_ring, h.expert_staging, h.expert_cache,
-                 h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+                 h.speculator, h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
     except BaseException:
         h.close()
         raise
@@ -982,6 +1020,7 @@ def load(
     routed_experts: bool = True,
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
+    expert_prefetch: bool = True,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
 
@@ -1033,6 +1072,12 @@ def load(
             on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts
             (room for a prefill's compact tensors); on the CPU none. 0: no cache. On the CPU a value > 0 keeps
             them in host memory (RSS grows by it).
+        expert_prefetch: on CUDA, when the host tier holds a MoE block's experts and the router of that block is
+            resident: while the block before it runs, guess its experts with its router applied to that block's
+            input and copy them to a device buffer of top-k expert slots (inside ``gpu_gb``, before the expert
+            cache) on a second stream, so the copy engine works while the host waits (SDPA's cuDNN graph build at
+            each new sequence length waits for the whole device; ``tiered/speculate.py``). A wrong guess costs its
+            copy, never the output. ``Stats.expert_prefetch_hits`` counts the experts served from it. False: no guess.
         zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
             tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
             copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS
@@ -1057,7 +1102,7 @@ def load(
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
                   embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
                   routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
-                  _rss_before=rss0)
+                  expert_prefetch=expert_prefetch, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> _Handle:
