@@ -9,11 +9,10 @@
 # WARMUP tokens first, unmeasured (default 16; 0 measures from the first token after load), from a prompt of
 # WARMUP_PROMPT_LEN tokens (default 64, so the measured decode's sequence lengths 16-32 are new to the process, as in
 # one long generation; 16 repeats them, which made routed decoding 1.5x faster on 2026-12-01: benchmarks/NOTES.md).
-# Routed runs use expert_prefetch (tiered/speculate.py); NO_PREFETCH=1 (default) adds each routed run with
-# --no-expert-prefetch beside it. ACCELERATE=1 adds accelerate disk offload of each shape at the
+# PREFETCH=1 adds each routed run with --expert-prefetch (tiered/speculate.py) beside it. ACCELERATE=1 adds accelerate disk offload of each shape at the
 # same GPU budget (max_memory cuda 2 GiB, cpu 1 GiB; 4 tokens; $OUT/accelerate-ARCH.jsonl).
 #   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 WARMUP=16 WARMUP_PROMPT_LEN=64 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 WITHOUT_HOST=0 PROFILE=0 \
-#     ACCELERATE=0 NO_PREFETCH=1 bash benchmarks/gpu_host_experts_check.sh
+#     ACCELERATE=0 PREFETCH=0 bash benchmarks/gpu_host_experts_check.sh
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 R="$OUT/host_experts.jsonl"
@@ -45,7 +44,7 @@ if [ "${SKIP_MIXTRAL:-0}" != 1 ]; then
   for i in $(seq 1 "${REPS:-2}"); do
     run "$G" "mixtral-routed-host20-$i" --host-gb 20
     run "$G" "mixtral-dense-host20-$i" --host-gb 20 --no-routed-experts
-    [ "${NO_PREFETCH:-1}" = 1 ] && run "$G" "mixtral-routed-noprefetch-host20-$i" --host-gb 20 --no-expert-prefetch
+    [ "${PREFETCH:-0}" = 1 ] && run "$G" "mixtral-routed-prefetch-host20-$i" --host-gb 20 --expert-prefetch
     [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "mixtral-routed-$i"
     [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "mixtral-dense-$i" --no-routed-experts
   done
@@ -57,7 +56,7 @@ fi
 make_warm qwen3-30b-a3b "${QWEN_LAYERS:-12}"
 run "$G" "qwen3-routed-host20" --host-gb 20
 run "$G" "qwen3-dense-host20" --host-gb 20 --no-routed-experts
-[ "${NO_PREFETCH:-1}" = 1 ] && run "$G" "qwen3-routed-noprefetch-host20" --host-gb 20 --no-expert-prefetch
+[ "${PREFETCH:-0}" = 1 ] && run "$G" "qwen3-routed-prefetch-host20" --host-gb 20 --expert-prefetch
 [ "${WITHOUT_HOST:-0}" = 1 ] && run "$G" "qwen3-routed"
 profile qwen3
 accelerate qwen3

@@ -22,7 +22,7 @@ longer (lengths new to the process): whether stock compute pays it too. ``--prof
 CPU table of 4 new-length tokens (prompt F, 120 tokens) on stderr; ``--trace PATH``: a Chrome trace of 3 more
 (prompt G, 150 tokens), to read where the host waits and where the copy engine idles.
 ``--compare-prefetch``: the whole series again on a second routed load with ``expert_prefetch`` flipped
-(``--no-expert-prefetch`` flips the first), prompts 400 tokens longer. Prints one JSON line per decode: label,
+(the first has it as ``--expert-prefetch`` says), prompts 400 tokens longer. Prints one JSON line per decode: label,
 median s/token, and each token's seconds; and one with each routed load's ``tiered.stats`` line.
 """
 
@@ -94,7 +94,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--resident", action="store_true", help="also the all-resident load (gpu_gb=100)")
-    p.add_argument("--no-expert-prefetch", action="store_true", help="expert_prefetch=False in the routed load")
+    p.add_argument("--expert-prefetch", action="store_true", help="expert_prefetch=True in the routed load")
     p.add_argument("--compare-prefetch", action="store_true",
                    help="then the same series on a second routed load with the other expert_prefetch setting "
                         "(prompts 400 tokens longer: lengths new to the process)")
@@ -102,7 +102,7 @@ def main() -> int:
     p.add_argument("--trace", default=None,
                    help="write a torch.profiler Chrome trace (JSON) of 3 new-length tokens (prompt G, 150) to this path")
     a = p.parse_args()
-    pf = not a.no_expert_prefetch
+    pf = a.expert_prefetch
     with tiered.load(a.model_dir, ring_gb=a.ring_gb, gpu_gb=a.gpu_gb, threads=a.threads, host_gb=a.host_gb,
                      expert_prefetch=pf) as m:
         _series(m, a.new_tokens, {"load": "routed+host", "expert_prefetch": pf}, full=True)

@@ -102,8 +102,8 @@ def main() -> int:
     p.add_argument("--expert-staging-mib", type=int, default=None,
                    help="pinned staging for routed experts on CUDA (tiered.experts.STAGING_BYTES; default 256)")
     p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
-    p.add_argument("--no-expert-prefetch", action="store_true",
-                   help="expert_prefetch=False: no guess of the next block's experts (tiered/speculate.py)")
+    p.add_argument("--expert-prefetch", action="store_true",
+                   help="expert_prefetch=True: guess the next block's experts and copy them early (tiered/speculate.py)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
     p.add_argument("--cuda-warmup", action="store_true",
@@ -142,7 +142,7 @@ def main() -> int:
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
-                        expert_cache_gb=a.expert_cache_gb, expert_prefetch=not a.no_expert_prefetch,
+                        expert_cache_gb=a.expert_cache_gb, expert_prefetch=a.expert_prefetch,
                         **({"embedding_rows": False} if a.no_embedding_rows else {}),
                         **({"routed_experts": False} if a.no_routed_experts else {}))
     if model.device.type == "cuda":
@@ -237,7 +237,7 @@ def main() -> int:
                               + snap.get("expert_prefetch_hits", 0) - used0.get("expert_prefetch_hits", 0)
                               - used0.get("experts_read", 0) - used0.get("experts_from_host", 0))
                              / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
-        "expert_prefetch": not a.no_expert_prefetch,
+        "expert_prefetch": a.expert_prefetch,
         "experts_prefetched": snap.get("experts_prefetched", 0) - used0.get("experts_prefetched", 0),
         "expert_prefetch_hits": snap.get("expert_prefetch_hits", 0) - used0.get("expert_prefetch_hits", 0),
         "expert_prefetch_gb_per_token": (snap.get("expert_prefetch_bytes", 0)

@@ -507,7 +507,7 @@ def test_expert_prefetch_on_cuda(name: str, ckpts: Checkpoints, monkeypatch) -> 
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     del ref
     gpu_gb = 0.8 * total / GiB  # not the whole model (experts are routed), more than its dense part
-    kw = dict(device=DEV, ring_gb=0.002, gpu_gb=gpu_gb, host_gb=1.0, expert_cache_gb=0)
+    kw = dict(device=DEV, ring_gb=0.002, gpu_gb=gpu_gb, host_gb=1.0, expert_cache_gb=0, expert_prefetch=True)
     with tiered.load(d, **kw) as m, torch.no_grad():
         h = m._tiered
         assert h.speculator is not None and h.stats.host_expert_modules == len(h.experts) >= 2
@@ -530,7 +530,7 @@ def test_expert_prefetch_on_cuda(name: str, ckpts: Checkpoints, monkeypatch) -> 
         assert torch.equal(m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
         assert tiered.stats(m).experts_prefetched > 0
     monkeypatch.undo()
-    with tiered.load(d, **kw, expert_prefetch=False) as m, torch.no_grad():
+    with tiered.load(d, **{**kw, "expert_prefetch": False}) as m, torch.no_grad():
         assert m._tiered.speculator is None
         assert torch.equal(m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
         assert tiered.stats(m).experts_prefetched == 0
@@ -546,7 +546,8 @@ def test_expert_prefetch_threads_and_close_on_cuda(ckpts: Checkpoints) -> None:
         want = [ref.generate(p, max_new_tokens=6, do_sample=False, pad_token_id=0) for p in prompts]
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     del ref
-    m = tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.8 * total / GiB, host_gb=1.0, expert_cache_gb=0)
+    m = tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.8 * total / GiB, host_gb=1.0, expert_cache_gb=0,
+                    expert_prefetch=True)
     got: dict[int, torch.Tensor] = {}
 
     def run(i: int) -> None:

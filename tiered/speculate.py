@@ -21,6 +21,14 @@ waits for the fill's event) instead of from the host; the others are copied as w
 pre-gating with the next layer's router on the current hidden state is right for most experts (>80% reported for
 Mixtral; ``benchmarks/moe_predict.py`` measured 75% on random weights at Mixtral's shape).
 
+Measured (H200, Mixtral-8x7B shape, 6 layers, bf16, ``host_gb=20``, ``gpu_gb=2``, batch 1; ``benchmarks/moe_lengths.py
+--compare-prefetch``, 2026-12-01): **slower**, so ``expert_prefetch`` is off by default. New sequence lengths: 0.147
+s/token with it against 0.122 without; lengths seen before: 0.113 against 0.084. 58% of the guessed experts were
+used (490 guessed, 285 used), so each token copied about 1.5 GB more than it saved, on a decode bound by the bytes
+it copies; and the graph build still left the copy engine mostly idle (the fill, queued once the previous copies
+were done, appears to be waited for too). It would pay with a better guess or where the copy engine idles for
+other reasons; the mechanism is exact and tested, and kept for that.
+
 Exactness: a guess decides only where bytes come from. The buffer holds the exact host-tier bytes of the experts it
 lists, a fill is waited for (event) before they are read, and the next fill waits (host) for every read of the
 previous one; a wrong guess costs its copy, never a different output.
