@@ -9,17 +9,19 @@
 # WARMUP tokens first, unmeasured (default 16; 0 measures from the first token after load), from a prompt of
 # WARMUP_PROMPT_LEN tokens (default 64, so the measured decode's sequence lengths 16-32 are new to the process, as in
 # one long generation; 16 repeats them, which made routed decoding 1.5x faster on 2026-12-01: benchmarks/NOTES.md).
+# NO_CUDNN_SDP=1 runs every tiered run with SDPA's cuDNN backend off (stream_run.py --no-cudnn-sdp).
 # PREFETCH=1 adds each routed run with --expert-prefetch (tiered/speculate.py) beside it. ACCELERATE=1 adds accelerate disk offload of each shape at the
 # same GPU budget (max_memory cuda 2 GiB, cpu 1 GiB; 4 tokens; $OUT/accelerate-ARCH.jsonl).
 #   MIXTRAL_LAYERS=6 QWEN_LAYERS=12 REPS=2 WARMUP=16 WARMUP_PROMPT_LEN=64 SKIP_TESTS=0 SKIP_MIXTRAL=0 SKIP_QWEN=0 WITHOUT_HOST=0 PROFILE=0 \
-#     ACCELERATE=0 PREFETCH=0 bash benchmarks/gpu_host_experts_check.sh
+#     ACCELERATE=0 PREFETCH=0 NO_CUDNN_SDP=0 bash benchmarks/gpu_host_experts_check.sh
 source "$(dirname "$0")/gpu_common.sh"
 cuda_tests
 R="$OUT/host_experts.jsonl"
 run() {  # checkpoint, label, then stream_run flags
   local g=$1 label=$2; shift 2
   timeout 300 $PY benchmarks/stream_run.py "$g" --out "$R" --label "$label" --ring-gb 6 --gpu-gb 2 --new-tokens 16 \
-    --threads 4 --warmup-tokens "${WARMUP:-16}" --warmup-prompt-len "${WARMUP_PROMPT_LEN:-64}" "$@" 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-220
+    --threads 4 --warmup-tokens "${WARMUP:-16}" --warmup-prompt-len "${WARMUP_PROMPT_LEN:-64}" \
+    $([ "${NO_CUDNN_SDP:-0}" = 1 ] && echo --no-cudnn-sdp) "$@" 2>&1 | grep -v "Loading weights" | tail -1 | cut -c1-220
 }
 accelerate() {  # arch: accelerate disk offload of $G at the same GPU budget
   [ "${ACCELERATE:-0}" = 1 ] || return 0

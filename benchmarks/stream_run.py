@@ -110,9 +110,14 @@ def main() -> int:
                    help="before loading, run the same architecture (one layer, random weights already on the GPU) "
                         "through generate with the same shapes, then reset VmHWM: peak_rss_over_cuda_model_base_gb is "
                         "then the RSS the weights' path adds over a CUDA runtime that has run this model's kernels")
+    p.add_argument("--no-cudnn-sdp", action="store_true",
+                   help="torch.backends.cuda.enable_cudnn_sdp(False) first: SDPA without cuDNN, whose graph build at "
+                        "every new sequence length costs 8-50 ms of host time per call on the H200 (benchmarks/NOTES.md)")
     p.add_argument("--label", default="tiered")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     a = p.parse_args()
+    if a.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     cold = drop_caches() if a.drop_caches else False
     rank = 0
@@ -238,6 +243,7 @@ def main() -> int:
                               - used0.get("experts_read", 0) - used0.get("experts_from_host", 0))
                              / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
         "expert_prefetch": a.expert_prefetch,
+        "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
         "experts_prefetched": snap.get("experts_prefetched", 0) - used0.get("experts_prefetched", 0),
         "expert_prefetch_hits": snap.get("expert_prefetch_hits", 0) - used0.get("expert_prefetch_hits", 0),
         "expert_prefetch_gb_per_token": (snap.get("expert_prefetch_bytes", 0)
