@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,19 +38,7 @@ import torch
 import tiered
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_common import greedy, parser  # noqa: E402
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+from moe_common import Clock, budget_args, greedy, parser  # noqa: E402
 
 
 def _prompt(seed: int, n: int) -> torch.Tensor:
@@ -60,7 +47,7 @@ def _prompt(seed: int, n: int) -> torch.Tensor:
 
 
 def _run(model, label: str, ids: torch.Tensor, n: int, extra: dict) -> None:
-    c = _Clock()
+    c = Clock()
     greedy(model, ids, n, streamer=c)
     steps = [b - a for a, b in zip(c.times[1:], c.times[2:], strict=False)]  # after the prefill
     print(json.dumps({"label": label, "prompt_len": ids.shape[1], "median_s": statistics.median(steps),
@@ -88,11 +75,7 @@ def _series(model, n: int, extra: dict, full: bool, shift: int = 0) -> None:
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument("--gpu-gb", type=float, default=2.0)
-    p.add_argument("--ring-gb", type=float, default=6.0)
-    p.add_argument("--host-gb", type=float, default=20.0)
-    p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=12)
+    budget_args(p, new_tokens=12, host_gb=20.0)
     p.add_argument("--resident", action="store_true", help="also the all-resident load (gpu_gb=100)")
     p.add_argument("--expert-prefetch", action="store_true", help="expert_prefetch=True in the routed load")
     p.add_argument("--compare-prefetch", action="store_true",

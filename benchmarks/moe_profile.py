@@ -25,23 +25,11 @@ import tiered
 from tiered import experts as ex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_common import greedy, parser  # noqa: E402
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+from moe_common import Clock, budget_args, greedy, parser  # noqa: E402
 
 
 def _decode(model, ids, n):
-    c = _Clock()
+    c = Clock()
     out = greedy(model, ids, n, streamer=c)
     steps = [b - a for a, b in zip(c.times[1:], c.times[2:], strict=False)]
     return statistics.median(steps), out[0, ids.shape[1]:].tolist()
@@ -49,11 +37,7 @@ def _decode(model, ids, n):
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument("--gpu-gb", type=float, default=2.0)
-    p.add_argument("--ring-gb", type=float, default=6.0)
-    p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--host-gb", type=float, default=0.0)
+    budget_args(p, new_tokens=8, host_gb=0.0)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-resident", action="store_true",
                    help="skip the all-resident load (its compute floor): the routed run then starts in a fresh process")

@@ -29,11 +29,20 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ExpertCache", "POLICIES"]
+__all__ = ["ExpertCache", "POLICIES", "slot_view"]
 
 POLICIES = ("layer", "lru")
 #: The policy a loaded model's cache uses (``benchmarks/stream_run.py --expert-cache-policy`` sets it to compare).
 POLICY = "layer"
+
+
+def slot_view(store: torch.Tensor, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Row ``slot`` of a ``(slots, slot_bytes)`` uint8 ``store``, from byte ``offset``, as a tensor of ``shape`` and
+    ``dtype`` (one part of the expert kept there)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return store[slot, offset:offset + n * dtype.itemsize].view(dtype).view(shape)
 
 
 class ExpertCache:
@@ -123,10 +132,7 @@ class ExpertCache:
 
     def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The bytes of one part of the expert in ``slot`` at ``offset``, as a tensor of ``shape`` and ``dtype``."""
-        n = 1
-        for d in shape:
-            n *= d
-        return self.store[slot, offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+        return slot_view(self.store, slot, offset, shape, dtype)
 
     def clear(self) -> None:
         self.where.clear()

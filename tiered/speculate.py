@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from .expert_cache import slot_view
+
 __all__ = ["Speculator", "find_router"]
 
 
@@ -154,10 +156,7 @@ class Speculator:
         return {u for u, _ in rows}
 
     def _view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        return self.store[slot, offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+        return slot_view(self.store, slot, offset, shape, dtype)
 
     # ------------------------------------------------------------------------------ the fill thread
 
