@@ -566,6 +566,35 @@ def test_expert_prefetch_threads_and_close_on_cuda(ckpts: Checkpoints) -> None:
     assert sp.closed and not sp._thread.is_alive()
 
 
+def test_expert_prefetch_ctrl_c_in_a_request_on_cuda(ckpts: Checkpoints, monkeypatch) -> None:
+    """A KeyboardInterrupt while a guess is being queued leaves no caller waiting for that fill: the generate that
+    got it raises, the next one on the same model gets stock's tokens (and neither hangs)."""
+    d = ckpts["mixtral"]
+    ref = _ref(d)
+    prompt = _ids()[:1]
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    del ref
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.8 * total / GiB, host_gb=1.0, expert_cache_gb=0,
+                     expert_prefetch=True) as m, torch.no_grad():
+        sp = m._tiered.speculator
+        real_put, calls = sp._q.put, []
+
+        def put(item):
+            calls.append(1)
+            if len(calls) == 3:  # the third guess of the run: queued, then interrupted
+                real_put(item)
+                raise KeyboardInterrupt
+            return real_put(item)
+
+        monkeypatch.setattr(sp._q, "put", put)
+        with pytest.raises(KeyboardInterrupt):
+            m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), want)
+        assert len(calls) > 3 and tiered.stats(m).expert_prefetch_hits > 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize(("name", "host_gb"), [("llama", "0"), ("mixtral", "0"), ("llama", "1")])
 def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Checkpoints, tmp_path: Path) -> None:

@@ -88,6 +88,8 @@ class Speculator:
         self.store = torch.empty((capacity, slot_bytes), dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device)
         self.lock = threading.Lock()  # the fields below, between callers; the thread only sets `filled` and `ready`
+        self._state = threading.Lock()  # `seq`, `filled`, `ready` and `block` between the callers and the thread
+        self.seq = 0  # the number of the latest request; the thread publishes a fill only if it is that one's
         self.block: int | None = None  # which block's guess the buffer holds (or is being filled with)
         self.ids: list[int] = []
         self.filled: torch.cuda.Event | None = None  # recorded on self.stream after the fill; None: the fill failed
@@ -125,10 +127,19 @@ class Speculator:
         with self.lock:
             self.ready.wait()  # the previous fill was issued: this one follows it on self.stream
             waits = [after, *self.reads]
-            self.reads = []
-            self.block, self.ids, self.filled = block, list(ids), None
-            self.ready.clear()
-        self._q.put((list(ids), host, offsets, waits))
+            try:
+                with self._state:
+                    self.seq += 1
+                    self.block, self.ids, self.filled = block, list(ids), None
+                    self.ready.clear()
+                self._q.put((self.seq, list(ids), host, offsets, waits))
+                self.reads = []
+            except BaseException:  # e.g. Ctrl-C here: no caller may wait for, or serve from, this fill
+                with self._state:
+                    self.seq += 1  # the fill, if it was queued, is not published
+                    self.block = None
+                    self.ready.set()
+                raise
         return True
 
     def serve(self, block: int, todo: list[tuple[int, int]], parts: list[Any], offsets: list[int],
@@ -165,7 +176,7 @@ class Speculator:
             item = self._q.get()
             if item is None:
                 return
-            ids, host, offsets, waits = item
+            seq, ids, host, offsets, waits = item
             filled = None
             try:
                 for ev in waits:
@@ -181,8 +192,10 @@ class Speculator:
             except BaseException:  # noqa: BLE001 - a failed guess is no guess: the callers copy from the host
                 filled = None
             finally:
-                self.filled = filled
-                self.ready.set()
+                with self._state:
+                    if seq == self.seq:  # else a later request (or an interrupted one) owns `filled` and `ready`
+                        self.filled = filled
+                        self.ready.set()
                 del item, host, waits
 
     def close(self) -> None:
