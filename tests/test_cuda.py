@@ -579,16 +579,22 @@ def test_expert_prefetch_ctrl_c_in_a_request_on_cuda(ckpts: Checkpoints, monkeyp
     with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0.8 * total / GiB, host_gb=1.0, expert_cache_gb=0,
                      expert_prefetch=True) as m, torch.no_grad():
         sp = m._tiered.speculator
-        real_put, calls = sp._q.put, []
+        calls: list[int] = []
 
-        def put(item):
-            calls.append(1)
-            if len(calls) == 3:  # the third guess of the run: queued, then interrupted
-                real_put(item)
-                raise KeyboardInterrupt
-            return real_put(item)
+        class Queue:  # the fill thread keeps reading the same queue; puts go through here
+            def __init__(self, q) -> None:
+                self.q = q
 
-        monkeypatch.setattr(sp._q, "put", put)
+            def get(self):
+                return self.q.get()
+
+            def put(self, item) -> None:
+                calls.append(1)
+                self.q.put(item)
+                if len(calls) == 3:  # the third guess of the run: queued, then interrupted
+                    raise KeyboardInterrupt
+
+        monkeypatch.setattr(sp, "_q", Queue(sp._q))
         with pytest.raises(KeyboardInterrupt):
             m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), want)
