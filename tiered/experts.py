@@ -537,17 +537,22 @@ class ExpertGather:
     def _guess(self, args: tuple, kwargs: dict, idx: torch.Tensor) -> list[int]:
         """The next block's likely experts (sorted, distinct) from this call's input rows and the next block's router
         (:meth:`tiered.speculate.Speculator.guess`); [] when there is no speculator, no next block in the host tier,
-        more guesses than its slots, or an input it cannot use."""
+        more than one input row (a prefill, a batch: the slots hold one row's top-k), more guesses than its slots,
+        or a guess that fails (it never fails the call)."""
         sp, nxt = self.speculator, self.next_block
         if sp is None or nxt is None or sp.closed:
             return []
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1 \
+                or hidden.numel() != hidden.shape[-1]:  # one row only: the slots hold one row's top-k
             return []
-        g = sp.guess(hidden, nxt[1], idx.shape[-1] if idx.dim() else 1)
-        if g is None:
+        try:
+            g = sp.guess(hidden, nxt[1], idx.shape[-1] if idx.dim() else 1)
+            if g is None:
+                return []
+            ids = torch.unique(g, sorted=True).tolist()  # a sync, at a point where the GPU has nothing else queued
+        except Exception:  # noqa: BLE001 - a guess that cannot be made (memory, a router dtype) is no guess
             return []
-        ids = torch.unique(g, sorted=True).tolist()  # a sync, at a point where the GPU has nothing else queued
         return ids if len(ids) <= sp.capacity else []
 
     def restore(self) -> None:

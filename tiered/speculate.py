@@ -163,7 +163,8 @@ class Speculator:
                     t[u].copy_(self._view(s, off, p.slab_shape, p.target.dtype))
             ev = torch.cuda.Event()
             ev.record(stream)
-            self.reads.append(ev)
+            # the next fill waits for these; without a new fill (no guess at batch > 1) drop the finished ones
+            self.reads = [e for e in self.reads if not e.query()] + [ev]
         return {u for u, _ in rows}
 
     def _view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -205,8 +206,12 @@ class Speculator:
         self.closed = True
         self._q.put(None)
         self._thread.join(timeout=10)
+        got = self.lock.acquire(timeout=10)  # a serve still running (close gave up waiting for a forward) ends first
         try:
-            self.stream.synchronize()
+            torch.cuda.synchronize(self.device)  # the fills and the reads of the buffer are done
         except RuntimeError:  # pragma: no cover - a CUDA error at teardown
             pass
-        self.store = torch.empty((0, 0), dtype=torch.uint8)
+        finally:
+            self.store = torch.empty((0, 0), dtype=torch.uint8)
+            if got:
+                self.lock.release()
