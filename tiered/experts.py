@@ -39,6 +39,10 @@ host memory (pinned on CUDA), read once at load; step 2 is then a copy of the ro
 compute stream on CUDA, a memcpy on the CPU; ``Stats.experts_from_host``, ``host_expert_bytes``), with no read
 after the router.
 
+``expert_prefetch=True`` (CUDA, off by default): a call also guesses the next block's experts with that block's
+router and has them copied from the host tier ahead of its call (:mod:`tiered.speculate`); a call then takes the
+ones it routed to that were guessed from there (``Stats.expert_prefetch_hits``), the rest as above.
+
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
 ``use_experts_implementation`` attributes.
