@@ -112,7 +112,7 @@ def main() -> int:
                         "then the RSS the weights' path adds over a CUDA runtime that has run this model's kernels")
     p.add_argument("--no-cudnn-sdp", action="store_true",
                    help="torch.backends.cuda.enable_cudnn_sdp(False) first: SDPA without cuDNN, whose graph build at "
-                        "every new sequence length costs 8-50 ms of host time per call on the H200 (benchmarks/NOTES.md)")
+                        "every new sequence length costs 40-53 ms of host time on the H200 (benchmarks/NOTES.md)")
     p.add_argument("--label", default="tiered")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     a = p.parse_args()

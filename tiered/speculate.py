@@ -4,9 +4,9 @@ Why. A routed experts call (:mod:`tiered.experts`) knows which experts to copy o
 host waits for the GPU there (the ids), and the copies start after. Whatever the host does between one block's
 copies and the next block's router then decides whether the copy engine idles. Measured on the H200
 (``benchmarks/sdpa_build_probe.py``, ``benchmarks/moe_lengths.py``, 2026-12-01): SDPA's cuDNN backend builds an
-execution graph for every new key length, about 8-50 ms of host time per call, and the build first waits for the
-whole device (an 8 GiB H2D queued on another stream delayed it by the copy's full 158 ms). In one long
-generation every decode step has a new length, so every attention layer waits for the previous block's expert
+execution graph for every new key length (40-53 ms of host time for one, in a probe), and the build first waits for
+the whole device (an 8 GiB H2D queued on another stream delayed it by the copy's full 158 ms). In one long
+generation every decode step has a new length, so attention waits for the previous block's expert
 copies and then builds with the GPU idle: a Mixtral-shaped routed decode took 0.118-0.149 s/token against 0.084
 when the lengths had been seen before (and the resident model 0.080 against 0.017: stock pays it too).
 
