@@ -241,6 +241,15 @@ def test_gpu_gb_on_the_cpu_warns(dirs):
         tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", gpu_gb=1).close()
 
 
+def test_expert_prefetch_on_the_cpu_warns(dirs):
+    """expert_prefetch copies guessed experts to a GPU: asked for on the CPU it says so, and the model loads without
+    a speculator."""
+    with pytest.warns(UserWarning, match="expert_prefetch=True has no effect on device=cpu"):
+        m = tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", expert_prefetch=True)
+    with m:
+        assert m._tiered.speculator is None
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_bytes_counts_a_tied_weight_once(tmp_path, tied):
     """stats.model_bytes / inspect's model_bytes: the model's distinct weights (stock's own parameters(), which

@@ -780,6 +780,9 @@ def attach(
     if dev.type == "cpu" and gpu_gb is not None:
         warnings.warn(f"gpu_gb={gpu_gb} has no effect on device=cpu: the ring (ring_gb) is the only memory there",
                       UserWarning, stacklevel=2)
+    if expert_prefetch and dev.type != "cuda":
+        warnings.warn(f"expert_prefetch=True has no effect on device={dev.type}: it copies guessed experts to a GPU "
+                      "(tiered/speculate.py)", UserWarning, stacklevel=2)
     if host_gb and distributed is not False and distributed is not None and dev.type == "cpu":  # before any rendezvous
         raise ConfigError(f"host_gb={host_gb} with distributed on the CPU is not supported (each rank would hold a "
                           "chunk that the all-gather overwrites): raise ring_gb, or pass host_gb=0")
