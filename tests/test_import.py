@@ -12,6 +12,8 @@ import tiered
 assert not torch.cuda.is_initialized(), "import tiered initialised CUDA"
 assert threading.active_count() == before, "import tiered started a thread"
 assert "transformers" not in sys.modules, "import tiered imported transformers"
+assert {"load", "attach", "close", "Options"} <= set(dir(tiered)), "dir(tiered) misses the lazy names"
+assert "transformers" not in sys.modules, "dir(tiered) imported transformers"
 assert callable(tiered.load) and callable(tiered.reshard)
 print("ok")
 """

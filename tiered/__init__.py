@@ -54,6 +54,12 @@ def __getattr__(name: str) -> _Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The names the package has, the lazily imported ones (``load``, ``attach``...) included: ``dir(tiered)`` and
+    tab completion list them before their first use."""
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def stats(model: _Any) -> Stats:
     """The :class:`Stats` of a model from :func:`load` or :func:`attach` (see :func:`tiered.api.stats`)."""
     from .api import stats as _stats
