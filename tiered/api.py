@@ -1052,6 +1052,11 @@ def load(
             ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
             ``tiered/reader.py``).
         threads: reader threads.
+        drop_pages: after copying a span of the file mapping, ``madvise(MADV_DONTNEED)`` it, so the process never
+            keeps the checkpoint's pages mapped (what bounds RSS with ``io="mmap"``). Keep True; False is the naive
+            loader, kept to show what the bound is worth.
+        drop_page_cache: also ``posix_fadvise(POSIX_FADV_DONTNEED)`` what was copied, so the page cache does not
+            keep it either: for cgroups that charge page cache to the process (``memory.max``). Default False.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
         embedding_rows: a streamed embedding reads only the rows its ids look up, each call
