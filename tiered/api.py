@@ -524,10 +524,9 @@ def _speculator(model: nn.Module, specs: list[ExpertSpec], device: torch.device,
         return None
 
 
-def _link_speculator(model: nn.Module, gathers: list[ExpertGather], sp: Speculator) -> int:
+def _link_speculator(model: nn.Module, gathers: list[ExpertGather], sp: Speculator) -> None:
     """Give each experts call the speculator and, where the next block's experts are in the host tier and its
-    router weight is found, what it needs to guess and fill for that block; how many calls can guess."""
-    linked = 0
+    router weight is found, what it needs to guess and fill for that block."""
     for eg, nxt in zip(gathers, [*gathers[1:], None], strict=True):
         eg.speculator = sp
         if nxt is None or nxt.host is None:
@@ -535,8 +534,6 @@ def _link_speculator(model: nn.Module, gathers: list[ExpertGather], sp: Speculat
         found = find_router(model, nxt.spec.name, nxt.spec.num_experts)
         if found is not None:
             eg.next_block = (nxt.block, found, nxt.host, nxt.slot_offsets)
-            linked += 1
-    return linked
 
 
 def _gpu_budget(device: torch.device, gpu_gb: float | None) -> int:
@@ -990,11 +987,8 @@ def attach(
                 h.host_experts.fill(h.reader, h.stats)
                 for eg in h.experts:
                     eg.host = h.host_experts.parts(eg.spec)  # None: this block's experts are read
-                if h.speculator is not None and not _link_speculator(module, h.experts, h.speculator):
-                    h.speculator.close()  # no call can guess: give back its thread and device buffer
-                    h.speculator = None
-                    for eg in h.experts:
-                        eg.speculator = None
+                if h.speculator is not None:
+                    _link_speculator(module, h.experts, h.speculator)
         _allow_one_compile_per_unit(len(plan.units))
         h.stats.ring_high_water = h.ring.high_water
         # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
