@@ -292,3 +292,60 @@ def test_place_refuses_what_load_refuses(dirs, bad):
         _place(dirs["mixtral"], "cuda", **kw)
     with pytest.raises((tiered.ConfigError, tiered.RingTooSmallError)):
         tiered.load(dirs["mixtral"], device="cpu", **kw)  # refused before gpu_gb's warning on the CPU
+
+
+# ---------------------------------------------------------------------------------------------- golden decisions
+
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def _golden(device: str) -> list[dict]:
+    return json.loads((GOLDEN / f"placement-{device}.json").read_text())
+
+
+def _golden_ids(device: str) -> list[str]:
+    return [r["case"]["id"] for r in _golden(device)]
+
+
+@pytest.fixture(scope="module")
+def golden_cpu() -> dict[str, dict]:
+    return {r["case"]["id"]: r for r in _golden("cpu")}
+
+
+@pytest.mark.parametrize("model", sorted({r["case"]["model"] for r in _golden("cpu")}))
+def test_golden_cpu_decisions(ckpts, golden_cpu, model):
+    """What a CPU load builds — per unit resident / host / rows / mapped / ring, routed experts, the expert cache,
+    the ring, the backend, or the refusal — is what it built before the redesign (tests/placement_golden.py)."""
+    import placement_golden
+
+    d = ckpts[model]
+    bad = []
+    for r in golden_cpu.values():
+        if r["case"]["model"] != model:
+            continue
+        got = placement_golden.run_case(r["case"], d)
+        if got != r["decisions"]:
+            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
+                    if got.get(k) != r["decisions"].get(k)}
+            bad.append((r["case"]["id"], diff))
+    assert not bad, bad[:3]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", sorted({r["case"]["model"] for r in _golden("cuda")}))
+def test_golden_cuda_decisions(ckpts, model):
+    """The same on CUDA with an explicit gpu_gb: what the load builds is what it built before the redesign."""
+    import placement_golden
+
+    d = ckpts[model]
+    bad = []
+    for r in _golden("cuda"):
+        if r["case"]["model"] != model:
+            continue
+        got = placement_golden.run_case(r["case"], d)
+        if got != r["decisions"]:
+            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
+                    if got.get(k) != r["decisions"].get(k)}
+            bad.append((r["case"]["id"], diff))
+    assert not bad, bad[:3]
