@@ -129,16 +129,17 @@ def pinned(machine: dict[str, int], world: int | None = None, rank: int | None =
     than these models' units)."""
     from unittest import mock
 
-    import tiered.api as api
     import tiered.dist as dist
+    import tiered.machine as machine_mod
+    import tiered.policy as policy
 
     avail = (machine["host_avail"], "golden")
     room = (machine["page_cache_room"], "golden cgroup")
     with contextlib.ExitStack() as st:
-        st.enter_context(mock.patch.object(api, "host_memory_available", lambda: avail))
-        st.enter_context(mock.patch.object(api, "page_cache_room", lambda: room))
+        st.enter_context(mock.patch.object(machine_mod, "host_memory_available", lambda: avail))
+        st.enter_context(mock.patch.object(machine_mod, "page_cache_room", lambda: room))
         if min_piece is not None:
-            st.enter_context(mock.patch.object(api, "MIN_PIECE_BYTES", min_piece))
+            st.enter_context(mock.patch.object(policy, "MIN_PIECE_BYTES", min_piece))
         if world is not None:
             fake = dist.Dist(None, rank, world, "gloo")
             st.enter_context(mock.patch.object(dist, "resolve", lambda d, dev: fake if d else None))
@@ -173,6 +174,43 @@ def decisions(model: Any) -> dict[str, Any]:
         "expert_cache_slots": s.expert_cache_slots,
         "device_buffer_bytes": s.device_buffer_bytes,
         "speculator": h.speculator is not None,
+    }
+
+
+def placed(case: dict[str, Any], d: Path) -> dict[str, Any]:
+    """The decisions :func:`tiered.placement.place` makes for ``case`` — pure: no load, no GPU (CUDA cases have an
+    explicit ``gpu_gb``) — in the shape of :func:`decisions`."""
+    import tiered
+    from tiered.format import open_checkpoint
+    from tiered.machine import Machine
+    from tiered.meta import meta_model_from_dir
+    from tiered.options import Options
+    from tiered.placement import place
+    from tiered.plan import build_plan
+
+    kw = {k: case[k] for k in LOAD_KEYS if k in case}
+    world = case.get("world")
+    m = case["machine"]
+    machine = Machine(m["host_avail"], "golden", m["page_cache_room"], "golden cgroup")
+    model = meta_model_from_dir(d)
+    ckpt = open_checkpoint(d)
+    plan = build_plan(model, ckpt, align=512 if case["device"] == "cuda" else 64)
+    opts = Options(device=case["device"], distributed=world is not None, **kw)
+    with pinned(case["machine"], min_piece=case.get("min_piece_bytes")):
+        try:
+            p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=model.config,
+                      ranks=(case["rank"], world) if world else None)
+        except tiered.TieredError as e:
+            return {"error": type(e).__name__}
+    return {
+        "units": [u.name for u in plan.units], "unit_bytes": [u.nbytes for u in plan.units],
+        "ring_bytes": p.ring_bytes, "io": p.io, "resident": p.resident, "host": p.host, "rows": p.rows,
+        "mapped": p.mapped, "page_cache_units": len(p.page_cache),
+        "pieces": {str(i): n for i, n in sorted(p.pieces.items())},
+        "host_pieces": {str(i): k for i, k in sorted(p.host_pieces.items())},
+        "host_ring_bytes": p.host_ring_bytes, "routed": [sp.name for sp in p.specs],
+        "host_experts": [p.specs[i].name for i in p.host_experts], "expert_cache_slots": p.expert_cache_slots,
+        "device_buffer_bytes": p.device_buffer_bytes, "speculator": p.speculator_slots > 0,
     }
 
 

@@ -331,6 +331,26 @@ def test_golden_cpu_decisions(ckpts, golden_cpu, model):
     assert not bad, bad[:3]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("model", sorted({r["case"]["model"] for r in _golden("cuda")}))
+def test_golden_place_is_pure(ckpts, model, device):
+    """place() alone — no load, no GPU — gives every recorded decision, CUDA ones (explicit gpu_gb) included: what
+    `tiered inspect` prints is what a load on the H200 built before the redesign."""
+    import placement_golden
+
+    d = ckpts[model]
+    bad = []
+    for r in _golden(device):
+        if r["case"]["model"] != model:
+            continue
+        got = placement_golden.placed(r["case"], d)
+        if got != r["decisions"]:
+            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
+                    if got.get(k) != r["decisions"].get(k)}
+            bad.append((r["case"]["id"], diff))
+    assert not bad, bad[:3]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model", sorted({r["case"]["model"] for r in _golden("cuda")}))

@@ -43,7 +43,7 @@ from .reshard.errors import (
 from .reshard.summary import ReshardSummary
 from .stats import Stats
 
-_LAZY = {"load": ".api", "attach": ".api", "close": ".api", "Options": ".api"}
+_LAZY = {"load": ".api", "attach": ".api", "close": ".api", "Options": ".options"}
 
 
 def __getattr__(name: str) -> _Any:

@@ -28,16 +28,24 @@ units live (GPU, host tier, rows, streamed) does not depend on it.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from . import dist as _dist
+from . import policy
+from .errors import HostMemoryError, RingTooSmallError
+from .experts import ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import page_up
+from .machine import Machine
+from .options import Options
 from .plan import Plan
-from .ring import GiB
+from .reader import zero_copy_eligible
+from .ring import GiB, gib_up
+from .rows import row_eligible
 
-__all__ = ["GBPS", "Placement", "place", "predict"]
+__all__ = ["GBPS", "Placement", "place", "predict", "choose_io"]
 
 #: Default bandwidths in GB/s (1e9 bytes/s), measured on the project's GPU machine (one H200, benchmarks/RESULTS.md;
 #: the GPT-J tables): O_DIRECT cold reads 1.48-1.88 GB/s with 4 threads; page cache -> pinned ring copy 29-31 GB/s;
@@ -47,162 +55,263 @@ GBPS = {"disk": 1.5, "page_cache": 30.0, "h2d": 55.0}
 
 @dataclass
 class Placement:
-    """Unit indices per tier and the bytes a decode token moves (checkpoint bytes read; device bytes copied)."""
+    """Where every unit lives and every budget, for one process (rank) — what :func:`tiered.attach` builds, what
+    ``tiered inspect`` prints and what ``tiered.stats(model).placement`` holds. Unit indices are the plan's; bytes
+    are exact; ``*_bytes`` per token count checkpoint bytes read (streamed) or device bytes copied (host tier)."""
 
     device: str
-    resident: list[int] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
-    streamed: list[int] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)  # loaded once (CUDA: on the GPU; CPU: in the ring, all or none)
+    host: list[int] = field(default_factory=list)  # the host tier's whole units
+    streamed: list[int] = field(default_factory=list)  # read every pass (not resident, rows or host)
+    rows: list[int] = field(default_factory=list)  # embeddings that read their looked-up rows
     resident_bytes: int = 0
     host_bytes: int = 0
     streamed_bytes: int = 0  # checkpoint bytes read per token for the streamed units
-    device_buffer_bytes: int = 0
+    device_buffer_bytes: int = 0  # CUDA: prefetch + 1 buffers of the largest unit the streamer copies
     expert_modules: int = 0
     experts_total: int = 0
     expert_cache_slots: int = 0
+    expert_slot_bytes: int = 0  # bytes of one expert-cache slot (the largest expert)
     routed_expert_bytes: int = 0  # per decode token at batch 1: top-k experts of every routed block
     host_expert_modules: int = 0  # routed blocks whose experts are all in the host tier
     host_expert_bytes: int = 0  # their pinned bytes (in host_gb)
     routed_host_bytes: int = 0  # of routed_expert_bytes, what comes from the host tier (H2D, no read)
-    pieces: dict[int, int] = field(default_factory=dict)  # CUDA: streamed units larger than the ring -> pieces
+    pieces: dict[int, int] = field(default_factory=dict)  # CUDA: units larger than the ring the streamer cuts -> pieces
     host_pieces: dict[int, int] = field(default_factory=dict)  # of those, how many first pieces the host tier holds
     host_piece_bytes: int = 0  # their pinned bytes (slots, in host_gb)
     expert_hit_rate: float = 0.0  # the cache's, under uniform routing
-    io: str = "mmap"  # the reader backend tiered.load would use ("auto" resolved)
+    io: str = "mmap"  # the reader backend ("auto" resolved)
+    io_probe: bool = False  # io="auto" picked O_DIRECT: the reader times it against buffered reads (tiered/reader.py)
     mapped: list[int] = field(default_factory=list)  # CPU: streamed units on views of the file mapping (no ring copy)
     page_cache: list[int] = field(default_factory=list)  # of mapped: io="auto" picked O_DIRECT, the page-cache tier
-    ring_bytes: int = 0  # the ring as tiered.load allocates it (never more than the whole model)
+    page_cache_bytes: int = 0
+    ring_bytes: int = 0  # the ring as allocated (never more than the whole model)
     ring_need_bytes: int = 0  # CPU: ring bytes of the largest unit copied into it (0: none); load refuses less
+    host_ring_bytes: int = 0  # the host tier's buffer: whole-unit slots and first pieces (experts apart)
+    gpu_budget: int = 0  # CUDA: bytes for resident units and the counted device buffers
+    buffers_counted: int = 0  # device buffers counted inside gpu_budget
+    speculator_slots: int = 0  # CUDA expert_prefetch: top-k slots of the largest expert (0: none)
+    routed: dict[int, list[ExpertSpec]] = field(default_factory=dict, repr=False)  # unit -> its routed experts modules
+    host_experts: list[int] = field(default_factory=list)  # indices into specs (forward order) kept in the host tier
+
+    def resident_bytes_of(self, plan: Plan) -> int:
+        return sum(plan.units[i].nbytes for i in self.resident)
+
+    @property
+    def specs(self) -> list[ExpertSpec]:
+        """Every routed experts module, in forward order."""
+        return [sp for ss in self.routed.values() for sp in ss]
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = {k: v for k, v in self.__dict__.items() if k != "routed"}
+        d["routed"] = [sp.name for sp in self.specs]
+        return d
 
 
-def place(plan: Plan, config: Any, *, device: str, ring_gb: float, gpu_gb: float | None, host_gb: float = 0.0,
-          prefetch: int = 2, embedding_rows: bool = True, routed_experts: bool = True,
-          expert_cache_gb: float | None = None, io: str = "mmap", ckpt: Any = None, threads: int = 4) -> Placement:
-    """The placement :func:`tiered.load` would make with these options (one process). ``plan`` is changed (routed
-    experts leave their units, as at load). ``io``: tiered.load's (``"auto"`` needs ``ckpt``, the plan's
-    checkpoint: its size against the page-cache room decides); ``threads``: the reader's, which only the
-    page-cache tier of ``io="auto"`` on the CPU depends on (its O_DIRECT staging is kept out of the room).
+def choose_io(io: str, ckpt_bytes: int, machine: Machine) -> str:
+    """``io="auto"`` resolved: ``"direct"`` when the checkpoint is larger than the page cache's room, else ``"mmap"``;
+    any other backend as given."""
+    if io != "auto":
+        return io
+    room = machine.page_cache_room
+    return "direct" if room is not None and ckpt_bytes > room else "mmap"
+
+
+def warn_mmap_thrash(io: str, ckpt_bytes: int, root: Any, machine: Machine) -> None:
+    """Warn when ``io="mmap"`` must re-read a model larger than the page-cache room a cgroup leaves."""
+    room, where = machine.page_cache_room, machine.page_cache_where
+    if io == "mmap" and room is not None and ckpt_bytes > room and where.startswith("cgroup"):
+        warnings.warn(
+            f"{root}: the checkpoint ({ckpt_bytes / GiB:.2f} GiB) is larger than the page cache this "
+            f"{where} leaves ({room / GiB:.2f} GiB): io='mmap' re-reads it from disk through a thrashing "
+            "page cache on every pass; io='direct' (or 'auto') reads it without one",
+            stacklevel=4,
+        )
+
+
+def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
+          ranks: tuple[int, int] | None = None) -> Placement:
+    """The placement of ``plan`` with ``opts`` on ``machine``: a pure function (no allocation, no I/O, no
+    collective), the one :func:`tiered.attach` builds and ``tiered inspect`` prints.
+
+    ``opts.device`` must be resolved (``"cpu"``, ``"cuda[:N]"``); ``ckpt_bytes``: the checkpoint's size, against the
+    page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures and the
+    speculator); ``ranks``: ``(rank, world)`` of a distributed job, whose ranks all compute the same choice (the GPU
+    budget in ``machine`` is already the smallest over the ranks). ``plan`` is changed as at load: routed experts
+    leave their units when the model does not fit.
 
     Raises:
-        ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is
-            what the GPU has free); an option :func:`tiered.load` would refuse (not a finite number, negative).
-        RingTooSmallError: ``ring_gb <= 0``.
+        RingTooSmallError: a unit the ring must hold is larger than it, or pieces cannot fit it.
+        HostMemoryError: the ring, or the ring and host tier, is more than ``machine`` says the process can take.
     """
-    from . import dist as _dist
-    from .api import (
-        _buffers_counted,
-        _check_options,
-        _choose_host,
-        _choose_host_experts,
-        _choose_host_pieces,
-        _choose_resident,
-        _fits_whole,
-        _gpu_budget,
-        _host_slot_bytes,
-        _piece_slot,
-        _pieces,
-    )
-    from .errors import ConfigError, RingTooSmallError
-    from .experts import HostExperts, find_experts, route_out, slot_layout
-    from .rows import row_eligible
-
-    _check_options(ring_gb=ring_gb, prefetch=prefetch, threads=threads, gpu_gb=gpu_gb, io=io, host_gb=host_gb,
-                   expert_cache_gb=expert_cache_gb)
-    auto_io = io == "auto"
-    if auto_io:
-        if ckpt is None:
-            raise ConfigError("io='auto' is resolved against the checkpoint's size: pass ckpt= (the plan's checkpoint)")
-        from .api import _choose_io
-
-        io = _choose_io(io, ckpt)
-    dev = torch.device(device)
-    if dev.type == "cuda" and gpu_gb is None and not torch.cuda.is_available():
-        raise ConfigError("a CUDA placement on a machine without CUDA needs a GPU budget: pass gpu_gb=<GiB> (the "
-                          "default is the free memory of this machine's GPU)")
-    experts = {u.index: ss for u in plan.units if routed_experts and (ss := find_experts(u))}
-    if experts and _fits_whole(plan, ring_gb, dev, gpu_gb):
+    cpu = opts.device == "cpu"
+    dist = _dist.Dist(None, ranks[0], ranks[1], "") if ranks else None
+    io = choose_io(opts.io, ckpt_bytes, machine)
+    p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None)
+    p.gpu_budget = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
+    p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
+    experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
+    if experts and policy.fits_whole(plan, opts.ring_bytes, cpu, p.gpu_budget):
         experts = {}
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align)
-    need = [u.nbytes for u in plan.units]
-    ring = page_up(min(int(ring_gb * GiB), sum(page_up(n) for n in need)))
-    eligible = {u.index for u in plan.units if embedding_rows and row_eligible(u)}
-    resident = _choose_resident(plan, ring, dev, gpu_gb, prefetch, rows=eligible, slot_need=need)
+    p.routed = experts
+
+    def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank
+        if dist is None or rank is None:
+            return [u.nbytes for u in plan.units]
+        return [q.slot_bytes for q in _dist.io_plans(plan.units, _dist.Dist(None, rank, dist.world, ""),
+                                                      _device(opts), plan.align)]
+
+    need = slot_need(dist.rank if dist else None)
+    p.ring_bytes = _ring_bytes(opts, need)
+    ring_room = min(_ring_bytes(opts, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
+    eligible = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
+    mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None)
+    if machine.host_available is not None and p.ring_bytes + policy.headroom(not cpu) > machine.host_available:
+        most = max(0, machine.host_available - policy.headroom(not cpu))
+        raise HostMemoryError(
+            f"ring_gb={opts.ring_gb} needs {p.ring_bytes / GiB:.3f} GiB of host memory but only "
+            f"{machine.host_available / GiB:.3f} GiB is available ({machine.host_where}) and "
+            f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime; pass ring_gb <= "
+            f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)")
+    resident = policy.choose_resident(plan, ring_room, cpu, p.gpu_budget, p.buffers_counted, rows=eligible,
+                                      slot_need=need)
     rows = eligible - resident
-    host = _choose_host(plan, resident, rows, need, host_gb)
-    streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
-    p = Placement(str(dev), sorted(resident), sorted(host), streamed, sorted(rows))
-    p.resident_bytes = sum(plan.units[i].nbytes for i in resident)
-    p.host_bytes = sum(plan.units[i].nbytes for i in host)
-    p.streamed_bytes = sum(plan.units[i].src_bytes for i in streamed)
-    p.io, p.ring_bytes = io, ring
-    if dev.type == "cpu":
-        mapped, cached, p.ring_need_bytes = _cpu_mapping(plan, io, auto_io, ring, need, eligible, resident, host,
-                                                         host_gb, threads)
-        p.mapped, p.page_cache = sorted(mapped), sorted(cached)
-    if dev.type == "cuda" and (streamed or host):  # host-tier units are copied into the same device buffers
-        p.device_buffer_bytes = (prefetch + 1) * max(plan.units[i].nbytes for i in [*streamed, *host])
-    specs = [sp for ss in experts.values() for sp in ss]
-    left = int(host_gb * GiB) - _host_slot_bytes(plan, host, need)
-    in_host = [specs[i] for i in _choose_host_experts(specs, left)] if specs else []
-    if dev.type == "cuda":  # units larger than the ring stream in pieces; the host tier may hold their first ones
-        try:
-            p.pieces = _pieces([plan.units[i] for i in streamed], ring, ring_gb, plan.align)
-        except RingTooSmallError:
-            p.pieces = {}
-        p.host_pieces = _choose_host_pieces(plan, p.pieces, left - sum(HostExperts.bytes_for(sp) for sp in in_host))
-        for i, n_held in p.host_pieces.items():
-            u, n = plan.units[i], p.pieces[i]
-            held = [_dist.split_unit(u, j, n, plan.align) for j in range(n_held)]
-            p.streamed_bytes -= sum(piece.src_bytes for piece, _ in held)  # type: ignore[misc]
-            p.host_bytes += min(u.nbytes, n_held * held[0][1])  # type: ignore[index]
-            p.host_piece_bytes += n_held * _piece_slot(u, n, plan.align)
+    host = policy.choose_host(plan, resident, rows, need, opts.host_gb)
+    mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
+    if p.io_probe and cpu and opts.zero_copy and opts.drop_pages:
+        cached = policy.choose_page_cache_tier(plan, resident | host | rows, need, p.ring_bytes, opts.host_gb,
+                                               opts.threads, machine.page_cache_room)
+        mapped |= cached
+        p.page_cache, p.page_cache_bytes = sorted(cached), sum(plan.units[i].src_bytes for i in cached)
+    p.resident, p.rows, p.host, p.mapped = sorted(resident), sorted(rows), sorted(host), sorted(mapped)
+    p.streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
+    p.pieces = {i: n for i, n in pieces.items() if i not in host}
+    _host_tier(plan, opts, machine, p, need, cpu)
+    _device_memory(plan, opts, p, config, dist, cpu)
+    _per_token(plan, p, config)
+    return p
+
+
+def _device(opts: Options) -> Any:
+    import torch
+
+    return torch.device(opts.device)
+
+
+def _ring_bytes(opts: Options, need: list[int]) -> int:
+    """The ring as allocated: ``ring_gb``, never more than every unit's page-rounded slot (more would only cost RSS)."""
+    return page_up(min(opts.ring_bytes, sum(page_up(n) for n in need)))
+
+
+def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligible: set[int],
+                one: bool) -> tuple[set[int], dict[int, int], int]:
+    """Which units compute on the file mapping (CPU zero copy), which are cut in pieces (CUDA), and the ring bytes the
+    largest unit copied whole into the ring takes; refuses a ring below it (RingTooSmallError)."""
+    cpu = p.device == "cpu"
+    zc = opts.zero_copy and cpu and one and opts.drop_pages
+    mappable = {u.index for u in plan.units if zc and p.io == "mmap" and u.index not in eligible and zero_copy_eligible(u)}
+    if zc and p.io_probe:  # io="auto" picked O_DIRECT: a unit larger than the ring computes on the mapping instead
+        mappable |= {u.index for u in plan.units if u.index not in eligible and zero_copy_eligible(u)
+                     and page_up(need[u.index]) > p.ring_bytes}
+    # CPU: the units the host tier will hold are read straight into it, never through the ring
+    host_first = policy.choose_host(plan, set(), eligible, need, opts.host_gb) if cpu and opts.host_gb and one else set()
+    ring_units = [u for u in plan.units if u.index not in eligible | mappable | host_first]
+    pieces = policy.cut_pieces(ring_units, p.ring_bytes, opts.ring_gb, plan.align) if not cpu and one else {}
+    if cpu:
+        p.ring_need_bytes = max((page_up(need[u.index]) for u in ring_units), default=0)
+    whole_units = [u for u in ring_units if u.index not in pieces]
+    big = max(whole_units or ring_units or plan.units, key=lambda u: need[u.index])
+    most = page_up(need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
+    if not whole_units:  # everything is mapped, read by rows or in pieces when it streams
+        most = min(most, p.ring_bytes)
+    if most > p.ring_bytes:
+        why = ""
+        if not cpu and one:
+            why = (" and cannot be read in pieces (transformers builds it from whole tensors, e.g. fused, or stacked "
+                   "from per-expert ones)")
+        elif cpu and opts.zero_copy and p.io == "mmap" and one:
+            why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
+                   "tensors)")
+        raise RingTooSmallError(
+            f"unit {big.name!r} needs {gib_up(most)} GiB but ring_gb={opts.ring_gb}{why}; pass ring_gb >= "
+            f"{gib_up(most)} (>= {gib_up(2 * most)} lets the next unit load while one runs)")
+    return mappable, pieces, big.nbytes
+
+
+def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: list[int], cpu: bool) -> None:
+    """The host tier's experts and first pieces, after its whole units; refuses more than the host can give."""
+    specs = p.specs
+    host = set(p.host)
+    host_slots = policy.host_slot_bytes(plan, host, need)
+    p.host_experts = policy.choose_host_experts(specs, opts.host_bytes - host_slots)
+    p.host_expert_bytes = sum(HostExperts.bytes_for(specs[i]) for i in p.host_experts)
+    streamed_pieces = {i: n for i, n in p.pieces.items() if i not in set(p.resident)}
+    p.host_pieces = policy.choose_host_pieces(plan, streamed_pieces, opts.host_bytes - host_slots - p.host_expert_bytes)
+    p.host_piece_bytes = sum(k * policy.piece_slot(plan.units[i], streamed_pieces[i], plan.align)
+                             for i, k in p.host_pieces.items())
+    p.host_ring_bytes = host_slots + p.host_piece_bytes if host or p.host_pieces else 0
+    total = p.host_ring_bytes + p.host_expert_bytes
+    avail, room = machine.host_available, policy.headroom(not cpu)
+    # machine facts are read before the ring is allocated: the ring counts here on CUDA (pinned) and CPU alike
+    if total and avail is not None and total + p.ring_bytes + room > avail:
+        raise HostMemoryError(
+            f"host_gb={opts.host_gb} takes {total / GiB:.3f} GiB of host memory but only "
+            f"{max(0, avail - p.ring_bytes) / GiB:.3f} GiB is available ({machine.host_where}) beside the ring, and "
+            f"{room >> 20} MiB is kept for the runtime; pass host_gb <= {max(0, avail - p.ring_bytes - room) / GiB:.3f}")
+
+
+def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: Any, cpu: bool) -> None:
+    """CUDA: the streamer's device buffers (``prefetch + 1`` of the largest unit it copies, host-tier ones included;
+    distributed: gathered whole), the speculator and the expert cache in what ``gpu_gb`` leaves."""
+    if not cpu:
+        copied = [u.index for u in plan.units if u.index not in set(p.resident) | set(p.rows)]
+        full = ([q.full if q.gathered else u.nbytes for q, u in
+                 zip(_dist.io_plans(plan.units, dist, _device(opts), plan.align), plan.units, strict=True)]
+                if dist is not None else [u.nbytes for u in plan.units])
+        p.device_buffer_bytes = (opts.prefetch + 1) * max(full[i] for i in copied) if copied else 0
+    specs = p.specs
+    if not specs:
+        return
+    p.expert_slot_bytes = slot = max(slot_layout(sp)[1] for sp in specs)
+    left = (p.gpu_budget - p.resident_bytes_of(plan)
+            - p.buffers_counted * (p.device_buffer_bytes // (opts.prefetch + 1)))
+    k = getattr(config, "num_experts_per_tok", None)
+    if (opts.expert_prefetch and not cpu and p.host_experts and dist is None and isinstance(k, int) and k >= 1
+            and k * slot <= left):
+        p.speculator_slots = k
+        left -= k * slot
+    if opts.expert_cache_gb is not None:
+        room = int(opts.expert_cache_gb * GiB)
+    elif not cpu:
+        room = left - max(sp.num_experts * sp.expert_bytes for sp in specs)
+    else:
+        room = 0
+    n = min(max(0, room) // slot, sum(sp.num_experts for sp in specs)) if slot else 0
+    p.expert_cache_slots = n if n >= 1 else 0
+
+
+def _per_token(plan: Plan, p: Placement, config: Any) -> None:
+    """The bytes a decode token moves per tier (the prediction's inputs; :func:`predict`)."""
+    p.resident_bytes = p.resident_bytes_of(plan)
+    p.host_bytes = sum(plan.units[i].nbytes for i in p.host)
+    p.streamed_bytes = sum(plan.units[i].src_bytes for i in p.streamed)
+    for i, n_held in p.host_pieces.items():
+        u, n = plan.units[i], p.pieces[i]
+        held = [_dist.split_unit(u, j, n, plan.align) for j in range(n_held)]
+        p.streamed_bytes -= sum(piece.src_bytes for piece, _ in held)  # type: ignore[misc]
+        p.host_bytes += min(u.nbytes, n_held * held[0][1])  # type: ignore[index]
+    specs = p.specs
     if specs:
         k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+        in_host = [specs[i] for i in p.host_experts]
         p.expert_modules = len(specs)
         p.experts_total = sum(sp.num_experts for sp in specs)
         p.routed_expert_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in specs)
         p.host_expert_modules = len(in_host)
-        p.host_expert_bytes = sum(HostExperts.bytes_for(sp) for sp in in_host)
         p.routed_host_bytes = sum(min(k, sp.num_experts) * sp.expert_src_bytes for sp in in_host)
-        slot = max(slot_layout(sp)[1] for sp in specs)
-        if expert_cache_gb is not None:
-            room = int(expert_cache_gb * GiB)
-        elif dev.type == "cuda":
-            room = (_gpu_budget(dev, gpu_gb) - p.resident_bytes
-                    - _buffers_counted(gpu_gb, prefetch) * p.device_buffer_bytes // (prefetch + 1)
-                    - max(sp.num_experts * sp.expert_bytes for sp in specs))
-        else:
-            room = 0
-        p.expert_cache_slots = min(max(0, room) // slot, p.experts_total) if slot else 0
         p.expert_hit_rate = p.expert_cache_slots / p.experts_total
-    return p
-
-
-def _cpu_mapping(plan: Plan, io: str, auto_io: bool, ring: int, need: list[int], eligible: set[int],
-                 resident: set[int], host: set[int], host_gb: float, threads: int) -> tuple[set[int], set[int], int]:
-    """CPU, as :func:`tiered.api.attach` works them out (zero copy on, one process): the streamed units that compute
-    on views of the file mapping, those of them that are ``io="auto"``'s page-cache tier, and the ring bytes the
-    largest unit copied into the ring takes (0: none is)."""
-    from .api import _choose_host, _choose_page_cache_tier
-    from .reader import zero_copy_eligible
-
-    mappable = {u.index for u in plan.units if io == "mmap" and u.index not in eligible and zero_copy_eligible(u)}
-    if auto_io and io == "direct":  # units larger than the ring compute on the mapping instead of being refused
-        mappable |= {u.index for u in plan.units if u.index not in eligible and zero_copy_eligible(u)
-                     and page_up(need[u.index]) > ring}
-    host_first = _choose_host(plan, set(), eligible, need, host_gb) if host_gb else set()  # read straight into it
-    ring_need = max((page_up(need[u.index]) for u in plan.units if u.index not in eligible | mappable | host_first),
-                    default=0)
-    mapped = mappable - resident - host
-    cached = set()
-    if auto_io and io == "direct":
-        cached = _choose_page_cache_tier(plan, resident | host | (eligible - resident), need, ring, host_gb, threads)
-    return mapped | cached, cached, ring_need
 
 
 def predict(p: Placement, gbps: dict[str, float] | None = None) -> dict[str, float]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "gib", "gbps", "sig3"]
 
@@ -231,6 +232,13 @@ class Stats:
     experts_prefetched: int = 0
     expert_prefetch_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _placement: Any = field(default=None, repr=False, compare=False)  # the Placement the load built
+
+    @property
+    def placement(self) -> Any:
+        """The :class:`~tiered.placement.Placement` the load built (where each unit lives, every budget): the value
+        ``tiered inspect`` prints for the same options and machine."""
+        return self._placement
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
         """The loader read ``nbytes`` of the checkpoint (``resident``: a unit loaded once, at load)."""

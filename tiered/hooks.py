@@ -1,0 +1,124 @@
+"""What a tiered model adds to its class (:class:`TieredMixin`: ``device``, ``close()``, one forward at a time) and the
+forward hooks that bind a streamed unit for the length of a module's call (:func:`unit_hooks`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .lifecycle import Handle  # noqa: TC001 - the mixin's annotation is evaluated at run time (get_type_hints)
+from .streamer import Streamer
+
+__all__ = ["TieredMixin", "wrap_class", "unit_hooks", "allow_one_compile_per_unit"]
+
+
+class _TieredMixin:
+    """Added to the returned model's class: the right ``device``, ``close()``, a context manager, and
+    the owner of each forward pass (``__call__``)."""
+
+    _tiered: Handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model, one call at a time: calls from several threads are serialised (each waits for
+        the one running), so concurrent use is correct, not parallel — load the model twice for that.
+        However the call ends (an exception, ``KeyboardInterrupt``), every unit it bound is given back,
+        so the next call starts from a clean ring."""
+        h = self._tiered
+        with h.call_lock:
+            depth = h.depth  # restored, not decremented: right wherever an interrupt lands
+            if depth == 0 and h.streamer is not None:
+                h.streamer.release_all()  # what an interrupted earlier call may have left
+            try:
+                h.depth = depth + 1
+                return super().__call__(*args, **kwargs)
+            finally:
+                h.depth = depth
+                if depth == 0 and h.streamer is not None:
+                    h.streamer.release_all()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers``' ``generate``; distributed (several ranks), ``synced_gpus`` defaults to True: a
+        rank whose sequences are done keeps running passes until every rank is, so that the ranks'
+        all-gathers stay matched (as transformers does for DeepSpeed ZeRO-3)."""
+        if self._tiered.dist is not None:
+            kwargs.setdefault("synced_gpus", True)
+        return super().generate(*args, **kwargs)  # type: ignore[misc]
+
+    @property
+    def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes
+        return self._tiered.device
+
+    def close(self) -> None:
+        """Release the ring, threads and hooks. The model cannot run afterwards."""
+        self._tiered.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _wrap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_TieredMixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASSES[cls]
+
+
+def _allow_one_compile_per_unit(n: int) -> None:
+    """Under ``torch.compile`` the graph breaks at each unit's root hooks, so dynamo compiles each decoder layer's
+    forward as a frame of its own, specialised on the layer (its ``layer_idx`` indexes the KV cache): one compile
+    per layer (and per input shape: a prefill, the decode steps), all of them entries of one code object, which
+    passes dynamo's default ``recompile_limit`` (8) on any model deeper than a few layers and sends the later
+    layers back to eager with a warning. Raise the limit to 4 per unit (+ 8), never lower it."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    want = 4 * n + 8
+    if getattr(cfg, name, want) < want:
+        setattr(cfg, name, want)
+
+
+def _unit_hooks(s: Streamer, i: int, *, root: bool) -> tuple[Any, Any]:
+    """(pre, post) forward hooks that bind unit ``i`` for the length of a module's call.
+
+    ``torch.compile`` sees them as opaque: the unit's root module's hooks are ``torch.compiler.disable``d
+    (dynamo breaks the graph at the unit and runs them eagerly, so the compiled code in between never
+    changes with the streamer's state: no recompiles), and the hooks of modules *inside* the unit — there
+    so that calling ``layers[2].mlp`` directly binds its unit — are no-ops while dynamo traces (the root's
+    hook has bound the unit by then), so they add no graph break inside a layer.
+    """
+    if root:
+        @torch.compiler.disable
+        def pre(m: nn.Module, a: Any) -> None:
+            s.acquire(i)
+
+        @torch.compiler.disable
+        def post(m: nn.Module, a: Any, o: Any) -> Any:
+            return s.release(i, o)
+
+        return pre, post
+
+    def pre_inner(m: nn.Module, a: Any) -> None:
+        if not torch.compiler.is_compiling():
+            s.acquire(i)
+
+    def post_inner(m: nn.Module, a: Any, o: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return s.release(i, o)
+
+    return pre_inner, post_inner
+
+
+TieredMixin = _TieredMixin
+wrap_class = _wrap_class
+unit_hooks = _unit_hooks
+allow_one_compile_per_unit = _allow_one_compile_per_unit

@@ -1,0 +1,248 @@
+"""The placement rules: which units stay on the GPU, which the host tier and the page-cache tier hold, which stream
+in pieces, how much GPU memory the device buffers and the expert cache take. Pure functions of the plan, the options
+and the machine facts (no allocation, no I/O); :func:`tiered.placement.place` applies them in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import dist as _dist
+from .errors import RingTooSmallError
+from .experts import ExpertSpec, HostExperts
+from .hostmem import PAGE_SIZE, page_up
+from .plan import Plan, Unit, same_bytes
+from .reader import DIRECT_CHUNK, zero_copy_eligible
+from .ring import GiB, gib_up
+
+__all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "HOST_HEADROOM_BYTES",
+           "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
+           "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
+           "choose_page_cache_tier", "choose_host_experts", "headroom"]
+
+#: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
+#: against what the host or cgroup has: a ring that leaves less is refused.
+HOST_HEADROOM_BYTES = 512 << 20
+#: The same on CUDA: the runtime keeps growing after the check (lazily loaded kernel images, cuBLAS
+#: workspaces). Measured on the H200 (GPT-J-6B, cgroup memory.max = 2 GiB, 1.37 GiB available at the check,
+#: ``benchmarks/results/2026-11-30-h200-cold2g*.md``): ring_gb=0.8 (0.57 GiB left) was OOM-killed in its first
+#: pass; ring_gb=0.45 (0.92 GiB left) ran, peak RSS 2.12 GiB.
+CUDA_HOST_HEADROOM_BYTES = 896 << 20
+
+#: CUDA: the smallest piece a unit larger than the ring is read in (two must fit the ring).
+MIN_PIECE_BYTES = 4 << 20
+
+#: io="auto" on the CPU: page cache kept free beside the page-cache tier (:func:`choose_page_cache_tier`) for the
+#: runtime's own file pages (libraries, the tokenizer) and what the limit's accounting leaves out.
+PAGE_CACHE_MARGIN_BYTES = 128 << 20
+
+#: GPU memory left free for activations, KV cache and the CUDA context when ``gpu_gb`` is not given.
+GPU_HEADROOM_BYTES = 4 * GiB
+
+
+def headroom(cuda: bool) -> int:
+    """Host memory kept for the runtime beside the ring and the host tier (bytes)."""
+    return CUDA_HOST_HEADROOM_BYTES if cuda else HOST_HEADROOM_BYTES
+
+
+def gpu_budget(gpu_gb: float | None, gpu_free: int | None) -> int:
+    """Bytes of GPU memory for resident units: ``gpu_gb``, or what is free (``gpu_free``) minus
+    ``GPU_HEADROOM_BYTES``; 0 when neither is known (the CPU)."""
+    if gpu_gb is not None:
+        return int(gpu_gb * GiB)
+    return gpu_free - GPU_HEADROOM_BYTES if gpu_free is not None else 0
+
+
+def fits_whole(plan: Plan, ring_bytes: int, cpu: bool, budget: int) -> bool:
+    """Whether the whole model would stay loaded: in the ring (CPU), or in the GPU ``budget`` (bytes) with every unit
+    fitting the ring to be loaded through it (CUDA). Then nothing is routed: every expert stays."""
+    if cpu:
+        return sum(page_up(u.nbytes) for u in plan.units) <= ring_bytes
+    return plan.nbytes <= budget and page_up(plan.max_unit.nbytes) <= ring_bytes
+
+
+def buffers_counted(gpu_gb: float | None, prefetch: int) -> int:
+    """Device buffers (each the largest streamed unit) counted inside the GPU budget. An explicit ``gpu_gb`` counts
+    the resident units and one buffer, the unit being computed, as accelerate's ``max_memory`` counts its weights
+    and reserves one offloaded layer (``infer_auto_device_map``'s largest layer): so at the same number as
+    ``max_memory`` at least as many bytes stay resident; the ``prefetch`` other buffers come on top. The default
+    budget (free memory - ``GPU_HEADROOM_BYTES``) counts all ``prefetch + 1``: it must fit what is free."""
+    return 1 if gpu_gb is not None else prefetch + 1
+
+
+def choose_resident(plan: Plan, ring: int, cpu: bool, budget: int, buffers: int,
+                    rows: set[int] = frozenset(),  # type: ignore[assignment]
+                    slot_need: list[int] | None = None) -> set[int]:
+    """Units to load once and keep. ``rows``: embeddings that can read their rows on demand instead: on CUDA
+    they are resident only when the whole model fits the budget (and the ring); otherwise they read rows.
+    ``slot_need``: ring bytes each unit's slot takes (distributed on the CPU: N equal chunks, a little more
+    than ``Unit.nbytes``); default ``Unit.nbytes``. ``budget``: GPU bytes (:func:`gpu_budget`); ``buffers``: device
+    buffers counted in it (:func:`buffers_counted`)."""
+    if cpu:
+        # The ring is the only memory: keep everything there when it all fits, else stream everything.
+        need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
+        return {u.index for u in plan.units} if need <= ring else set()
+    too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
+    if plan.nbytes <= budget and not too_big:
+        return {u.index for u in plan.units}
+    # Largest units first: what streams then needs the smallest device buffers. Embeddings that read their
+    # rows on demand are never chosen: a token costs them a few rows, so the budget goes to units that
+    # would stream whole (and they need no device buffer either).
+    chosen: set[int] = set()
+    order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.nbytes)
+    for u in order:
+        streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
+        pool = buffers * streamed_max
+        used = sum(plan.units[i].nbytes for i in chosen) + u.nbytes
+        if used + pool <= budget:
+            chosen.add(u.index)
+    return chosen
+
+
+def choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list[int], host_gb: float) -> set[int]:
+    """The host tier: streamed units within ``host_gb`` (page-rounded slots), spread evenly over the execution order;
+    each rank keeps only its own chunk. They are copied to the GPU from there every pass: no disk, no ring.
+
+    Why spread: the loader runs the units in order, reading a streamed unit while the H2D of the units before it
+    runs, so the pass takes about ``max(streamed / read GB/s, all / H2D GB/s)`` when host-tier units sit between
+    streamed ones, but ``streamed / read + host / H2D`` when they form one block (measured on the H200, GPT-J-6B
+    fp16 with half of its layers in the host tier, the first half: 0.252 s/token = 4.83 GB / 30.9 GB/s + 5.24 GB /
+    55 GB/s). Each streamed byte costs the same per pass, so which units does not matter beyond that; a budget that
+    holds them all takes them all.
+
+    A unit whose slot would hold the same bytes as an earlier candidate's (a tied head after its embedding:
+    :func:`tiered.plan.same_bytes`) shares that unit's slot: it costs nothing and comes with it."""
+    every = [u for u in plan.units if u.index not in resident and u.index not in rows]
+    twins = same_bytes(every)
+    cands = [u for u in every if u.index not in twins]
+    need = {u.index: page_up(slot_need[u.index]) for u in cands}
+    budget = int(host_gb * GiB)
+    total = sum(need.values())
+
+    def with_twins(chosen: set[int]) -> set[int]:
+        return chosen | {i for i, first in twins.items() if first in chosen}
+
+    if budget >= total:
+        return with_twins(set(need))
+    host: set[int] = set()
+    used = seen = 0
+    for u in cands:  # Bresenham: take a unit while the tier is behind its even share of the units so far
+        n = need[u.index]
+        seen += n
+        if used + n <= budget and (used + n / 2) * total <= budget * seen:
+            host.add(u.index)
+            used += n
+    for u in cands:  # what rounding left: any unit that still fits
+        n = need[u.index]
+        if u.index not in host and used + n <= budget:
+            host.add(u.index)
+            used += n
+    first, held = set(), 0  # first fit in order: when units differ a lot in size, it may hold more bytes
+    for u in cands:
+        n = need[u.index]
+        if held + n <= budget:
+            first.add(u.index)
+            held += n
+    return with_twins(host if used >= held else first)
+
+
+def host_slot_bytes(plan: Plan, host: set[int], slot_need: list[int]) -> int:
+    """Host-tier bytes of the whole units ``host`` (page-rounded slots; a unit sharing a twin's slot counted once)."""
+    twins = same_bytes([plan.units[i] for i in sorted(host)])
+    return sum(page_up(slot_need[i]) for i in host if i not in twins)
+
+
+def piece_slot(u: Unit, n: int, align: int) -> int:
+    """Bytes of one ring (or host-tier) slot of ``u`` read in ``n`` pieces (:func:`tiered.dist.split_unit`)."""
+    return page_up(_dist._align(max(1, math.ceil(u.nbytes / n)), align))
+
+
+def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> dict[int, int]:
+    """CUDA, one process: for each unit larger than the ring that can be cut (no whole-tensor conversion; see
+    :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most a third of the
+    ring (half when a third is below :data:`MIN_PIECE_BYTES`), so the next piece is read while one is waited for and
+    the last one's H2D runs (:data:`tiered.loader.PIECES_IN_FLIGHT`).
+
+    Raises:
+        RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.
+    """
+    room = ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # a piece's slot, page-rounded, fits here
+    third = ring_bytes // 3 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+    if third >= MIN_PIECE_BYTES:
+        room = third
+    out: dict[int, int] = {}
+    for u in units:
+        if page_up(u.nbytes) <= ring_bytes:
+            continue
+        if _dist.split_unit(u, 0, 2, align) is None:
+            continue  # cannot be cut: attach's check names it and the ring it needs whole
+        if room < MIN_PIECE_BYTES:
+            raise RingTooSmallError(
+                f"unit {u.name!r} ({u.nbytes / GiB:.3f} GiB) is larger than the ring and is read in pieces, but "
+                f"ring_gb={ring_gb} cannot hold two pieces of {MIN_PIECE_BYTES >> 20} MiB; pass ring_gb >= "
+                f"{gib_up(2 * (MIN_PIECE_BYTES + 2 * PAGE_SIZE))}"
+            )
+        out[u.index] = math.ceil(u.nbytes / (room - align))
+    return out
+
+
+def choose_host_pieces(plan: Plan, pieces: dict[int, int], budget: int) -> dict[int, int]:
+    """CUDA: what the host tier holds of streamed units larger than the ring (``pieces``: unit index -> pieces) with
+    the ``budget`` bytes whole units and experts left: unit index -> how many of its first pieces. Taken one piece
+    per unit in turn, in execution order, so the streamed bytes left are spread over the pass (as
+    :func:`choose_host` spreads whole units). Each held piece is one the ring does not read per pass."""
+    out: dict[int, int] = {}
+    order = sorted(pieces)
+    for r in range(max(pieces.values(), default=0)):
+        took = False
+        for i in order:
+            need = piece_slot(plan.units[i], pieces[i], plan.align)
+            if r < pieces[i] and out.get(i, 0) == r and need <= budget:
+                out[i] = r + 1
+                budget -= need
+                took = True
+        if not took:
+            break
+    return out
+
+
+def page_cache_reserve(threads: int) -> int:
+    """Bytes of the page-cache room the page-cache tier leaves alone: the reader's O_DIRECT staging (``threads`` x
+    ``DIRECT_CHUNK``) and :data:`PAGE_CACHE_MARGIN_BYTES`."""
+    return threads * DIRECT_CHUNK + PAGE_CACHE_MARGIN_BYTES
+
+
+def choose_page_cache_tier(plan: Plan, taken: set[int], slot_need: list[int], ring_bytes: int, host_gb: float,
+                           threads: int, room: int | None) -> set[int]:
+    """``io="auto"`` on the CPU when it picked O_DIRECT (the model does not fit the page-cache room): streamed units
+    that compute on the file mapping (zero copy) instead of being read O_DIRECT, within the page cache the limit
+    still leaves once the ring and the host tier are filled, spread over the execution order (as the host tier).
+    Their pages stay in the page cache between passes — the other units' O_DIRECT reads never enter it, so nothing
+    cycles it out — and a pass reads only the rest from disk: the cgroup's spare memory, which a model larger than
+    it would otherwise thrash through, becomes a tier of its own. Page cache is reclaimable, so a wrong estimate
+    costs re-reads (page faults), never an OOM kill. Kept out of it: what the running unit maps, the reader's O_DIRECT
+    staging and :data:`PAGE_CACHE_MARGIN_BYTES`. ``room``: the page cache's room (:attr:`Machine.page_cache_room`)."""
+    if room is None:
+        return set()
+    cands = [u for u in plan.units if u.index not in taken and zero_copy_eligible(u)]
+    if not cands:
+        return set()
+    spare = room - ring_bytes - int(host_gb * GiB) - max(page_up(u.nbytes) for u in cands) - page_cache_reserve(threads)
+    if spare <= 0:
+        return set()
+    others = {u.index for u in plan.units} - {u.index for u in cands}
+    return choose_host(plan, others, set(), slot_need, spare / GiB)
+
+
+def choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
+    """Routed experts modules (indices into ``specs``, forward order) whose every expert goes into the host tier
+    with the ``left`` bytes the host tier's units leave (each module's parts page-rounded, as
+    :class:`~tiered.experts.HostExperts` allocates them). Units come first: a streamed unit in the host tier saves
+    all its bytes of every pass, an experts module only the k/E of them a token routes to."""
+    chosen = []
+    for i, sp in enumerate(specs):
+        n = HostExperts.bytes_for(sp)
+        if n <= left:
+            chosen.append(i)
+            left -= n
+    return chosen
