@@ -30,9 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tiered  # noqa: E402
-import tiered.api  # noqa: E402
 import tiered.expert_cache  # noqa: E402
-import tiered.experts  # noqa: E402
+import tiered.experts  # noqa: E402  # noqa: E402
 from tiered.stats import proc_status  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -143,7 +142,7 @@ def main() -> int:
     if a.expert_read_chunk_mib:
         tiered.experts.READ_CHUNK = a.expert_read_chunk_mib << 20
     if a.expert_staging_mib:
-        tiered.api.STAGING_BYTES = a.expert_staging_mib << 20
+        tiered.experts.STAGING_BYTES = a.expert_staging_mib << 20
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,

@@ -24,7 +24,9 @@ import transformers
 from conftest import Checkpoints, streaming_ring_gb
 
 import tiered
-import tiered.api  # patched below; the package imports it lazily
+import tiered.api  # the package imports it lazily
+import tiered.machine  # patched below
+import tiered.policy
 from tiered.cli import flags_for_options, main
 from tiered.rows import row_eligible
 from tiered.stats import GB, Stats, gb, gib, sig3
@@ -572,9 +574,9 @@ def test_inspect_io_auto_resolves_as_load_does(dirs: dict[str, Path], monkeypatc
 
     d = dirs["notok"]
     total = open_checkpoint(d).nbytes
-    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    monkeypatch.setattr(tiered.policy, "page_cache_reserve", lambda threads: 0)
     for room, want in ((total - 1, "direct"), (1 << 50, "mmap")):
-        monkeypatch.setattr(tiered.api, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
+        monkeypatch.setattr(tiered.machine, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
         assert main(["inspect", str(d), "--ring-gb", "0.0002", "--io", "auto", "--json"]) == 0
         pl = json.loads(capsys.readouterr().out)["placement"]
         assert pl["options"]["io"] == "auto" and pl["io"] == want

@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 from test_reliability import USE_AFTER_CLOSE, _run_child, _Tables
 
 import tiered
-import tiered.api  # the tests below patch its constants (the package imports it lazily)
 import tiered.expert_cache
+import tiered.experts  # the tests below patch constants here and in tiered.policy
+import tiered.policy
 from tiered import faults
 from tiered.errors import StreamerError
 from tiered.stage import CudaStage
@@ -227,7 +228,7 @@ def _big_layers(root: Path, dtype=torch.float32, tie: bool = False) -> Path:
 def _big_layers_and_stock(tmp_path: Path, monkeypatch, *, seed: int):
     """:func:`_big_layers` with 64 KiB pieces allowed, ids ``(2, 9)`` on the GPU, and stock's logits for them and
     greedy generate (6 tokens) from the first row."""
-    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 64 << 10)
     d = _big_layers(tmp_path / "m")
     ref = _ref(d)
     ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(seed)).to(DEV)
@@ -266,7 +267,7 @@ def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
     """Pieces of a unit cast on the fly (fp32 checkpoint run in bf16) give stock's bits; a read that fails part-way
     through a unit's pieces is an error in the caller, the device buffer goes back to the pool, and the next
     pass is equal again."""
-    monkeypatch.setattr(tiered.api, "MIN_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 64 << 10)
     d = _big_layers(tmp_path / "m")
     ref = _ref(d, dtype=torch.bfloat16)
     ids = _ids(5)
@@ -300,7 +301,7 @@ def test_host_tier_holds_pieces_of_units_larger_than_the_ring(io: str, tmp_path:
     for). Stock's bits; per pass, exactly the held pieces' bytes come from the host tier instead of the disk; the
     placement `tiered inspect` prints is the load's; the ring never holds more than its size."""
     from tiered.cli import _plan_for
-    from tiered.placement import place
+    from tiered.placement import place_here
 
     d, ids, want, want_gen = _big_layers_and_stock(tmp_path, monkeypatch, seed=6)
     ring_gb = (640 << 10) / GiB
@@ -322,8 +323,9 @@ def test_host_tier_holds_pieces_of_units_larger_than_the_ring(io: str, tmp_path:
                 assert s.host_pieces >= 3 and st.host_pieces, s.snapshot()
                 assert max(st.host_pieces.values()) - min(st.host_pieces.values()) <= 1
                 held = sum(st.host_piece_bytes.values())
-                config, _, plan = _plan_for(d, None, "cuda")
-                p = place(plan, config, device="cuda", ring_gb=ring_gb, gpu_gb=0, host_gb=host_gb)
+                config, ck, plan = _plan_for(d, None, "cuda")
+                p = place_here(plan, device="cuda", ckpt_bytes=ck.nbytes, config=config, ring_gb=ring_gb, gpu_gb=0,
+                               host_gb=host_gb)
                 assert p.host_pieces == st.host_pieces and set(p.host) == st.host_ids
     (streamed0, used0), (streamed1, used1) = per_pass[0.0], per_pass[small]
     assert used0 == 0 and used1 > 0
@@ -402,7 +404,7 @@ def test_routed_experts_staging_larger_than_half(ckpts: Checkpoints, monkeypatch
     import tiered.experts as ex
 
     monkeypatch.setattr(ex, "STAGING_BYTES", 64 << 10)
-    monkeypatch.setattr(tiered.api, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(tiered.experts, "STAGING_BYTES", 64 << 10)
     d = ckpts["mixtral"]
     ref = _ref(d)
     with torch.no_grad():
@@ -626,11 +628,12 @@ def test_two_gpus_under_torchrun_equal_stock(name: str, host_gb: str, ckpts: Che
 def test_inspect_placement_is_what_load_does_on_cuda(gpu_gb: float, host_gb: float, ckpts: Checkpoints) -> None:
     """tiered.placement.place (what `tiered inspect --gpu-gb --host-gb` prints) against a real load on the GPU."""
     from tiered.cli import _plan_for
-    from tiered.placement import place
+    from tiered.placement import place_here
 
     d = ckpts["llama"]
-    config, _, plan = _plan_for(d, None, "cuda")
-    p = place(plan, config, device="cuda", ring_gb=0.002, gpu_gb=gpu_gb, host_gb=host_gb)
+    config, ck, plan = _plan_for(d, None, "cuda")
+    p = place_here(plan, device="cuda", ckpt_bytes=ck.nbytes, config=config, ring_gb=0.002, gpu_gb=gpu_gb,
+                   host_gb=host_gb)
     with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=gpu_gb, host_gb=host_gb) as m:
         st = m._tiered.streamer
         assert set(p.resident) == st.resident_ids

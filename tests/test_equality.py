@@ -12,7 +12,7 @@ from models import BUILDERS, VOCAB, MLPStack
 from safetensors.torch import load_file, save_file
 
 import tiered
-from tiered.api import _closed
+from tiered.lifecycle import _closed
 
 ALL = list(BUILDERS)
 CAUSAL = [n for n, (_, _, _, causal) in BUILDERS.items() if causal]

@@ -14,6 +14,9 @@ from conftest import Checkpoints, streaming_ring_gb
 from models import VOCAB
 
 import tiered
+import tiered.machine
+import tiered.placement
+import tiered.policy
 from tiered.hostmem import page_up
 
 GiB = 1 << 30
@@ -115,17 +118,18 @@ def test_cpu_host_tier_takes_routed_experts_after_its_units(ckpts: Checkpoints) 
 def test_cpu_host_tier_memory_check_counts_the_ring(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the ring is untouched anonymous memory that MemAvailable does not see yet: a ring and a host tier
     that each fit what is available but not together are refused (HostMemoryError), not OOM-killed later."""
-    import tiered.api as api
+    import tiered.machine as machine
+    import tiered.policy as policy
 
     d = ckpts["llama"]
     ring, host = _rings(d)
     ring_bytes, host_bytes = page_up(int(ring * GiB)), page_up(int(host * GiB))
     spare = max(ring_bytes, host_bytes) + 4096  # each fits, the two do not
-    monkeypatch.setattr(api, "host_memory_available", lambda: (api.HOST_HEADROOM_BYTES + spare, "simulated"))
+    monkeypatch.setattr(machine, "host_memory_available", lambda: (policy.HOST_HEADROOM_BYTES + spare, "simulated"))
     with pytest.raises(tiered.HostMemoryError, match="host_gb"):
         tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, io="pread")
-    monkeypatch.setattr(api, "host_memory_available",
-                        lambda: (api.HOST_HEADROOM_BYTES + ring_bytes + host_bytes + (1 << 20), "simulated"))
+    monkeypatch.setattr(machine, "host_memory_available",
+                        lambda: (policy.HOST_HEADROOM_BYTES + ring_bytes + host_bytes + (1 << 20), "simulated"))
     tiered.load(d, device="cpu", ring_gb=ring, host_gb=host, io="pread").close()  # both fit: fine
 
 
@@ -155,7 +159,7 @@ def test_auto_maps_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: 
     d = ckpts["llama"]
     with tiered.load(d, device="cpu", ring_gb=1.0, embedding_rows=False) as probe:
         sizes = sorted(page_up(u.nbytes) for u in probe._tiered.plan.units)
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # no room: direct
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # no room: direct
     ids = _ids()
     want, _ = _stock(d, ids, 1)
     ring = (sizes[-1] - 4096) / GiB  # below the largest unit, above the others
@@ -175,9 +179,10 @@ def test_generate_summary_names_the_host_and_page_cache_tiers(ckpts: Checkpoints
     d = ckpts["llama"]
     ring, host = _rings(d)
     total = open_checkpoint(d).nbytes
-    monkeypatch.setattr(tiered.api, "_choose_io", lambda io, ckpt: "direct")  # as "auto" picks it under a limit
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (4 * total, "cgroup /x memory.max=1"))  # room for a tier
-    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    # as "auto" picks it under a limit
+    monkeypatch.setattr(tiered.placement, "choose_io", lambda io, ckpt_bytes, machine: "direct")
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (4 * total, "cgroup /x memory.max=1"))  # room for a tier
+    monkeypatch.setattr(tiered.policy, "page_cache_reserve", lambda threads: 0)
     main(["generate", str(d), "--ids", "--prompt", "1 2 3", "--max-new-tokens", "2", "--device", "cpu",
           "--ring-gb", str(ring), "--host-gb", str(host / 4), "--io", "auto"])
     out = capsys.readouterr()

@@ -23,7 +23,7 @@ import transformers
 from torch import nn
 
 import tiered
-import tiered.api as tapi
+import tiered.policy as tapi
 from tests import models
 from tiered import faults
 from tiered.dist import split_unit
@@ -822,14 +822,14 @@ def test_pieces_plan_thresholds(piece_models, monkeypatch, name, kw):
         u = max(h.plan.units, key=lambda x: x.nbytes)
         whole = _whole(h.reader, u)
         exact = page_up(u.nbytes)
-        assert tapi._pieces([u], exact, exact / GiB, align) == {}
+        assert tapi.cut_pieces([u], exact, exact / GiB, align) == {}
         rings = [exact - PAGE_SIZE, exact // 2, exact // 3, 2 * (2 * PAGE_SIZE + 2 * PAGE_SIZE),
                  2 * (2 * PAGE_SIZE + 2 * PAGE_SIZE) + PAGE_SIZE - 1]
         for ring in rings:
             ring = page_up(ring)
             if ring >= exact:
                 continue
-            got = tapi._pieces([u], ring, ring / GiB, align)
+            got = tapi.cut_pieces([u], ring, ring / GiB, align)
             assert set(got) == {u.index}, ring
             n = got[u.index]
             chunk = split_unit(u, 0, n, align)[1]
@@ -839,10 +839,10 @@ def test_pieces_plan_thresholds(piece_models, monkeypatch, name, kw):
             assert torch.equal(rebuilt, whole)
         small = 2 * tapi.MIN_PIECE_BYTES + PAGE_SIZE  # half a ring of MIN + PAGE / 2: room for a piece = MIN - PAGE
         with pytest.raises(RingTooSmallError, match="pieces") as e:
-            tapi._pieces([u], small, small / GiB, align)
+            tapi.cut_pieces([u], small, small / GiB, align)
         advice = float(re.search(r"ring_gb >= ([\d.]+)", str(e.value)).group(1))
         ok = page_up(int(advice * GiB))
-        assert set(tapi._pieces([u], ok, advice, align)) <= {u.index}  # the advice is enough
+        assert set(tapi.cut_pieces([u], ok, advice, align)) <= {u.index}  # the advice is enough
 
 
 def test_pieces_real_minimum_threshold():
@@ -851,15 +851,15 @@ def test_pieces_real_minimum_threshold():
     big = Unit(0, "big", None, [], nbytes=64 << 20)  # type: ignore[arg-type]
     lo = 2 * tapi.MIN_PIECE_BYTES + PAGE_SIZE  # a piece's room = MIN - PAGE: too small
     with pytest.raises(RingTooSmallError, match="two pieces") as e:
-        tapi._pieces([big], lo, lo / GiB, 64)
+        tapi.cut_pieces([big], lo, lo / GiB, 64)
     advice = float(re.search(r"ring_gb >= ([\d.]+)", str(e.value)).group(1))
     ring = page_up(int(advice * GiB))
-    got = tapi._pieces([big], ring, advice, 64)
+    got = tapi.cut_pieces([big], ring, advice, 64)
     assert set(got) == {0}
     chunk = split_unit(big, 0, got[0], 64)[1]
     assert 2 * page_up(chunk) <= ring and got[0] * chunk >= big.nbytes
     at = 2 * tapi.MIN_PIECE_BYTES + 2 * PAGE_SIZE  # room == MIN exactly: accepted
-    assert set(tapi._pieces([big], at, at / GiB, 64)) == {0}
+    assert set(tapi.cut_pieces([big], at, at / GiB, 64)) == {0}
 
 
 def test_pieces_skip_units_that_cannot_be_cut(piece_models, monkeypatch):
@@ -875,7 +875,7 @@ def test_pieces_skip_units_that_cannot_be_cut(piece_models, monkeypatch):
         for u in conv:
             assert split_unit(u, 0, 2, h.plan.align) is None
         ring = page_up(max(u.nbytes for u in conv)) - PAGE_SIZE
-        assert tapi._pieces(conv, ring, ring / GiB, h.plan.align) == {}
+        assert tapi.cut_pieces(conv, ring, ring / GiB, h.plan.align) == {}
 
 
 def test_pieces_advice_for_a_unit_that_cannot_be_cut():
@@ -883,7 +883,7 @@ def test_pieces_advice_for_a_unit_that_cannot_be_cut():
     Now _pieces leaves it alone and attach's own check asks for a ring that holds it whole."""
     uncut = Unit(0, "converted", None, [], converts=[object()], nbytes=64 << 20)  # type: ignore[arg-type, list-item]
     ring = page_up(2 << 20)
-    assert tapi._pieces([uncut], ring, ring / GiB, 64) == {}
+    assert tapi.cut_pieces([uncut], ring, ring / GiB, 64) == {}
 
 
 @pytest.mark.parametrize(("name", "kw"), [

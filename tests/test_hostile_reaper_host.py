@@ -28,13 +28,14 @@ import torch
 import transformers
 
 import tiered
-import tiered.api as api
+import tiered.lifecycle as api
+import tiered.policy as policy
 from tests import models
 from tiered.cli import _plan_for
 from tiered.errors import ConfigError, ShardChangedError, TruncatedShardError
 from tiered.experts import HostExperts
 from tiered.hostmem import PAGE_SIZE, page_up
-from tiered.placement import place
+from tiered.placement import place_here
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -782,10 +783,10 @@ def test_host_experts_subset_and_close_twice(dirs):
 
 
 def _place(d, **kw):
-    config, _, plan = _plan_for(d, None, "cuda")
+    config, ckpt, plan = _plan_for(d, None, "cuda")
     kw.setdefault("ring_gb", 0.01)
     kw.setdefault("gpu_gb", 0)
-    return place(plan, config, device="cuda", **kw), plan
+    return place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, config=config, **kw), plan
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
@@ -835,7 +836,7 @@ def test_host_tier_spread_is_even_for_equal_units():
     for N in range(1, 17):
         plan = SimpleNamespace(units=[SimpleNamespace(index=i, nbytes=n) for i in range(N)])
         for k in range(N + 1):
-            host = api._choose_host(plan, set(), set(), [n] * N, k * n / GiB)
+            host = policy.choose_host(plan, set(), set(), [n] * N, k * n / GiB)
             assert len(host) == k, (N, k, sorted(host))
             c = 0
             for m in range(1, N + 1):
@@ -848,7 +849,7 @@ def _host_bytes_sweep(sizes: list[int], resident: set[int] = frozenset()) -> lis
     total = sum(page_up(s) for i, s in enumerate(sizes) if i not in resident)
     out = []
     for b in range(0, total + 2 * PAGE_SIZE, PAGE_SIZE):
-        host = api._choose_host(plan, set(resident), set(), sizes, b / GiB)
+        host = policy.choose_host(plan, set(resident), set(), sizes, b / GiB)
         assert sum(page_up(sizes[i]) for i in host) <= b
         out.append((b, sum(page_up(sizes[i]) for i in host)))
     return out

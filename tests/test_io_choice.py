@@ -11,6 +11,8 @@ from conftest import Checkpoints
 
 import tiered
 import tiered.api
+import tiered.machine
+import tiered.policy
 from tiered.hostmem import host_memory_available
 from tiered.stats import page_cache_room
 
@@ -60,16 +62,16 @@ def test_page_cache_room_reads_a_cgroup_v1_memory_group(tmp_path: Path, layout: 
 @pytest.mark.parametrize(("room", "want"), [(1, "direct"), (1 << 50, "mmap")])
 def test_auto_picks_direct_when_the_model_does_not_fit(room: int, want: str, ckpts: Checkpoints,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (room, "cgroup /x memory.max=1"))
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (room, "cgroup /x memory.max=1"))
     with tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01, io="auto") as m:
         assert m._tiered.reader.io == want == m._tiered.opts.io
 
 
 def test_mmap_under_a_small_cgroup_warns(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))
     with pytest.warns(UserWarning, match="io='direct'"):
         tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "MemAvailable"))
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "MemAvailable"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # plain RAM pressure: no warning
         tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
@@ -90,10 +92,10 @@ def test_auto_keeps_a_page_cache_tier_in_the_room_the_limit_leaves(ckpts: Checkp
     from tiered.format import open_checkpoint
 
     total = open_checkpoint(d).nbytes  # what io="auto" compares with the room
-    monkeypatch.setattr(tiered.api, "_page_cache_reserve", lambda threads: 0)
+    monkeypatch.setattr(tiered.policy, "page_cache_reserve", lambda threads: 0)
     seen = {}
     for room in (total - 1, 1):  # just too small for the checkpoint: some units in the tier; no room: none
-        monkeypatch.setattr(tiered.api, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
+        monkeypatch.setattr(tiered.machine, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
         with tiered.load(d, device="cpu", ring_gb=0.0002, io="auto") as m, torch.no_grad():
             s = tiered.stats(m)
             assert m._tiered.reader.io == "direct"
@@ -122,7 +124,7 @@ def test_auto_measures_direct_against_buffered_and_keeps_the_faster(slow: str, c
     ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(ids).logits
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
     monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 3)
     monkeypatch.setattr(tiered.reader, "PROBE_BYTES", 1)
     used: list[str] = []
@@ -187,7 +189,7 @@ def test_auto_probe_times_both_backends_on_every_kind_of_read(ckpts: Checkpoints
         from conftest import streaming_ring_gb
 
         ring = streaming_ring_gb(probe)
-    monkeypatch.setattr(tiered.api, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
     monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 10**9)  # keep probing
     ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))

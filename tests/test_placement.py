@@ -16,8 +16,9 @@ import torch
 
 import tiered
 from tests import models
+from tiered import policy
 from tiered.cli import _plan_for
-from tiered.placement import GBPS, place, predict
+from tiered.placement import GBPS, place_here, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -31,8 +32,8 @@ def dirs(tmp_path_factory):
 
 
 def _place(d, device="cpu", **kw):
-    config, _, plan = _plan_for(d, None, device)
-    return place(plan, config, device=device, **kw), plan
+    config, ckpt, plan = _plan_for(d, None, device)
+    return place_here(plan, device=device, ckpt_bytes=ckpt.nbytes, config=config, **kw), plan
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
@@ -129,15 +130,15 @@ def test_host_tier_holds_first_pieces_of_units_larger_than_the_ring(dirs, monkey
     """CUDA: a host tier too small for a whole unit still takes bytes off the disk: the first pieces of the units
     larger than the ring, one per unit in turn (spread over the pass), within the budget. Per token, the disk then
     reads exactly those pieces' checkpoint bytes less (each piece's own, from tiered.dist.split_unit)."""
-    from tiered import api
     from tiered import dist as _dist
+    from tiered import policy as api
 
     monkeypatch.setattr(api, "MIN_PIECE_BYTES", 16 << 10)
     d = dirs["llama"]
     ring_gb = (96 << 10) / GiB  # below every layer: they all stream in pieces
     p0, plan = _place(d, "cuda", ring_gb=ring_gb, gpu_gb=0, embedding_rows=False)
     assert len(p0.pieces) >= 4 and not p0.host_pieces and not p0.host
-    one = api._piece_slot(plan.units[min(p0.pieces)], p0.pieces[min(p0.pieces)], plan.align)
+    one = policy.piece_slot(plan.units[min(p0.pieces)], p0.pieces[min(p0.pieces)], plan.align)
     from tiered.hostmem import page_up
 
     small = sum(page_up(plan.units[i].nbytes) for i in p0.streamed if i not in p0.pieces)  # taken whole first
@@ -157,10 +158,10 @@ def test_host_tier_holds_first_pieces_of_units_larger_than_the_ring(dirs, monkey
     assert predict(ph)["cold_s_per_token"] < predict(p0)["cold_s_per_token"]
     # the choice itself: budget exhausted in order, never more than a unit's pieces
     units = {i: plan.units[i] for i in p0.pieces}
-    got = api._choose_host_pieces(plan, p0.pieces, 10 * GiB)
+    got = policy.choose_host_pieces(plan, p0.pieces, 10 * GiB)
     assert got == p0.pieces  # a budget that holds everything holds every piece
-    assert api._choose_host_pieces(plan, p0.pieces, one - 1) == {}
-    assert api._choose_host_pieces(plan, p0.pieces, one) == {min(units): 1}
+    assert policy.choose_host_pieces(plan, p0.pieces, one - 1) == {}
+    assert policy.choose_host_pieces(plan, p0.pieces, one) == {min(units): 1}
 
 
 def test_moe_host_tier_takes_units_then_whole_blocks_of_experts(dirs):
@@ -218,7 +219,7 @@ def test_inspect_prints_placement_and_prediction(dirs):
 def test_inspect_prints_pieces_and_the_host_tiers_share_of_them(dirs, monkeypatch, capsys):
     """`tiered inspect --device cuda` with a ring below the layers says they stream in pieces, and with a host tier
     too small for a layer, how many first pieces it holds (the load's choice: tests/test_cuda.py)."""
-    from tiered import api
+    from tiered import policy as api
     from tiered.cli import main
 
     monkeypatch.setattr(api, "MIN_PIECE_BYTES", 16 << 10)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tiered
+import tiered.lifecycle
 from tiered import faults
 from tiered.errors import (
     HostMemoryError,
@@ -984,7 +985,7 @@ def test_model_dropped_without_close_is_collected_and_its_threads_end(llama_ref)
 
     d, _ = llama_ref
     gc.collect()
-    tiered.api._start_reaper()  # process-wide, started by the first load: not one of the model's threads
+    tiered.lifecycle._start_reaper()  # process-wide, started by the first load: not one of the model's threads
     base = threading.active_count()
     for _ in range(3):
         m = _stream(d)

@@ -208,7 +208,8 @@ def attach(
     machine = _machine(dev, opts, dist)
     opts = dataclasses.replace(opts, device=str(dev), distributed=dist is not None)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None),
-              ranks=(dist.rank, dist.world) if dist is not None else None)
+              ranks=(dist.rank, dist.world) if dist is not None else None,
+              ring_min=_dist.min_over_ranks(dist, opts.ring_bytes) if dist is not None else None)
     warn_mmap_thrash(p.io, ckpt.nbytes, ckpt.root, machine)
     opts = dataclasses.replace(opts, io=p.io)
     ensure_atexit()

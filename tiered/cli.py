@@ -59,11 +59,11 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     config, ckpt, plan = _plan_for(model_dir, dtype, device)
     placed = None
     if placement is not None:
-        from .placement import place, predict
+        from .placement import place_here, predict
 
         opts = {k: v for k, v in placement.items() if k != "gbps"}
         _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
-        pl = place(fresh, config, device=device, ckpt=fresh_ckpt, **opts)
+        pl = place_here(fresh, device=device, ckpt_bytes=fresh_ckpt.nbytes, config=config, strict=False, **opts)
         placed = {"options": opts, **pl.as_dict(),
                   # resident: on the GPU on CUDA; on the CPU in the ring, which then holds the whole model
                   "units": {u.name: (("gpu" if device.startswith("cuda") else "ring") if u.index in pl.resident
@@ -311,6 +311,9 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"  note: tiered.load refuses this ring: the largest unit copied into it needs "
                   f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "
                   f"{gib_up(pl['ring_need_bytes'])}" + ("" if pl["io"] == "mmap" else " or --io mmap"))
+        elif pl["refused"]:
+            for why in pl["refused"]:
+                print(f"  note: tiered.load refuses these options here: {flags_for_options(why)}")
         if pl["device"] != "cpu" and o["gpu_gb"] is not None and pl["device_buffer_bytes"] and \
                 pl["resident_bytes"] + pl["device_buffer_bytes"] > o["gpu_gb"] * GiB:
             one = pl["device_buffer_bytes"] // (o["prefetch"] + 1)

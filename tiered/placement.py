@@ -35,7 +35,7 @@ from typing import Any
 
 from . import dist as _dist
 from . import policy
-from .errors import HostMemoryError, RingTooSmallError
+from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .experts import ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import page_up
 from .machine import Machine
@@ -45,7 +45,7 @@ from .reader import zero_copy_eligible
 from .ring import GiB, gib_up
 from .rows import row_eligible
 
-__all__ = ["GBPS", "Placement", "place", "predict", "choose_io"]
+__all__ = ["GBPS", "Placement", "place", "place_here", "predict", "choose_io"]
 
 #: Default bandwidths in GB/s (1e9 bytes/s), measured on the project's GPU machine (one H200, benchmarks/RESULTS.md;
 #: the GPT-J tables): O_DIRECT cold reads 1.48-1.88 GB/s with 4 threads; page cache -> pinned ring copy 29-31 GB/s;
@@ -93,6 +93,7 @@ class Placement:
     speculator_slots: int = 0  # CUDA expert_prefetch: top-k slots of the largest expert (0: none)
     routed: dict[int, list[ExpertSpec]] = field(default_factory=dict, repr=False)  # unit -> its routed experts modules
     host_experts: list[int] = field(default_factory=list)  # indices into specs (forward order) kept in the host tier
+    refused: list[str] = field(default_factory=list)  # place(strict=False): why a load would refuse these options
 
     def resident_bytes_of(self, plan: Plan) -> int:
         return sum(plan.units[i].nbytes for i in self.resident)
@@ -130,15 +131,17 @@ def warn_mmap_thrash(io: str, ckpt_bytes: int, root: Any, machine: Machine) -> N
 
 
 def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
-          ranks: tuple[int, int] | None = None) -> Placement:
+          ranks: tuple[int, int] | None = None, ring_min: int | None = None, strict: bool = True) -> Placement:
     """The placement of ``plan`` with ``opts`` on ``machine``: a pure function (no allocation, no I/O, no
     collective), the one :func:`tiered.attach` builds and ``tiered inspect`` prints.
 
     ``opts.device`` must be resolved (``"cpu"``, ``"cuda[:N]"``); ``ckpt_bytes``: the checkpoint's size, against the
     page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures and the
     speculator); ``ranks``: ``(rank, world)`` of a distributed job, whose ranks all compute the same choice (the GPU
-    budget in ``machine`` is already the smallest over the ranks). ``plan`` is changed as at load: routed experts
-    leave their units when the model does not fit.
+    budget in ``machine`` is already the smallest over the ranks), and ``ring_min`` the smallest ``ring_gb`` over
+    them in bytes (default this rank's). ``plan`` is changed as at load: routed experts leave their units when the
+    model does not fit. ``strict=False`` (``tiered inspect``): what a load would refuse is recorded in
+    ``Placement.refused`` instead of raised.
 
     Raises:
         RingTooSmallError: a unit the ring must hold is larger than it, or pieces cannot fit it.
@@ -150,8 +153,9 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None)
     p.gpu_budget = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
+    ring_min = opts.ring_bytes if ring_min is None else ring_min
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
-    if experts and policy.fits_whole(plan, opts.ring_bytes, cpu, p.gpu_budget):
+    if experts and policy.fits_whole(plan, ring_min, cpu, p.gpu_budget):
         experts = {}
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align)
@@ -164,17 +168,17 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
                                                       _device(opts), plan.align)]
 
     need = slot_need(dist.rank if dist else None)
-    p.ring_bytes = _ring_bytes(opts, need)
-    ring_room = min(_ring_bytes(opts, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
+    p.ring_bytes = _ring_bytes(opts.ring_bytes, need)
+    ring_room = min(_ring_bytes(ring_min, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
     eligible = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
-    mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None)
+    mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None, strict)
     if machine.host_available is not None and p.ring_bytes + policy.headroom(not cpu) > machine.host_available:
         most = max(0, machine.host_available - policy.headroom(not cpu))
-        raise HostMemoryError(
+        _refuse(p, strict, HostMemoryError(
             f"ring_gb={opts.ring_gb} needs {p.ring_bytes / GiB:.3f} GiB of host memory but only "
             f"{machine.host_available / GiB:.3f} GiB is available ({machine.host_where}) and "
             f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime; pass ring_gb <= "
-            f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)")
+            f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)"))
     resident = policy.choose_resident(plan, ring_room, cpu, p.gpu_budget, p.buffers_counted, rows=eligible,
                                       slot_need=need)
     rows = eligible - resident
@@ -188,10 +192,34 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p.resident, p.rows, p.host, p.mapped = sorted(resident), sorted(rows), sorted(host), sorted(mapped)
     p.streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
     p.pieces = {i: n for i, n in pieces.items() if i not in host}
-    _host_tier(plan, opts, machine, p, need, cpu)
+    _host_tier(plan, opts, machine, p, need, cpu, strict)
     _device_memory(plan, opts, p, config, dist, cpu)
     _per_token(plan, p, config)
     return p
+
+
+def place_here(plan: Plan, *, device: str, ckpt_bytes: int, config: Any = None, strict: bool = True,
+               **options: Any) -> Placement:
+    """:func:`place` on this machine's facts (:func:`tiered.machine.gather`) with ``tiered.load``'s keyword options:
+    the placement ``tiered.load(..., device=device, **options)`` makes here (one process). What ``tiered inspect``
+    prints.
+
+    Raises:
+        ConfigError: ``device="cuda"`` with ``gpu_gb=None`` on a machine without CUDA (the default budget is what the
+            GPU has free); an option :func:`tiered.load` would refuse.
+        RingTooSmallError, HostMemoryError: as :func:`place`.
+    """
+    import torch
+
+    from .machine import gather
+
+    opts = Options(device=device, **options)
+    dev = torch.device(device)
+    cuda_here = dev.type == "cuda" and torch.cuda.is_available()
+    if dev.type == "cuda" and opts.gpu_gb is None and not cuda_here:
+        raise ConfigError("a CUDA placement on a machine without CUDA needs a GPU budget: pass gpu_gb=<GiB> (the "
+                          "default is the free memory of this machine's GPU)")
+    return place(plan, opts, gather(dev if cuda_here else None), ckpt_bytes=ckpt_bytes, config=config, strict=strict)
 
 
 def _device(opts: Options) -> Any:
@@ -200,13 +228,21 @@ def _device(opts: Options) -> Any:
     return torch.device(opts.device)
 
 
-def _ring_bytes(opts: Options, need: list[int]) -> int:
-    """The ring as allocated: ``ring_gb``, never more than every unit's page-rounded slot (more would only cost RSS)."""
-    return page_up(min(opts.ring_bytes, sum(page_up(n) for n in need)))
+def _ring_bytes(ring: int, need: list[int]) -> int:
+    """The ring as allocated: ``ring`` bytes, never more than every unit's page-rounded slot (more would only cost
+    RSS)."""
+    return page_up(min(ring, sum(page_up(n) for n in need)))
+
+
+def _refuse(p: Placement, strict: bool, e: Exception) -> None:
+    """Raise ``e`` (a load refuses), or record it in ``p.refused`` (``tiered inspect``)."""
+    if strict:
+        raise e
+    p.refused.append(f"{type(e).__name__}: {e}")
 
 
 def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligible: set[int],
-                one: bool) -> tuple[set[int], dict[int, int], int]:
+                one: bool, strict: bool) -> tuple[set[int], dict[int, int], int]:
     """Which units compute on the file mapping (CPU zero copy), which are cut in pieces (CUDA), and the ring bytes the
     largest unit copied whole into the ring takes; refuses a ring below it (RingTooSmallError)."""
     cpu = p.device == "cpu"
@@ -218,7 +254,11 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
     # CPU: the units the host tier will hold are read straight into it, never through the ring
     host_first = policy.choose_host(plan, set(), eligible, need, opts.host_gb) if cpu and opts.host_gb and one else set()
     ring_units = [u for u in plan.units if u.index not in eligible | mappable | host_first]
-    pieces = policy.cut_pieces(ring_units, p.ring_bytes, opts.ring_gb, plan.align) if not cpu and one else {}
+    try:
+        pieces = policy.cut_pieces(ring_units, p.ring_bytes, opts.ring_gb, plan.align) if not cpu and one else {}
+    except RingTooSmallError as e:
+        _refuse(p, strict, e)
+        pieces = {}
     if cpu:
         p.ring_need_bytes = max((page_up(need[u.index]) for u in ring_units), default=0)
     whole_units = [u for u in ring_units if u.index not in pieces]
@@ -234,13 +274,14 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
         elif cpu and opts.zero_copy and p.io == "mmap" and one:
             why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
                    "tensors)")
-        raise RingTooSmallError(
+        _refuse(p, strict, RingTooSmallError(
             f"unit {big.name!r} needs {gib_up(most)} GiB but ring_gb={opts.ring_gb}{why}; pass ring_gb >= "
-            f"{gib_up(most)} (>= {gib_up(2 * most)} lets the next unit load while one runs)")
+            f"{gib_up(most)} (>= {gib_up(2 * most)} lets the next unit load while one runs)"))
     return mappable, pieces, big.nbytes
 
 
-def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: list[int], cpu: bool) -> None:
+def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: list[int], cpu: bool,
+               strict: bool) -> None:
     """The host tier's experts and first pieces, after its whole units; refuses more than the host can give."""
     specs = p.specs
     host = set(p.host)
@@ -256,10 +297,10 @@ def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: 
     avail, room = machine.host_available, policy.headroom(not cpu)
     # machine facts are read before the ring is allocated: the ring counts here on CUDA (pinned) and CPU alike
     if total and avail is not None and total + p.ring_bytes + room > avail:
-        raise HostMemoryError(
+        _refuse(p, strict, HostMemoryError(
             f"host_gb={opts.host_gb} takes {total / GiB:.3f} GiB of host memory but only "
             f"{max(0, avail - p.ring_bytes) / GiB:.3f} GiB is available ({machine.host_where}) beside the ring, and "
-            f"{room >> 20} MiB is kept for the runtime; pass host_gb <= {max(0, avail - p.ring_bytes - room) / GiB:.3f}")
+            f"{room >> 20} MiB is kept for the runtime; pass host_gb <= {max(0, avail - p.ring_bytes - room) / GiB:.3f}"))
 
 
 def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: Any, cpu: bool) -> None:
