@@ -173,7 +173,7 @@ def decisions(model: Any) -> dict[str, Any]:
         "host_experts": [eg.spec.name for eg in h.experts if eg.host is not None],
         "expert_cache_slots": s.expert_cache_slots,
         "device_buffer_bytes": s.device_buffer_bytes,
-        "speculator": h.speculator is not None,
+        "speculator": False,  # expert_prefetch's speculator: removed (issue 21)
     }
 
 
@@ -210,7 +210,7 @@ def placed(case: dict[str, Any], d: Path) -> dict[str, Any]:
         "host_pieces": {str(i): k for i, k in sorted(p.host_pieces.items())},
         "host_ring_bytes": p.host_ring_bytes, "routed": [sp.name for sp in p.specs],
         "host_experts": [p.specs[i].name for i in p.host_experts], "expert_cache_slots": p.expert_cache_slots,
-        "device_buffer_bytes": p.device_buffer_bytes, "speculator": p.speculator_slots > 0,
+        "device_buffer_bytes": p.device_buffer_bytes, "speculator": False,  # removed (issue 21)
     }
 
 

@@ -299,21 +299,3 @@ def test_inspect_reports_experts_and_routed_bytes(ckpts):
     assert inspect_dir(ckpts["qwen3_moe"])["experts"]["top_k"] == 2
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_find_router_is_the_blocks_gate(ckpts, arch):
-    """expert_prefetch guesses a block's experts with its router weight: find_router must return that block's own
-    router (the (E, D) parameter beside the experts module, not an expert's or a shared expert's weight)."""
-    from tiered.speculate import find_router
-
-    ref = _ref(ckpts[arch])
-    blocks = [(n, m) for n, m in ref.named_modules() if n.endswith(".experts") and hasattr(m, "num_experts")]
-    assert blocks
-    names = {id(p): n for n, p in ref.named_parameters()}
-    for name, m in blocks:
-        w = find_router(ref, name, m.num_experts)
-        assert w is not None, name
-        parent = name.rpartition(".")[0]
-        where = names[id(w)]
-        assert where.startswith(parent + ".") and ".experts." not in where and "shared" not in where, where
-        assert w.shape == (m.num_experts, ref.config.hidden_size)
-        assert find_router(ref, name, m.num_experts + 1) is None  # no (E+1, D) parameter: no guess

@@ -36,7 +36,6 @@ from .plan import Plan, build_plan
 from .reader import Reader
 from .ring import GiB, Ring
 from .rows import RowGather
-from .speculate import Speculator, find_router
 from .stats import Stats, proc_status
 from .streamer import Streamer
 
@@ -94,18 +93,6 @@ def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
         )
 
 
-def _link_speculator(model: nn.Module, gathers: list[ExpertGather], sp: Speculator) -> None:
-    """Give each experts call the speculator and, where the next block's experts are in the host tier and its
-    router weight is found, what it needs to guess and fill for that block."""
-    for eg, nxt in zip(gathers, [*gathers[1:], None], strict=True):
-        eg.speculator = sp
-        if nxt is None or nxt.host is None:
-            continue
-        found = find_router(model, nxt.spec.name, nxt.spec.num_experts)
-        if found is not None:
-            eg.next_block = (nxt.block, found, nxt.host, nxt.slot_offsets)
-
-
 def _check_device(opts: Options) -> torch.device:
     """The device ``opts`` runs on, with the warnings and refusals that depend on it (before any rendezvous)."""
     device = opts.device
@@ -117,9 +104,10 @@ def _check_device(opts: Options) -> torch.device:
     if dev.type == "cpu" and opts.gpu_gb is not None:
         warnings.warn(f"gpu_gb={opts.gpu_gb} has no effect on device=cpu: the ring (ring_gb) is the only memory there",
                       UserWarning, stacklevel=3)
-    if opts.expert_prefetch and dev.type != "cuda":
-        warnings.warn(f"expert_prefetch=True has no effect on device={dev.type}: it copies guessed experts to a GPU "
-                      "(tiered/speculate.py)", UserWarning, stacklevel=3)
+    if opts.expert_prefetch:
+        warnings.warn("expert_prefetch=True has no effect: the speculative expert prefetch was removed (measured slower "
+                      "on an H200, Mixtral-8x7B shape: 0.147 against 0.122 s/token; benchmarks/NOTES.md)",
+                      DeprecationWarning, stacklevel=3)
     if opts.host_gb and opts.dist_on and dev.type == "cpu":
         raise ConfigError(f"host_gb={opts.host_gb} with distributed on the CPU is not supported (each rank would hold a "
                           "chunk that the all-gather overwrites): raise ring_gb, or pass host_gb=0")
@@ -232,7 +220,7 @@ def attach(
 
 
 def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
-    """Allocate what ``p`` names — ring, reader, host tier, streamer, expert staging, cache and speculator — and load
+    """Allocate what ``p`` names — ring, reader, host tier, streamer, expert staging and cache — and load
     the resident units and the host tier. Decides nothing."""
     plan, dev, opts, dist = h.plan, h.device, h.opts, h.dist
     cuda = dev.type == "cuda"
@@ -263,11 +251,6 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
         n = min(_experts_mod.STAGING_BYTES, max(16 << 20, h.ring.size // 2))
         h.expert_staging = _allocate(lambda: Ring(n, pin=True), f"{_experts_mod.STAGING_BYTES >> 20} MiB (at most) of "
                                      "staging for routed experts", "pass routed_experts=False", verb="pin")
-    if p.speculator_slots:
-        try:
-            h.speculator = Speculator(p.expert_slot_bytes, p.speculator_slots, dev, h.stats)
-        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError: run without the guess
-            h.speculator = None
     if p.expert_cache_slots:
         n, slot = p.expert_cache_slots, p.expert_slot_bytes
         h.expert_cache = _allocate(lambda: ExpertCache(slot, n, dev, policy=_expert_cache_mod.POLICY),
@@ -332,14 +315,12 @@ def _install_hooks(h: Handle, p: Placement) -> None:
             h.host_experts.fill(h.reader, h.stats)
             for eg in h.experts:
                 eg.host = h.host_experts.parts(eg.spec)  # None: this block's experts are read
-            if h.speculator is not None:
-                _link_speculator(h.module, h.experts, h.speculator)
     allow_one_compile_per_unit(len(plan.units))
     h.stats.ring_high_water = h.ring.high_water
     # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
     # collected, and this gives back the threads, the device pool and the ring.
     on_drop(h.module, s.loader, s.stage, h.reader, h.ring, h.host_ring, h.expert_staging, h.expert_cache,
-            h.speculator, h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+            h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
 
 
 
@@ -421,15 +402,9 @@ def load(
             on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts
             (room for a prefill's compact tensors); on the CPU none. 0: no cache. On the CPU a value > 0 keeps
             them in host memory (RSS grows by it).
-        expert_prefetch: on CUDA, when the host tier holds a MoE block's experts and the router of that block is
-            resident: while the block before it runs, guess its experts with its router applied to that block's
-            input and copy them to a device buffer of top-k expert slots (inside ``gpu_gb``, before the expert
-            cache) on a second stream, so the copy engine works while the host waits (SDPA's cuDNN graph build at
-            each new sequence length waits for the whole device; ``tiered/speculate.py``). A wrong guess costs its
-            copy, never the output. ``Stats.expert_prefetch_hits`` counts the experts served from it. Default
-            False: measured on an H200 (Mixtral-8x7B shape, batch 1) it was slower, 0.147 against 0.122 s/token
-            with new sequence lengths and 0.113 against 0.084 with seen ones: 58% of the guesses were used, and
-            the decode is bound by the copied bytes, which wrong guesses add to.
+        expert_prefetch: accepted and ignored, with a DeprecationWarning: the speculative expert prefetch it turned
+            on was removed (measured slower on an H200, Mixtral-8x7B shape, batch 1: 0.147 against 0.122 s/token
+            with new sequence lengths, 0.113 against 0.084 with seen ones; 58% of its guesses were used).
         zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
             tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
             copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS

@@ -39,10 +39,6 @@ host memory (pinned on CUDA), read once at load; step 2 is then a copy of the ro
 compute stream on CUDA, a memcpy on the CPU; ``Stats.experts_from_host``, ``host_expert_bytes``), with no read
 after the router.
 
-``expert_prefetch=True`` (CUDA, off by default): a call also guesses the next block's experts with that block's
-router and has them copied from the host tier ahead of its call (:mod:`tiered.speculate`); a call then takes the
-ones it routed to that were guessed from there (``Stats.expert_prefetch_hits``), the rest as above.
-
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
 ``use_experts_implementation`` attributes.
@@ -369,9 +365,6 @@ class ExpertGather:
                              else spec.module._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
         self.host: list[torch.Tensor] | None = None  # the host tier's copy of every expert (HostExperts.parts)
-        self.speculator: Any = None  # CUDA: the model's tiered.speculate.Speculator (None: no prefetch)
-        # the next block's (index, router weight, host-tier parts, slot offsets): what this call guesses and fills
-        self.next_block: tuple[int, torch.Tensor, list[torch.Tensor], list[int]] | None = None
         self.files = sorted({info.file for p in spec.parts for per in p.per for info, _ in per})
 
     # ----------------------------------------------------------------------------------- reading
@@ -394,7 +387,6 @@ class ExpertGather:
         cache = self.cache
         todo = list(enumerate(ids))
         if cache is None:
-            todo = self._serve_guessed(todo, out)
             self._read_into(todo, out)
         else:
             with self.cache_lock:  # one call at a time across the model's experts modules (they share the slots)
@@ -405,7 +397,6 @@ class ExpertGather:
                             t[u].copy_(cache.view(s, off, p.slab_shape, p.target.dtype))
                 todo = [(u, j) for u, (j, s) in enumerate(zip(ids, slots, strict=True)) if s is None]
                 self.stats.add_expert_cache(U - len(todo), len(todo))
-                todo = self._serve_guessed(todo, out)  # the cache does not take these: they were copied already
                 self._read_into(todo, out)
                 keep = {s for s in slots if s is not None}
                 for u, j in todo:
@@ -420,17 +411,6 @@ class ExpertGather:
         else:
             self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
         return out
-
-    def _serve_guessed(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> list[tuple[int, int]]:
-        """Copy the experts of ``todo`` that the speculator prefetched for this block into ``out``; the rest."""
-        sp = self.speculator
-        if sp is None or not todo or self.host is None:
-            return todo
-        served = sp.serve(self.block, todo, self.spec.parts, self.slot_offsets, out)
-        if not served:
-            return todo
-        self.stats.add_expert_prefetch_hits(len(served))
-        return [(u, j) for u, j in todo if u not in served]
 
     def _read_into(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
         """Read expert ``j`` into row ``u`` of ``out`` for each ``(u, j)`` of ``todo`` (CPU: straight; CUDA:
@@ -518,13 +498,7 @@ class ExpertGather:
             uniq = torch.zeros(1, dtype=torch.int64)
             u_dev = torch.zeros(1, dtype=torch.int64, device=idx.device)
         new_idx = torch.searchsorted(u_dev, idx.contiguous().to(torch.int64)).to(idx.dtype)
-        guess = self._guess(args, kwargs, idx)  # read now: the GPU is idle here (the sync above), not after the copies
         tensors = self.read(uniq.tolist())
-        if guess:  # the next block's guessed experts, copied once this call's own copies are done
-            nb, _, host, offsets = self.next_block  # type: ignore[misc]
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
-            self.speculator.request(nb, guess, host, offsets, after)
         for p, t in zip(self.spec.parts, tensors, strict=True):
             if p.target.is_param:
                 module._parameters[p.target.attr] = nn.Parameter(t, requires_grad=False) \
@@ -537,27 +511,6 @@ class ExpertGather:
         else:
             kwargs = {**kwargs, where[1]: new_idx}
         return args, kwargs
-
-    def _guess(self, args: tuple, kwargs: dict, idx: torch.Tensor) -> list[int]:
-        """The next block's likely experts (sorted, distinct) from this call's input rows and the next block's router
-        (:meth:`tiered.speculate.Speculator.guess`); [] when there is no speculator, no next block in the host tier,
-        more than one input row (a prefill, a batch: the slots hold one row's top-k), more guesses than its slots,
-        or a guess that fails (it never fails the call)."""
-        sp, nxt = self.speculator, self.next_block
-        if sp is None or nxt is None or sp.closed:
-            return []
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1 \
-                or hidden.numel() != hidden.shape[-1]:  # one row only: the slots hold one row's top-k
-            return []
-        try:
-            g = sp.guess(hidden, nxt[1], idx.shape[-1] if idx.dim() else 1)
-            if g is None:
-                return []
-            ids = torch.unique(g, sorted=True).tolist()  # a sync, at a point where the GPU has nothing else queued
-        except Exception:  # noqa: BLE001 - a guess that cannot be made (memory, a router dtype) is no guess
-            return []
-        return ids if len(ids) <= sp.capacity else []
 
     def restore(self) -> None:
         """Put the placeholders and ``num_experts`` back (idempotent; ``CallGuard`` calls it after every call)."""

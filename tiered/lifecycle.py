@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .reader import Reader
     from .ring import Ring
-    from .speculate import Speculator
     from .streamer import Streamer
 
 __all__ = ["Handle", "CLOSE_WAIT_S", "on_drop", "live_add", "ensure_atexit", "closed_hook", "unique"]
@@ -56,7 +55,6 @@ class Handle:
         self.experts: list[Any] = []  # ExpertGather per routed experts module
         self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
         self.expert_cache: ExpertCache | None = None  # routed experts kept on the device
-        self.speculator: Speculator | None = None  # CUDA: the next block's guessed experts, copied early
         self.closed = False
         self.closed_hooks: list[Any] = []
         self.call_lock = threading.RLock()  # one forward pass at a time (see _TieredMixin.__call__)
@@ -88,7 +86,7 @@ class Handle:
             for eg in self.experts:
                 eg.close()
             _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache,
-                               self.speculator, self.host_experts)
+                               self.host_experts)
             self.closed = True
         finally:
             if got:

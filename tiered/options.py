@@ -51,7 +51,7 @@ class Options:
     distributed: Any = False  # True or a ProcessGroup: each torchrun rank streams 1/N of every unit (tiered/dist.py)
     host_gb: float = 0.0  # host tier, GiB: streamed units read once and kept (CUDA: pinned, copied to the GPU)
     expert_cache_gb: float | None = None  # routed experts kept on the device (None: CUDA, what gpu_gb leaves; CPU 0)
-    expert_prefetch: bool = False  # CUDA, host-tier experts: guess the next block's experts and copy them early
+    expert_prefetch: bool = False  # ignored (DeprecationWarning): the speculative expert prefetch was removed
 
     def __post_init__(self) -> None:
         self.check()

@@ -90,7 +90,6 @@ class Placement:
     host_ring_bytes: int = 0  # the host tier's buffer: whole-unit slots and first pieces (experts apart)
     gpu_budget: int = 0  # CUDA: bytes for resident units and the counted device buffers
     buffers_counted: int = 0  # device buffers counted inside gpu_budget
-    speculator_slots: int = 0  # CUDA expert_prefetch: top-k slots of the largest expert (0: none)
     routed: dict[int, list[ExpertSpec]] = field(default_factory=dict, repr=False)  # unit -> its routed experts modules
     host_experts: list[int] = field(default_factory=list)  # indices into specs (forward order) kept in the host tier
     refused: list[str] = field(default_factory=list)  # place(strict=False): why a load would refuse these options
@@ -136,9 +135,9 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     collective), the one :func:`tiered.attach` builds and ``tiered inspect`` prints.
 
     ``opts.device`` must be resolved (``"cpu"``, ``"cuda[:N]"``); ``ckpt_bytes``: the checkpoint's size, against the
-    page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures and the
-    speculator); ``ranks``: ``(rank, world)`` of a distributed job, whose ranks all compute the same choice (the GPU
-    budget in ``machine`` is already the smallest over the ranks), and ``ring_min`` the smallest ``ring_gb`` over
+    page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures); ``ranks``:
+    ``(rank, world)`` of a distributed job, whose ranks all compute the same choice (the GPU budget in ``machine``
+    is already the smallest over the ranks), and ``ring_min`` the smallest ``ring_gb`` over
     them in bytes (default this rank's). ``plan`` is changed as at load: routed experts leave their units when the
     model does not fit. ``strict=False`` (``tiered inspect``): what a load would refuse is recorded in
     ``Placement.refused`` instead of raised.
@@ -305,7 +304,7 @@ def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: 
 
 def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: Any, cpu: bool) -> None:
     """CUDA: the streamer's device buffers (``prefetch + 1`` of the largest unit it copies, host-tier ones included;
-    distributed: gathered whole), the speculator and the expert cache in what ``gpu_gb`` leaves."""
+    distributed: gathered whole) and the expert cache in what ``gpu_gb`` leaves."""
     if not cpu:
         copied = [u.index for u in plan.units if u.index not in set(p.resident) | set(p.rows)]
         full = ([q.full if q.gathered else u.nbytes for q, u in
@@ -318,11 +317,6 @@ def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: A
     p.expert_slot_bytes = slot = max(slot_layout(sp)[1] for sp in specs)
     left = (p.gpu_budget - p.resident_bytes_of(plan)
             - p.buffers_counted * (p.device_buffer_bytes // (opts.prefetch + 1)))
-    k = getattr(config, "num_experts_per_tok", None)
-    if (opts.expert_prefetch and not cpu and p.host_experts and dist is None and isinstance(k, int) and k >= 1
-            and k * slot <= left):
-        p.speculator_slots = k
-        left -= k * slot
     if opts.expert_cache_gb is not None:
         room = int(opts.expert_cache_gb * GiB)
     elif not cpu:

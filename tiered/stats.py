@@ -171,10 +171,6 @@ class Stats:
         ``host_used_bytes``) to the GPU from there instead of reading them (not in ``experts_read``).
         ``host_pieces``: CUDA, pieces of units larger than the ring that the host tier holds (their first pieces; in
         ``host_bytes``); the rest of such a unit streams through the ring.
-    expert_prefetch_bytes, experts_prefetched, expert_prefetch_hits: CUDA, ``expert_prefetch``
-        (``tiered/speculate.py``): host-tier experts copied to the GPU early on a guess of the next block's routing
-        (bytes and experts, right or wrong; not in ``host_expert_bytes``), and how many routed experts were served
-        from those copies (not in ``experts_from_host``). ``snapshot()["expert_prefetch_accuracy"]``: hits / prefetched.
     model_bytes: the model's distinct weights in its dtype (``Plan.weight_bytes``: a tied head counted once, routed
         experts included).
     io: the reader backend the model uses (``io="auto"`` resolved; when it resolved to O_DIRECT, the reader compares
@@ -228,9 +224,6 @@ class Stats:
     host_expert_modules: int = 0
     host_expert_bytes: int = 0
     experts_from_host: int = 0
-    expert_prefetch_bytes: int = 0
-    experts_prefetched: int = 0
-    expert_prefetch_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _placement: Any = field(default=None, repr=False, compare=False)  # the Placement the load built
 
@@ -284,17 +277,6 @@ class Stats:
             self.experts_from_host += n
             self.expert_calls += 1
 
-    def add_expert_prefetch(self, nbytes: int, n: int) -> None:
-        """The prefetch thread copied ``n`` guessed experts (``nbytes``) from the host tier to the GPU."""
-        with self._lock:
-            self.expert_prefetch_bytes += nbytes
-            self.experts_prefetched += n
-
-    def add_expert_prefetch_hits(self, n: int) -> None:
-        """A call found ``n`` of its routed experts among the prefetched ones."""
-        with self._lock:
-            self.expert_prefetch_hits += n
-
     def add_host_experts_loaded(self, nbytes: int) -> None:
         """One experts module's experts were placed in the host tier at load (``nbytes`` pinned)."""
         with self._lock:
@@ -332,7 +314,6 @@ class Stats:
         d["dense_bytes"] = d["streamed_bytes"] - d["expert_bytes"] - d["embedding_bytes"]
         looked = d["expert_cache_hits"] + d["expert_cache_misses"]
         d["expert_cache_hit_rate"] = d["expert_cache_hits"] / looked if looked else 0.0
-        d["expert_prefetch_accuracy"] = d["expert_prefetch_hits"] / d["experts_prefetched"] if d["experts_prefetched"] else 0.0
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
         st = proc_status()
@@ -382,9 +363,6 @@ class Stats:
                 + (f" + the experts of {s['host_expert_modules']} MoE blocks" if s["host_expert_modules"] else "")
             parts.append(f"host tier {held}, {gib(s['host_bytes'])}{' pinned' if s['h2d_bytes'] else ''}, "
                          f"{gb(s['host_used_bytes'])} used by passes")
-        if s["experts_prefetched"]:
-            parts.append(f"expert prefetch {s['experts_prefetched']} guessed ({gb(s['expert_prefetch_bytes'])}), "
-                         f"{s['expert_prefetch_hits']} used ({s['expert_prefetch_accuracy']:.1%})")
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
         parts += [
