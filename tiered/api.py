@@ -30,7 +30,7 @@ from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
 from .machine import Machine, gather
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
-from .options import Options
+from .options import OPTION_DOCS, Options
 from .placement import Placement, place, warn_mmap_thrash
 from .plan import Plan, build_plan
 from .reader import Reader
@@ -151,30 +151,15 @@ def attach(
     conversion mapping is applied too). Parameter dtypes are the module's (cast on the fly).
     Returns ``module`` itself, now with ``.device``, ``.close()`` and a context manager.
 
-    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA), plus the host tier
-    (``host_gb``: the streamed units it holds, exactly their size), plus a constant; device memory
-    by the resident units plus ``prefetch + 1`` buffers of the largest
-    streamed unit.
+    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA), plus the host tier (``host_gb``),
+    plus a constant; device memory by the resident units plus ``prefetch + 1`` buffers of the largest streamed unit.
 
-    A streamed ``nn.Embedding`` reads only the rows its ids look up, on each call (``embedding_rows``;
-    see ``tiered/rows.py``): it needs no ring space, so a table larger than the ring is fine.
-
-    When the model does not fit (the ring on the CPU; the GPU budget or the ring on CUDA), each MoE block's
-    experts module reads only the experts its router picked, on each call (``routed_experts``; see
-    ``tiered/experts.py``): the experts need no ring space, so a MoE layer larger than the ring is fine.
-    Memory: the routed experts of one call (``U`` x one expert), on the device; on CUDA also a pinned
-    staging buffer of ``tiered.experts.STAGING_BYTES`` (256 MiB; at most half the ring) on the host, and the
-    expert cache (``expert_cache_gb``; by default what ``gpu_gb`` leaves) on the GPU.
-
-    ``distributed=True`` (one process per GPU under ``torchrun``; or a ``ProcessGroup``): every rank reads
-    and copies only its 1/N chunk of each unit and the unit is all-gathered before it runs (NCCL on CUDA,
-    gloo on the CPU; see ``tiered/dist.py``). The device defaults to ``cuda:$LOCAL_RANK``. Each rank runs
-    its own inputs and gets the one-process outputs bit for bit; every rank must run the same passes
-    (``generate`` defaults to ``synced_gpus=True``). The GPU budget is the smallest over the ranks.
+    Embeddings that read their rows (``embedding_rows``) and routed experts (``routed_experts``; their staging, 256
+    MiB at most, and the expert cache) need no ring slot; ``distributed``: every rank reads 1/N of each unit and
+    gets the one-process outputs bit for bit. The options are documented below.
 
     Raises:
-        RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed); a
-            row-streamed embedding never is.
+        RingTooSmallError: a unit is larger than the ring (names the unit and the GiB needed).
         MissingTensorError / ShapeMismatchError: the checkpoint does not match the module.
         HeaderError / TruncatedShardError / ShardNotFoundError: a bad checkpoint.
         ConfigError: an unknown device or io backend; a bad option value;
@@ -351,65 +336,9 @@ def load(
 
     Args:
         model_dir: ``config.json`` plus ``model.safetensors`` or shards with ``model.safetensors.index.json``.
-        ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant.
-        device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
-        dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
-            default: ``config.json``'s dtype, as ``from_pretrained`` does.
-        prefetch: units of lookahead.
-        gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed) and the device buffer of the
-            unit being computed, as accelerate's ``max_memory`` counts weights plus one offloaded layer; the
-            ``prefetch`` other device buffers (each the largest streamed unit) come on top. Default: free memory
-            minus 4 GiB, all ``prefetch + 1`` buffers inside it. When the whole model fits, it is loaded once
-            through the ring and stays.
-        io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
-            after each copy), ``"pread"`` (through the page cache with buffered ``preadv`` straight into the ring:
-            no file page is mapped into the process), ``"direct"`` (``O_DIRECT`` reads: no page cache at all;
-            cold-cache and cgroup use)
-            or ``"auto"`` (``direct`` when the checkpoint is larger than the page cache can hold:
-            MemAvailable or the cgroup's limit, v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; measured on an H200
-            in a 3 GiB cgroup, GPT-J-6B: 6.0 s/token direct vs 10.7 s/token mmap). On the CPU ``"auto"`` then also
-            keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
-            the host tier compute on the file mapping and stay cached between passes (``Stats.page_cache_units``).
-            When ``"auto"`` picks ``direct``, the reader also times it against buffered ``pread`` (each followed by
-            ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
-            ``tiered/reader.py``).
-        threads: reader threads.
-        drop_pages: after copying a span of the file mapping, ``madvise(MADV_DONTNEED)`` it, so the process never
-            keeps the checkpoint's pages mapped (what bounds RSS with ``io="mmap"``). Keep True; False is the naive
-            loader, kept to show what the bound is worth.
-        drop_page_cache: also ``posix_fadvise(POSIX_FADV_DONTNEED)`` what was copied, so the page cache does not
-            keep it either: for cgroups that charge page cache to the process (``memory.max``). Default False.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
-        embedding_rows: a streamed embedding reads only the rows its ids look up, each call
-            (batch x tokens x hidden x itemsize bytes, not the table; ``tiered/rows.py``); False streams
-            it whole through the ring like any unit.
-        distributed: under ``torchrun``, each rank reads and copies 1/N of every unit and the ranks
-            all-gather it (NCCL between GPUs, gloo on the CPU); see :func:`attach` and ``tiered/dist.py``.
-        host_gb: GiB of host memory (exact size) for a host tier: streamed units (their 1/N chunks, distributed)
-            read once at load and kept, spread over the execution order, touching neither disk nor page cache
-            again. On CUDA it is pinned, and each pass copies them to the GPU from there at the pinned H2D rate;
-            what units leave goes to routed MoE blocks, whole blocks at a time in forward order: all their
-            experts are read once at load, and each call copies only its routed experts to the GPU from there
-            (no read after the router; ``tiered.experts.HostExperts``). On the CPU the units compute in place
-            (as accelerate's ``max_memory["cpu"]`` keeps weights in RAM): ``ring_gb + host_gb`` is the memory
-            to compare with accelerate's. Peak host RSS is bounded by ``ring_gb + host_gb`` plus a constant.
-            Default 0: no host tier.
-        routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
-            router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
-        expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):
-            a call that picks a cached expert copies it device to device instead of reading it. None (default):
-            on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts
-            (room for a prefill's compact tensors); on the CPU none. 0: no cache. On the CPU a value > 0 keeps
-            them in host memory (RSS grows by it).
-        expert_prefetch: accepted and ignored, with a DeprecationWarning: the speculative expert prefetch it turned
-            on was removed (measured slower on an H200, Mixtral-8x7B shape, batch 1: 0.147 against 0.122 s/token
-            with new sequence lengths, 0.113 against 0.084 with seen ones; 58% of its guesses were used).
-        zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
-            tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
-            copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS
-            holds at most the units running at once. Units that convert still go through the ring.
-
+        **options: the fields of :class:`tiered.Options` (listed below), each a keyword.
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
 
@@ -450,3 +379,13 @@ def stats(model: nn.Module) -> Stats:
 def close(model: nn.Module) -> None:
     """Release the model's ring, threads and hooks."""
     _handle(model).close()
+
+
+def _document_options(f: Any) -> None:
+    """Append every option's documentation (:data:`tiered.options.OPTION_DOCS`) to ``f``'s docstring: written once,
+    shown by ``help(tiered.load)`` and ``help(tiered.attach)``."""
+    f.__doc__ = (f.__doc__ or "") + "\n    Options (:class:`tiered.Options`; keyword-only):\n" + OPTION_DOCS
+
+
+_document_options(load)
+_document_options(attach)

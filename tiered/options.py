@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import ConfigError, RingTooSmallError
 
-__all__ = ["Options", "IO_BACKENDS", "GiB"]
+__all__ = ["Options", "IO_BACKENDS", "GiB", "OPTION_DOCS"]
 
 GiB = 1 << 30  # bytes in a GiB: every *_gb option counts in these
 IO_BACKENDS = ("mmap", "pread", "direct", "auto")
@@ -31,10 +31,73 @@ def _bad(option: str, message: str, cls: type[ConfigError] | type[RingTooSmallEr
     return e
 
 
+#: Every option, documented once (appended to ``tiered.load``'s and ``tiered.attach``'s docstrings).
+OPTION_DOCS = """\
+        ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant.
+        device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
+        dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
+            default: ``config.json``'s dtype, as ``from_pretrained`` does.
+        prefetch: units of lookahead.
+        gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed) and the device buffer of the
+            unit being computed, as accelerate's ``max_memory`` counts weights plus one offloaded layer; the
+            ``prefetch`` other device buffers (each the largest streamed unit) come on top. Default: free memory
+            minus 4 GiB, all ``prefetch + 1`` buffers inside it. When the whole model fits, it is loaded once
+            through the ring and stays.
+        io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
+            after each copy), ``"pread"`` (through the page cache with buffered ``preadv`` straight into the ring:
+            no file page is mapped into the process), ``"direct"`` (``O_DIRECT`` reads: no page cache at all;
+            cold-cache and cgroup use)
+            or ``"auto"`` (``direct`` when the checkpoint is larger than the page cache can hold:
+            MemAvailable or the cgroup's limit, v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; measured on an H200
+            in a 3 GiB cgroup, GPT-J-6B: 6.0 s/token direct vs 10.7 s/token mmap). On the CPU ``"auto"`` then also
+            keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
+            the host tier compute on the file mapping and stay cached between passes (``Stats.page_cache_units``).
+            When ``"auto"`` picks ``direct``, the reader also times it against buffered ``pread`` (each followed by
+            ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
+            ``tiered/reader.py``).
+        threads: reader threads.
+        drop_pages: after copying a span of the file mapping, ``madvise(MADV_DONTNEED)`` it, so the process never
+            keeps the checkpoint's pages mapped (what bounds RSS with ``io="mmap"``). Keep True; False is the naive
+            loader, kept to show what the bound is worth.
+        drop_page_cache: also ``posix_fadvise(POSIX_FADV_DONTNEED)`` what was copied, so the page cache does not
+            keep it either: for cgroups that charge page cache to the process (``memory.max``). Default False.
+        embedding_rows: a streamed embedding reads only the rows its ids look up, each call
+            (batch x tokens x hidden x itemsize bytes, not the table; ``tiered/rows.py``); False streams
+            it whole through the ring like any unit.
+        routed_experts: when the model does not fit, a MoE block's experts module reads only the experts its
+            router picked, each call (``tiered/experts.py``); False streams them whole with their layer.
+        zero_copy: on the CPU with ``io="mmap"``, a streamed unit that needs no conversion (same dtype, no fused
+            tensors) computes on views of the checkpoint's file mapping, as ``from_pretrained`` does, instead of a
+            copy in the ring; its pages are dropped from the process (``MADV_DONTNEED``) when it has run, so RSS
+            holds at most the units running at once. Units that convert still go through the ring.
+
+        distributed: under ``torchrun``, each rank reads and copies 1/N of every unit and the ranks
+            all-gather it (NCCL between GPUs, gloo on the CPU); see :func:`attach` and ``tiered/dist.py``.
+        host_gb: GiB of host memory (exact size) for a host tier: streamed units (their 1/N chunks, distributed)
+            read once at load and kept, spread over the execution order, touching neither disk nor page cache
+            again. On CUDA it is pinned, and each pass copies them to the GPU from there at the pinned H2D rate;
+            what units leave goes to routed MoE blocks, whole blocks at a time in forward order: all their
+            experts are read once at load, and each call copies only its routed experts to the GPU from there
+            (no read after the router; ``tiered.experts.HostExperts``). On the CPU the units compute in place
+            (as accelerate's ``max_memory["cpu"]`` keeps weights in RAM): ``ring_gb + host_gb`` is the memory
+            to compare with accelerate's. Peak host RSS is bounded by ``ring_gb + host_gb`` plus a constant.
+            Default 0: no host tier.
+        expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):
+            a call that picks a cached expert copies it device to device instead of reading it. None (default):
+            on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts
+            (room for a prefill's compact tensors); on the CPU none. 0: no cache. On the CPU a value > 0 keeps
+            them in host memory (RSS grows by it).
+        expert_prefetch: accepted and ignored, with a DeprecationWarning: the speculative expert prefetch it turned
+            on was removed (measured slower on an H200, Mixtral-8x7B shape, batch 1: 0.147 against 0.122 s/token
+            with new sequence lengths, 0.113 against 0.084 with seen ones; 58% of its guesses were used).
+"""
+
+
 @dataclass(frozen=True)
 class Options:
-    """How a model is streamed. Sizes in GiB (2**30 bytes) say so in their name; every field is keyword-only in
-    :func:`tiered.load`, whose docstring explains each at length."""
+    """How a model is streamed. Sizes in GiB (2**30 bytes) say so in their name; each field is a keyword of
+    :func:`tiered.load` and :func:`tiered.attach`, documented at length in :data:`OPTION_DOCS` (``help(tiered.load)``
+    shows it)."""
 
     ring_gb: float = 4.0  # host ring, GiB: RSS is bounded by this plus a constant
     device: str | None = None  # "cuda[:N]" when available, else "cpu" (resolved by tiered.attach)

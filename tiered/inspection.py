@@ -1,0 +1,358 @@
+"""``tiered inspect``: what a checkpoint holds (shards, units, layout, experts) and, with placement options, where
+:func:`tiered.load` puts each unit on this machine — the same :class:`~tiered.placement.Placement`, computed by
+:func:`tiered.placement.place` — and the decode time that predicts. Imports neither torch nor transformers at
+import time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .stats import GiB, gib
+
+__all__ = ["inspect_dir", "print_inspect", "flags_for_options"]
+
+
+def gib_up(n: float) -> float:
+    from .ring import gib_up as _gib_up
+
+    return _gib_up(n)
+
+
+def _plan_for(model_dir: Path, dtype: str | None, device: str):
+    from .format import open_checkpoint
+    from .meta import meta_model_from_dir
+    from .plan import build_plan
+
+    model = meta_model_from_dir(model_dir, dtype=dtype)
+    ckpt = open_checkpoint(model_dir)
+    return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
+
+
+def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu",
+                placement: dict | None = None) -> dict:
+    """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes).
+
+    ``placement``: ``tiered.load`` options (``ring_gb``, ``gpu_gb``, ``host_gb``, ``prefetch``, ``io``) and ``gbps``
+    (bandwidths, :data:`tiered.placement.GBPS`'s keys): adds ``"placement"`` (where each unit goes; ``"io"``: the
+    backend, ``"auto"`` resolved) and ``"predicted"`` (decode s/token, warm and cold; CUDA only) from
+    :mod:`tiered.placement`."""
+    from .hostmem import page_up
+    from .plan import layer_index
+
+    model_dir = Path(model_dir)
+    config, ckpt, plan = _plan_for(model_dir, dtype, device)
+    placed = None
+    if placement is not None:
+        from .placement import place_here, predict
+
+        opts = {k: v for k, v in placement.items() if k != "gbps"}
+        _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
+        pl = place_here(fresh, device=device, ckpt_bytes=fresh_ckpt.nbytes, config=config, strict=False, **opts)
+        placed = {"options": opts, **pl.as_dict(),
+                  # resident: on the GPU on CUDA; on the CPU in the ring, which then holds the whole model
+                  "units": {u.name: (("gpu" if device.startswith("cuda") else "ring") if u.index in pl.resident
+                                     else "host" if u.index in pl.host
+                                     else "rows" if u.index in pl.rows else "streamed") for u in fresh.units},
+                  "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
+    contiguous, aligned, ordered = _disk_layout(plan, ckpt)
+    big = plan.max_unit
+    # CPU defaults (io="mmap", zero copy, embedding rows): units that compute on views of the file mapping and
+    # embeddings that read their rows need no ring; only the others (cast or converted) are copied into it
+    from .reader import zero_copy_eligible
+    from .rows import row_eligible
+
+    in_ring = [u for u in plan.units if not row_eligible(u) and not (device == "cpu" and zero_copy_eligible(u))]
+    return {
+        "placement": placed,
+        "experts": _experts_info(config, plan),
+        "model_dir": str(model_dir),
+        "architecture": (config.architectures or ["?"])[0],
+        "shards": [{"file": s.path.name, "bytes": s.file_size, "tensors": len(s.tensors), "data_start": s.data_start}
+                   for s in ckpt.shards],
+        "tensors": len(ckpt.tensors),
+        "checkpoint_bytes": ckpt.nbytes,
+        "dtypes": dict(dtypes),
+        "units": [{"name": u.name, "bytes": u.nbytes, "tensors": len(u.targets),
+                   "layer": layer_index(u.name + ".")} for u in plan.units],
+        "model_bytes": plan.weight_bytes,  # distinct weights (a tied head is not counted twice)
+        "layout_bytes": plan.nbytes,  # every unit's aligned layout (a tied head is a unit of its own)
+        "largest_unit": {"name": big.name, "bytes": big.nbytes},
+        # as the ring allocates them: whole pages per unit (the same figures RingTooSmallError gives)
+        "ring_min_gb": page_up(big.nbytes) / GiB,
+        # the running unit + prefetch=2, never more than the whole model
+        "ring_recommended_gb": min(3 * page_up(big.nbytes), sum(page_up(u.nbytes) for u in plan.units)) / GiB,
+        "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
+        # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
+        "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
+        "ring_free_units": len(plan.units) - len(in_ring),
+        "units_contiguous_on_disk": contiguous,
+        "stream_ordered": ordered,
+        "data_aligned_4k": aligned,
+        "unused_checkpoint_tensors": plan.unused,
+        "skipped_tensors": {n: f"{t.dtype_name} {list(t.shape)}: {t.reason}" for n, t in ckpt.skipped.items()},
+        "index_names_missing_from_shards": ckpt.index_missing,
+    }
+
+
+def _disk_layout(plan: Any, ckpt: Any) -> tuple[int, bool, bool]:
+    """(units whose spans are contiguous in one shard, data sections 4 KiB-aligned, units in execution order on disk)."""
+    # Stream order on disk: do units' spans appear in execution order and contiguous?
+    spans = []
+    for u in plan.units:
+        offs = [(str(c.src.file), c.src.offset, c.src.offset + c.src.nbytes) for t in u.targets for c in t.copies]
+        spans.append(offs)
+    contiguous = 0
+    for offs in spans:
+        files = {f for f, _, _ in offs}
+        if len(files) == 1:
+            lo, hi = min(o[1] for o in offs), max(o[2] for o in offs)
+            if hi - lo == sum(o[2] - o[1] for o in offs):
+                contiguous += 1
+    aligned = all((s.data_start % 4096) == 0 for s in ckpt.shards)
+    # Stream-ordered: each unit's first byte comes after the previous unit's, in shard order.
+    shard_rank = {str(s.path): i for i, s in enumerate(ckpt.shards)}
+    seen: set[tuple[str, int]] = set()
+    starts = []
+    for offs in spans:  # a unit's own bytes: a tied head reads the embedding's, which lie earlier
+        own = [(shard_rank[f], lo) for f, lo, _ in offs if (f, lo) not in seen]
+        seen.update((f, lo) for f, lo, _ in offs)
+        if own:
+            starts.append(min(own))
+    ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
+    return contiguous, aligned, ordered
+
+
+def _expert_layout(spec) -> tuple[int, int]:
+    """(ranges of the file, reader requests) for each expert of ``spec`` — the most over its experts.
+
+    Ranges: the expert's source bytes merged where adjacent in one file. Requests: as
+    :func:`tiered.experts.merge_adjacent` groups them (adjacent in the file *and* in one destination tensor),
+    worked out on ``meta`` tensors (no memory).
+    """
+    import torch
+
+    slabs = [torch.empty(p.slab_shape, dtype=p.target.dtype, device="meta") for p in spec.parts]
+    most_spans = most_reads = 0
+    for j in range(spec.num_experts):
+        items = []
+        for k, (p, slab) in enumerate(zip(spec.parts, slabs, strict=True)):
+            for info, dest in p.per[j]:
+                d = slab if dest is None else dest(slab)
+                items.append((str(info.file), info.offset, info.nbytes, info.dtype, k, d.storage_offset(), d.numel()))
+        items.sort(key=lambda i: (i[0], i[1]))
+        spans = reads = 0
+        prev = None
+        for it in items:
+            adjacent = prev is not None and prev[0] == it[0] and it[1] == prev[1] + prev[2]
+            spans += not adjacent
+            reads += not (adjacent and prev[3] == it[3] and prev[4] == it[4] and it[5] == prev[5] + prev[6])
+            prev = it
+        most_spans, most_reads = max(most_spans, spans), max(most_reads, reads)
+    return most_spans, most_reads
+
+
+def _experts_info(config, plan) -> dict | None:
+    """MoE blocks whose experts can be routed (``tiered/experts.py``): their layout on disk and the bytes a decode
+    token of batch 1 needs when routed (dense part + top-k experts per block) against all of them. None if none.
+
+    ``spans_per_expert``: the most ranges of the file one expert's bytes take (1: contiguous, one read);
+    ``reads_per_expert``: the requests the reader makes for one expert (adjacent ranges that land in two
+    different stacked parameters are two copies); ``layout``: ``"per-expert"`` (checkpoint tensors per expert,
+    as Mixtral's ``experts.j.w1``), ``"stacked"`` (``(E, ...)`` tensors: one range per stacked tensor, which
+    ``tiered reshard`` keeps) or ``"mixed"``.
+    """
+    from .experts import find_experts
+
+    specs = [s for u in plan.units for s in find_experts(u)]
+    if not specs:
+        return None
+    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+    spans = reads = 0
+    for s in specs:
+        a, b = _expert_layout(s)
+        spans, reads = max(spans, a), max(reads, b)
+    kinds = {dest is None for s in specs for p in s.parts for per in p.per for _, dest in per}
+    layout = "mixed" if len(kinds) > 1 else "stacked" if kinds == {True} else "per-expert"
+    from .rows import row_eligible
+
+    experts_total = sum(s.num_experts * s.expert_src_bytes for s in specs)
+    rows = [u for u in plan.units if row_eligible(u)]  # streamed, an embedding reads only its looked-up rows
+    row_bytes = sum(u.src_bytes // max(1, u.module.num_embeddings) for u in rows)  # one row each at batch 1
+    everything = sum(u.src_bytes for u in plan.units)
+    dense = everything - sum(u.src_bytes for u in rows) - experts_total
+    routed = sum(min(k, s.num_experts) * s.expert_src_bytes for s in specs)
+    # a MoE block's unit once its experts are routed out (tiered.experts.route_out's layout, not applied here)
+    from .experts import _align
+
+    gone = {id(p.target) for s in specs for p in s.parts}
+    left = 0
+    for u in {id(s.unit): s.unit for s in specs}.values():
+        off = 0
+        for t in u.targets:
+            if id(t) not in gone:
+                off = _align(off, plan.align) + t.nbytes
+        left = max(left, _align(off, plan.align))
+    return {"routed_unit_max_bytes": left,"blocks": len(specs), "experts_per_block": specs[0].num_experts, "top_k": k,
+            "expert_bytes": specs[0].expert_src_bytes, "layout": layout, "spans_per_expert": spans,
+            "experts_contiguous": spans == 1, "reads_per_expert": reads,
+            "dense_bytes": dense, "experts_bytes": experts_total, "routed_experts_bytes": routed,
+            "embedding_row_bytes": row_bytes, "all_bytes": everything,
+            "routed_bytes_per_token": dense + row_bytes + routed}
+
+
+#: ``tiered.load``'s option names as they appear in its messages ("ring_gb=0.5", "pass ring_gb >= 1",
+#: "device 'tpu' is not", "io must"), and the flags that set them.
+_OPTION_NAME = re.compile(
+    r"(?<![\w.-])(ring_gb|gpu_gb|host_gb|expert_cache_gb|prefetch|threads|io|device|dtype)(?:=| (?=['\"\d<>]|must\b|but\b))"
+)
+
+
+def flags_for_options(message: str) -> str:
+    """``message`` with ``tiered.load``'s option names written as the CLI flags that set them."""
+    return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+
+
+def print_inspect(info: dict, a: Any, placement: dict | None) -> None:
+    """Print ``info`` (:func:`inspect_dir`) as ``tiered inspect`` does; ``a``: its arguments (``all``, ``device``)."""
+    _print_checkpoint(info, a)
+    _print_experts(info)
+    _print_placement(info, placement)
+    _print_notes(info)
+
+
+def _print_checkpoint(info: dict, a: Any) -> None:
+    print(f"{info['model_dir']}: {info['architecture']}, {info['tensors']} tensors, "
+          f"{gib(info['checkpoint_bytes'])} in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
+    for s in info["shards"]:
+        print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
+    print(f"units ({len(info['units'])}, in execution order):")
+    units = info["units"]
+    show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
+    where = (info["placement"] or {}).get("units", {})  # with placement options: each unit's tier
+    for u in show:
+        print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors"
+              + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
+    if info["ring_free_units"] and info["ring_min_default_gb"] < info["ring_min_gb"]:
+        cpu = a.device == "cpu"
+        why = ("compute on views of the file mapping (zero copy) or read embedding rows" if cpu
+               else "read embedding rows")
+        need = (f">= {gib_up(info['ring_min_default_gb'] * GiB)} GiB" if info["ring_min_default_gb"]
+                else "any size (a small one bounds RSS best)")
+        print(f"ring needed with the defaults: {need}: {info['ring_free_units']} of {len(units)} units {why} and "
+              f"need no ring slot" + ("" if cpu else "; units larger than the ring are read in pieces when they can be cut"))
+        print(f"ring to copy every unit into it ({'zero_copy=False, ' if cpu else ''}embedding_rows=False): "
+              f">= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+              f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
+              + (" (loaded once)" if a.device == "cpu" else ""))
+    else:
+        print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+              f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
+              f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
+              + (" (loaded once)" if a.device == "cpu" else ""))
+    print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
+          f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
+          f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
+          + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"] and info["stream_ordered"]
+             else " (`tiered reshard` writes a layout that streams each unit as one span)"))
+
+
+def _print_experts(info: dict) -> None:
+    ex = info["experts"]
+    if ex:
+        print(f"experts: {ex['blocks']} MoE blocks x {ex['experts_per_block']} experts (top-{ex['top_k']}), "
+              f"{ex['expert_bytes'] / 2**20:.2f} MiB per expert; when the model does not fit they are routed: a decode "
+              f"token of batch 1 reads about {ex['routed_bytes_per_token'] / 1e9:.3g} GB (dense "
+              f"{ex['dense_bytes'] / 1e9:.3g} GB"
+              + (f" + embedding rows {ex['embedding_row_bytes'] / 1e6:.3g} MB" if ex["embedding_row_bytes"] else "")
+              + f" + {ex['top_k']}/{ex['experts_per_block']} of the experts' "
+              f"{ex['experts_bytes'] / 1e9:.3g} GB) instead of {ex['all_bytes'] / 1e9:.3g} GB")
+        where = f"{ex['spans_per_expert']} span(s) on disk, {ex['reads_per_expert']} read(s)"
+        if ex["layout"] == "stacked":
+            note = ("stacked (E, ...) tensors: an expert is one range of each; `tiered reshard` keeps them "
+                    "(per-expert tensors would need transformers' load-time conversion)")
+        elif ex["experts_contiguous"]:
+            note = "per-expert tensors, each expert's adjacent: contiguous"
+        else:
+            note = "per-expert tensors, not contiguous (`tiered reshard` writes each expert's tensors adjacent)"
+        print(f"expert layout: {ex['layout']}, {where} per expert; {note}")
+        print(f"routed, a MoE block's unit without its experts takes {gib_up(ex['routed_unit_max_bytes'])} GiB of the "
+              f"ring at most (the experts are read into compact tensors of their own, not the ring)")
+
+
+def _print_placement(info: dict, placement: dict | None) -> None:
+    pl = info["placement"]
+    if pl:
+        o = pl["options"]
+        gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
+        io = o["io"] if o["io"] == pl["io"] else f"{o['io']} -> {pl['io']}"  # "auto" as tiered.load resolves it here
+        print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
+              f"prefetch={o['prefetch']}, io={io}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
+              f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
+              f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"
+              + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
+                 if pl["device_buffer_bytes"] else "") + ")"
+              + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
+        if pl["pieces"]:
+            held = pl["host_pieces"]
+            print(f"  {len(pl['pieces'])} streamed units are larger than the ring: each streams in pieces "
+                  f"({sum(pl['pieces'].values())} in all, a third of the ring each at most) into one device buffer"
+                  + (f"; the host tier holds the first {sum(held.values())} pieces of {len(held)} of them "
+                     f"({pl['host_piece_bytes'] / GiB:.3g} GiB pinned, not read per token)" if held else ""))
+        if pl["device"] == "cpu" and pl["streamed"]:
+            n, k = len(pl["mapped"]), len(pl["streamed"])
+            why = "" if pl["io"] == "mmap" or pl["page_cache"] else " (zero copy needs io=mmap)"
+            print(f"  io={pl['io']}: {n} of the {k} streamed units compute on views of the file mapping (zero copy, "
+                  f"no ring copy), {k - n} are copied into the ring{why}"
+                  + (f"; {len(pl['page_cache'])} of them are io=auto's page-cache tier (kept in the page cache "
+                     f"between passes, the rest read O_DIRECT)" if pl["page_cache"] else ""))
+        if pl["ring_need_bytes"] > pl["ring_bytes"]:
+            print(f"  note: tiered.load refuses this ring: the largest unit copied into it needs "
+                  f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "
+                  f"{gib_up(pl['ring_need_bytes'])}" + ("" if pl["io"] == "mmap" else " or --io mmap"))
+        elif pl["refused"]:
+            for why in pl["refused"]:
+                print(f"  note: tiered.load refuses these options here: {flags_for_options(why)}")
+        if pl["device"] != "cpu" and o["gpu_gb"] is not None and pl["device_buffer_bytes"] and \
+                pl["resident_bytes"] + pl["device_buffer_bytes"] > o["gpu_gb"] * GiB:
+            one = pl["device_buffer_bytes"] // (o["prefetch"] + 1)
+            print(f"  note: the GPU holds {(pl['resident_bytes'] + pl['device_buffer_bytes']) / GiB:.3g} GiB, more than "
+                  f"gpu_gb: gpu_gb counts the resident units and one device buffer ({one / GiB:.3g} GiB, as accelerate's "
+                  f"max_memory counts one offloaded layer); the other {o['prefetch']} prefetch buffers come on top "
+                  f"(--prefetch lowers them)")
+        if pl["expert_modules"]:
+            print(f"  routed experts: {pl['expert_modules']} blocks, {pl['routed_expert_bytes'] / 1e9:.3g} GB per decode "
+                  f"token"
+                  + (f"; expert cache {pl['expert_cache_slots']} of {pl['experts_total']} experts (hit rate "
+                     f"{pl['expert_hit_rate']:.0%} if routing is uniform)" if pl["device"] != "cpu" else "")
+                  + (f"; {pl['host_expert_modules']} blocks' experts in the host tier "
+                     f"({pl['host_expert_bytes'] / GiB:.3g} GiB{' pinned' if pl['device'] != 'cpu' else ''}, copied "
+                     f"from there)"
+                     if pl["host_expert_modules"] else ""))
+        pr = pl["predicted"]
+        if pr and pl["io"] == "direct":
+            g = placement["gbps"]  # type: ignore[index]
+            print(f"  predicted decode, batch 1, streaming only (a lower bound: compute not counted): "
+                  f"{pr['cold_s_per_token']:.3g} s/token, warm or cold: io=direct bypasses the page cache, every "
+                  f"pass reads from the disk ({g['disk']:g} GB/s; {g['h2d']:g} GB/s H2D); set yours with "
+                  f"--disk-gbps, --h2d-gbps")
+        elif pr:
+            g = placement["gbps"]  # type: ignore[index]
+            print(f"  predicted decode, batch 1, streaming only (a lower bound: compute not counted): "
+                  f"{pr['warm_s_per_token']:.3g} s/token from a warm page cache ({g['page_cache']:g} GB/s page "
+                  f"cache->ring, {g['h2d']:g} GB/s H2D), {pr['cold_s_per_token']:.3g} s/token from a cold disk "
+                  f"({g['disk']:g} GB/s); set yours with --cache-gbps, --h2d-gbps, --disk-gbps")
+
+
+def _print_notes(info: dict) -> None:
+    if info["unused_checkpoint_tensors"]:
+        print(f"unused checkpoint tensors: {info['unused_checkpoint_tensors'][:5]}")
+    for name, why in list(info["skipped_tensors"].items())[:5]:
+        print(f"skipped (torch cannot hold it; the model does not use it): {name} {why}")
+    if info["index_names_missing_from_shards"]:
+        print(f"the index names tensors no shard holds: {info['index_names_missing_from_shards'][:5]}")
