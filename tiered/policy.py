@@ -161,7 +161,7 @@ def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -
     """CUDA, one process: for each unit larger than the ring that can be cut (no whole-tensor conversion; see
     :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most a third of the
     ring (half when a third is below :data:`MIN_PIECE_BYTES`), so the next piece is read while one is waited for and
-    the last one's H2D runs (:data:`tiered.loader.PIECES_IN_FLIGHT`).
+    the last one's H2D runs (:data:`tiered.sources.PIECES_IN_FLIGHT`).
 
     Raises:
         RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.

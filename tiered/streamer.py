@@ -83,7 +83,7 @@ class Streamer:
         mapped: CPU zero copy: indices of streamed units bound as views of the checkpoint's file mapping
             (no ring slot, no copy); their pages are dropped from the process when the unit is released.
         pieces: CUDA, one process: unit index -> number of pieces, for units larger than the ring; each is
-            read piece by piece through the ring into one full-size device buffer (:meth:`Loader._load_pieces`).
+            read piece by piece through the ring into one full-size device buffer (:class:`tiered.sources.PiecesSource`).
         host_pieces: CUDA, one process: unit index (of ``pieces``) -> how many of its first pieces the host tier
             holds (read once into ``host_ring`` by :meth:`load_host`, copied to the GPU from there every pass); the
             rest of the unit streams through the ring.
@@ -167,7 +167,7 @@ class Streamer:
                     cut[i].append((piece, k * chunk, min(chunk, u.nbytes - k * chunk)))
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
-                             mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots)
+                             mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots, host_ids=self.host_ids)
         self._cut = cut
 
     # ---------------------------------------------------------------- loader thread

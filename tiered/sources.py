@@ -1,0 +1,181 @@
+"""Sources: where a unit's bytes come from when the loader thread loads it — one class per tier, behind one method,
+``load(unit, resident) -> Loaded`` (run on the loader thread). The loader picks a unit's source with one lookup
+(:attr:`tiered.loader.Loader.sources`, built from the :class:`~tiered.placement.Placement`); a new kind of source
+(quantized codes, compressed shards) is one new class here.
+
+* :class:`RingSource` — read from disk or the page cache into a ring slot, then the device stage (the default);
+* :class:`MappedSource` — CPU zero copy: views of the checkpoint's file mapping, no ring;
+* :class:`HostSource` — the host tier: a slot read once at load, H2D from there every pass (no disk, no ring);
+* :class:`PiecesSource` — CUDA, a unit larger than the ring: piece by piece into one device buffer.
+
+Row-read embeddings (:mod:`tiered.rows`) and routed experts (:mod:`tiered.experts`) read on the model's thread
+inside their module's call instead: they are not loader units.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from . import faults
+from .dist import read_args
+from .errors import RingTooSmallError
+from .plan import Unit
+from .stage import CudaStage, Loaded, views
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+__all__ = ["Source", "RingSource", "MappedSource", "HostSource", "PiecesSource", "PIECES_IN_FLIGHT"]
+
+#: Pieces of a unit larger than the ring read at once (their copies queued together on the reader threads).
+PIECES_IN_FLIGHT = 2
+
+
+class Source:
+    """One tier's way of loading a unit, for the loader ``ld`` (its reader, ring, stage, stats and abort check)."""
+
+    def __init__(self, ld: Loader) -> None:
+        self.ld = ld
+
+    def load(self, u: Unit, resident: bool) -> Loaded:
+        raise NotImplementedError
+
+
+class RingSource(Source):
+    """Disk or page cache -> a ring slot (the reader threads) -> the device stage (H2D on CUDA)."""
+
+    def load(self, u: Unit, resident: bool) -> Loaded:
+        ld = self.ld
+        io = ld.io.get(u.index)
+        rd, size, at = read_args(u, io)
+        slot = ld.ring.alloc(size, u.name, abort=ld.abort, reclaim=lambda: ld.stage.retire(block=True))
+        try:
+            t0 = time.perf_counter()
+            n = ld.reader.read_unit(rd, slot.view[at:] if at else slot.view)
+            ld.stats.add_read(n, time.perf_counter() - t0, resident=resident)
+            faults.hit("stage", unit=u.name)
+            return ld.stage.stage(u, slot, resident=resident, abort=ld.abort, io=io)
+        except BaseException:
+            ld.ring.free(slot)
+            raise
+
+
+class MappedSource(Source):
+    """CPU zero copy: the unit computes on views of the file mapping."""
+
+    def load(self, u: Unit, resident: bool) -> Loaded:
+        """A mapped unit: views of the checkpoint's file mapping (after the shards' checks), and readahead of
+        their pages into the page cache (``MADV_WILLNEED``: asynchronous; RSS grows only when they run). Loaded to
+        stay (``resident``), it goes through the ring instead."""
+        ld = self.ld
+        if resident:
+            return ld.ring_source.load(u, resident)
+        t0 = time.perf_counter()
+        params: dict[str, torch.Tensor] = {}
+        ranges = []
+        for path in {t.copies[0].src.file for t in u.targets}:
+            ld.reader.maps[path].check()
+        for tgt in u.targets:
+            s = tgt.copies[0].src
+            faults.hit("read", unit=u.name, tensor=s.name, offset=s.offset)
+            m = ld.reader.maps[s.file]
+            v = m.tensor(s)
+            params[tgt.key] = nn.Parameter(v, requires_grad=False) if tgt.is_param and v.is_floating_point() else v
+            ranges.append((m, s.offset, s.nbytes))
+        for m, off, n in ranges:
+            m.willneed(off, n)
+        ld.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
+        faults.hit("stage", unit=u.name)
+        return Loaded(u, params, mapped=ranges)
+
+
+class HostSource(Source):
+    """The host tier: the unit's slot, read once at load (``Streamer.load_host``); each pass stages it from there (H2D
+    from pinned memory on CUDA; in place on the CPU). Before its slot is filled, the unit is read as any other."""
+
+    def load(self, u: Unit, resident: bool) -> Loaded:
+        ld = self.ld
+        hs = ld.host.get(u.index)
+        if hs is None:
+            return ld.ring_source.load(u, resident)
+        faults.hit("stage", unit=u.name)
+        return ld.stage.stage(u, hs, resident=resident, abort=ld.abort, io=ld.io.get(u.index), keep=True)
+
+
+class PiecesSource(Source):
+    """CUDA: a unit larger than the ring, read piece by piece into one full-size device buffer."""
+
+    def load(self, u: Unit, resident: bool) -> Loaded:
+        """CUDA, a unit larger than the ring: each piece (a few whole-element runs of its targets, see
+        :func:`tiered.dist.split_unit`) is copied (H2D, copy stream) into its place in one full-size device buffer —
+        from the host tier when it holds the piece (its first pieces: no read), else read into a ring slot first.
+
+        Reads are pipelined: the next piece's copies are queued on the reader threads before this one's are waited
+        for (:meth:`Reader.start_unit`), so the disk queue never runs dry between pieces (at most
+        :data:`PIECES_IN_FLIGHT` pieces read at once; the ring holds those and the pieces whose H2D runs). The unit
+        is ready when its last piece's copy is (the copy stream runs in order), so its views are exactly the whole
+        unit's: outputs stay bitwise equal."""
+        ld = self.ld
+        stage = ld.stage
+        assert isinstance(stage, CudaStage)
+        buf = stage.buffer(u.nbytes, resident=resident, abort=ld.abort)
+        held = ld.host_pieces.get(u.index, []) if not resident else []
+        ready = None
+        reading: collections.deque = collections.deque()  # (slot, jobs, at, n, piece, t0), oldest first
+        done_at = [0.0]  # when the last piece's reads finished: read time is counted once where pieces overlap
+
+        def put_oldest() -> torch.cuda.Event:
+            slot, jobs, at, n, piece, t0 = reading[0]
+            ld.reader.finish(jobs)  # raises the first copy's error once all are done; the slot is freed below
+            reading.popleft()
+            try:
+                ev = stage.put(buf, slot, at, n)
+            except BaseException:
+                ld.ring.free(slot)
+                raise
+            now = time.perf_counter()
+            ld.stats.add_read(piece.src_bytes, now - max(t0, done_at[0]), resident=resident)
+            done_at[0] = now
+            return ev
+
+        try:
+            for k, (piece, at, n) in enumerate(ld.pieces[u.index]):
+                if k < len(held):  # in the host tier: H2D straight from its pinned slot
+                    ready = stage.put(buf, held[k], at, n, keep=True)
+                    continue
+                slot = None
+                while slot is None and reading:  # room without waiting: the slots being read are not retired
+                    stage.retire(block=False)
+                    try:
+                        slot = ld.ring.alloc(piece.nbytes, u.name, wait=False)
+                    except RingTooSmallError:
+                        ready = put_oldest()
+                if slot is None:
+                    slot = ld.ring.alloc(piece.nbytes, u.name, abort=ld.abort,
+                                           reclaim=lambda: stage.retire(block=True))
+                try:
+                    t0 = time.perf_counter()
+                    jobs = ld.reader.start_unit(piece, slot.view)
+                except BaseException:
+                    ld.ring.free(slot)
+                    raise
+                reading.append((slot, jobs, at, n, piece, t0))
+                if len(reading) > PIECES_IN_FLIGHT - 1:
+                    ready = put_oldest()
+            while reading:
+                ready = put_oldest()
+            faults.hit("stage", unit=u.name)
+        except BaseException:
+            while reading:  # never free a slot a copy still writes into
+                slot, jobs = reading.popleft()[:2]
+                ld.reader.cancel(jobs)
+                ld.ring.free(slot)
+            if not resident:
+                stage.give_back(buf, ready)
+            raise
+        return Loaded(u, views(u, buf.t), dev=None if resident else buf, ready=ready, base=buf.t)
