@@ -304,8 +304,7 @@ def _install_hooks(h: Handle, p: Placement) -> None:
     h.stats.ring_high_water = h.ring.high_water
     # Dropped without close(): the worker threads hold no module (see Streamer), so the model is
     # collected, and this gives back the threads, the device pool and the ring.
-    on_drop(h.module, s.loader, s.stage, h.reader, h.ring, h.host_ring, h.expert_staging, h.expert_cache,
-            h.host_experts, *(rg.shard for rg in h.rows))  # the row readers' shards (they hold no module)
+    on_drop(h.module, *h.parts)
 
 
 

@@ -62,6 +62,16 @@ class Handle:
         self.dist: Dist | None = None
         self.placement: Placement | None = None  # what attach built (tiered.placement.place)
 
+    @property
+    def parts(self) -> list[Any]:
+        """Everything the model owns that holds no module, in the order it is released — the loader thread first
+        (it uses the rest), the device stage (copies read the ring), the readers, then the memory. ``close()``, the
+        reaper of a model dropped without it and ``atexit`` all release this one list."""
+        s = self.streamer
+        return [s.loader if s is not None else None, s.stage if s is not None else None, self.reader, self.ring,
+                self.host_ring, self.expert_staging, self.expert_cache, self.host_experts,
+                *(rg.shard for rg in self.rows)]  # the row readers' shards (they hold no module)
+
     def close(self) -> None:
         """Idempotent; callable from any thread. A forward running in another thread is stopped first (its
         next unit raises StreamerError) and its pass ends before hooks and memory go, so it never computes on
@@ -81,12 +91,9 @@ class Handle:
                 self.hooks.pop().remove()
             if self.streamer is not None:
                 self.streamer.close()
-            for rg in self.rows:
-                rg.close()
-            for eg in self.experts:
-                eg.close()
-            _release_resources(None, None, self.reader, self.ring, self.host_ring, self.expert_staging, self.expert_cache,
-                               self.host_experts)
+            for part in [*self.rows, *self.experts]:  # later calls of their modules raise StreamerError
+                part.close()
+            _release_all(self.parts)
             self.closed = True
         finally:
             if got:
@@ -97,12 +104,18 @@ def _unique(mods: list[nn.Module]) -> list[nn.Module]:
     return list({id(m): m for m in mods}.values())
 
 
-def _release_resources(loader: Any, stage: Any, reader: Reader | None, ring: Ring | None, *more: Any) -> None:
-    """Stop the loader, wait for copies, stop the readers, unmap the ring, close ``more`` (each idempotent).
-    Holds no module: also the finaliser of a model dropped without close()."""
-    for part in (loader, stage, reader, ring, *more):
+def _release_all(parts: list[Any]) -> None:
+    """Close every part (each idempotent), in order; one that raises does not leave the rest open: the first error is
+    raised once all are closed."""
+    first: BaseException | None = None
+    for part in parts:
         if part is not None:
-            part.close()
+            try:
+                part.close()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
+                first = first or e
+    if first is not None:
+        raise first
 
 
 #: Models dropped without close(): a weakref of each module -> the parts to close. The weakref's callback is
