@@ -142,7 +142,7 @@ def pinned(machine: dict[str, int], world: int | None = None, rank: int | None =
             st.enter_context(mock.patch.object(policy, "MIN_PIECE_BYTES", min_piece))
         if world is not None:
             fake = dist.Dist(None, rank, world, "gloo")
-            st.enter_context(mock.patch.object(dist, "resolve", lambda d, dev: fake if d else None))
+            st.enter_context(mock.patch.object(dist, "resolve", lambda d, dev: fake if d else dist.SINGLE))
             st.enter_context(mock.patch.object(dist, "min_over_ranks", lambda _d, v: v))
             st.enter_context(mock.patch.object(dist, "from_rank0", lambda _d, v: v))
             st.enter_context(mock.patch.object(dist, "check_same_plan", lambda *a: None))

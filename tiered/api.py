@@ -114,12 +114,12 @@ def _check_device(opts: Options) -> torch.device:
     return dev
 
 
-def _machine(dev: torch.device, opts: Options, dist: _dist.Dist | None) -> Machine:
+def _machine(dev: torch.device, opts: Options, job: _dist.Dist | _dist.Single) -> Machine:
     """This machine's facts; distributed on CUDA, the GPU's free memory is the smallest over the ranks (one budget
     for all, so that every rank places the same units)."""
     m = gather(dev)
-    if dist is not None and m.gpu_free is not None and opts.gpu_gb is None:
-        m = dataclasses.replace(m, gpu_free=_dist.min_over_ranks(dist, m.gpu_free))
+    if m.gpu_free is not None and opts.gpu_gb is None:
+        m = dataclasses.replace(m, gpu_free=job.min(m.gpu_free))
     return m
 
 
@@ -172,17 +172,15 @@ def attach(
                    routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
                    expert_prefetch=bool(expert_prefetch))
     dev = _check_device(opts)
-    dist = _dist.resolve(distributed, dev)
+    job = _dist.resolve(distributed, dev)  # the distribution strategy: one process (a no-op) or torchrun's ranks
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     ckpt = open_checkpoint(model_dir)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
-    if dist is not None:  # every rank must issue the same all-gathers: same units, same options
-        _dist.check_same_plan(dist, plan, (dev.type, embedding_rows, routed_experts))
-    machine = _machine(dev, opts, dist)
-    opts = dataclasses.replace(opts, device=str(dev), distributed=dist is not None)
+    job.check_same_plan(plan, (dev.type, embedding_rows, routed_experts))  # the ranks' all-gathers must match
+    machine = _machine(dev, opts, job)
+    opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None),
-              ranks=(dist.rank, dist.world) if dist is not None else None,
-              ring_min=_dist.min_over_ranks(dist, opts.ring_bytes) if dist is not None else None)
+              ranks=(job.rank, job.world), ring_min=job.min(opts.ring_bytes))
     warn_mmap_thrash(p.io, ckpt.nbytes, ckpt.root, machine)
     opts = dataclasses.replace(opts, io=p.io)
     ensure_atexit()
@@ -191,7 +189,7 @@ def attach(
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
     h = Handle(module, plan, ckpt, opts, dev)
-    h.dist, h.placement = dist, p
+    h.dist, h.placement = job.shared, p
     live_add(h)
     try:
         _build(h, p, progress, rss0)
@@ -209,7 +207,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     the resident units and the host tier. Decides nothing."""
     plan, dev, opts, dist = h.plan, h.device, h.opts, h.dist
     cuda = dev.type == "cuda"
-    _stats_from(h.stats, plan, p, dist, rss0)
+    _stats_from(h.stats, plan, p, dist or _dist.SINGLE, rss0)
     h.ring = _allocate(lambda: Ring(p.ring_bytes, pin=cuda), f"a {p.ring_bytes / GiB:.3f} GiB ring", "lower ring_gb")
     h.stats.ring_bytes = h.ring.size
     h.reader = Reader(h.ckpt, threads=opts.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
@@ -254,10 +252,10 @@ def _allocate(make: Any, what: str, fix: str, verb: str = "allocate") -> Any:
         raise ConfigError(f"cannot {verb} {what} ({e}); {fix}") from None
 
 
-def _stats_from(s: Stats, plan: Plan, p: Placement, dist: _dist.Dist | None, rss0: int) -> None:
+def _stats_from(s: Stats, plan: Plan, p: Placement, job: _dist.Dist | _dist.Single, rss0: int) -> None:
     """What the placement says, in the figures ``tiered.stats`` reports."""
     s.rss_before_load = rss0
-    s.world_size, s.rank = (dist.world, dist.rank) if dist is not None else (1, 0)
+    s.world_size, s.rank = job.world, job.rank
     s.io = p.io
     s.page_cache_units, s.page_cache_bytes = len(p.page_cache), p.page_cache_bytes
     s.model_bytes = plan.weight_bytes + sum(sp.num_experts * sp.expert_bytes for sp in p.specs)

@@ -44,8 +44,8 @@ import torch
 from .errors import ConfigError, StreamerError
 from .plan import Copy, Plan, Target, Unit
 
-__all__ = ["Dist", "IoPlan", "read_args", "resolve", "split_unit", "io_plans", "check_same_plan", "all_gather_bytes",
-           "min_over_ranks", "from_rank0"]
+__all__ = ["Dist", "Single", "SINGLE", "IoPlan", "read_args", "resolve", "split_unit", "io_plans", "check_same_plan",
+           "all_gather_bytes", "min_over_ranks", "from_rank0"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,42 @@ class Dist:
     rank: int
     world: int
     backend: str
+
+    # The strategy: what a load asks of the job (Single answers the same questions for one process).
+    @property
+    def shared(self) -> Dist:
+        """The job whose ranks share each unit (all-gathers in the streamer and stage)."""
+        return self
+
+    def min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (a collective: every rank calls it)."""
+        return min_over_ranks(self, value)
+
+    def check_same_plan(self, plan: Plan, extra: tuple) -> None:
+        """Refuse ranks that built different plans (:func:`check_same_plan`)."""
+        check_same_plan(self, plan, extra)
+
+
+@dataclass(frozen=True)
+class Single:
+    """One process: the no-op strategy, so that a load asks the same questions whether it is distributed or not."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def shared(self) -> None:
+        return None
+
+    def min(self, value: int) -> int:
+        return value
+
+    def check_same_plan(self, plan: Plan, extra: tuple) -> None:
+        return None
+
+
+#: The one-process job.
+SINGLE = Single()
 
 
 @dataclass(frozen=True)
@@ -90,17 +126,17 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def resolve(distributed: object, device: torch.device | None) -> Dist | None:
+def resolve(distributed: object, device: torch.device | None) -> Dist | Single:
     """The :class:`Dist` for ``distributed`` (``False``: none; ``True``: the default process group,
     initialised from ``torchrun``'s environment if it is not yet: ``nccl`` for CUDA, ``gloo`` for the
-    CPU; a ``ProcessGroup``: that group). A world of one process is ``None`` (nothing to share).
+    CPU; a ``ProcessGroup``: that group). One process (``False``, or a world of one) is :data:`SINGLE`.
 
     Raises:
         ConfigError: ``distributed=True`` outside ``torchrun`` (no ``RANK``/``WORLD_SIZE`` in the
             environment) or a group whose backend does not match the device.
     """
     if distributed is False or distributed is None:
-        return None
+        return SINGLE
     import torch.distributed as tdist
 
     if not tdist.is_available():
@@ -130,7 +166,7 @@ def resolve(distributed: object, device: torch.device | None) -> Dist | None:
             raise ConfigError(f"distributed=True: cannot join the torchrun job ({e}); start it with torchrun") from None
     world = tdist.get_world_size(group)
     if world == 1:
-        return None
+        return SINGLE
     backend = str(tdist.get_backend(group))
     if device is not None and device.type == "cuda" and "nccl" not in backend:
         raise ConfigError(f"device={device} needs the nccl backend to gather units, but the process group uses {backend}")

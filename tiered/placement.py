@@ -147,7 +147,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         HostMemoryError: the ring, or the ring and host tier, is more than ``machine`` says the process can take.
     """
     cpu = opts.device == "cpu"
-    dist = _dist.Dist(None, ranks[0], ranks[1], "") if ranks else None
+    dist = _dist.Dist(None, ranks[0], ranks[1], "") if ranks and ranks[1] > 1 else None
     io = choose_io(opts.io, ckpt_bytes, machine)
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None)
     p.gpu_budget = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
