@@ -1,8 +1,12 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark: tiered against transformers, accelerate and DeepSpeed, on one checkpoint.
+"""The benchmarks' one entry point: tiered against transformers, accelerate and DeepSpeed, and the GPU suites.
 
     python benchmarks/run.py --suite quick                      # CPU, a few minutes
     python benchmarks/run.py --suite full --out-dir "$OUT"       # GPU: GPT-J-6B-shaped fp16, ring_gb=1
+    python benchmarks/run.py --suite gpu-moe --dry-run          # the commands a step suite would run, not run
+
+``quick`` and ``full`` are plans of systems side by side (below); the other suites are fixed lists of commands
+of the same measuring code (``benchmarks/steps.py``). The list of suites is at the end of ``--help``.
 
 Every run is its own child process (``benchmarks/systems.py``) so its peak RSS (VmHWM) is its own;
 each gets a timeout, and optionally a cgroup v2 ``memory.max`` (``benchmarks/cgroup.py``). All runs
@@ -45,6 +49,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import cgroup  # noqa: E402  (benchmarks/cgroup.py: stdlib only)
+import steps  # noqa: E402  (benchmarks/steps.py: the step suites, stdlib only)
 
 GiB = 1 << 30
 
@@ -87,6 +92,14 @@ SUITES: dict[str, Suite] = {
     "full": Suite(device="cuda", arch="gptj-6b", dtype="fp16", layers=None, scale=1.0, max_shard_size="5GB",
                   sweep_layers=[14], ring_gb=1.0, gpu_gb=2.0, new_tokens=8, slow_new_tokens=3,
                   budget_s=540.0, ceiling_gb=2.0, timeout_s=120.0, min_start_s=25.0),
+}
+
+SUITE_HELP = {
+    "quick": "CPU: an 8-layer Llama fp32 (0.60 GB), tiered streamed/resident vs transformers and accelerate "
+             "(make bench-quick)",
+    "full": "GPU: GPT-J-6B fp16 (12.1 GB), tiered vs transformers, accelerate and DeepSpeed ZeRO-3; warm, cold, "
+            "cgroup",
+    **{k: v.help for k, v in steps.STEP_SUITES.items()},
 }
 
 GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed")
@@ -138,7 +151,7 @@ class RunDef:
 
 
 def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: str) -> str:
-    name = f"{arch}-{dtype}"  # the plain name matches benchmarks/gpu_check.sh's cache entry
+    name = f"{arch}-{dtype}"  # the plain name: the step suites (steps.py) use the same directories
     if layers is not None:
         name += f"-L{layers}"
     if scale != 1.0:
@@ -201,15 +214,11 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
     # the same host memory as the ring alone (and as accelerate's max_memory['cpu'] by default), split into a ring and
     # a host tier (--host-gb; default half): on CUDA pinned and copied to the GPU, on the CPU computed in place
     host = a.host_gb if a.host_gb is not None else a.ring_gb / 2
-    # (on the CPU with io="auto", which measures O_DIRECT against buffered reads while it streams, and with O_DIRECT
-    # alone beside it: what the measured choice is worth)
     hopts = {**streamed, "ring_gb": a.ring_gb - host, "host_gb": host}
     if cuda:
         runs += [R("io", "tiered", "streamed-host", io="direct", cache="cold", limit=True, opts=hopts, new_tokens=slow)]
-    else:  # io="auto" as it is, then with its measured choice held at O_DIRECT: what the choice is worth
-        runs += [R("io", "tiered", "streamed-host", io="auto", cache="cold", limit=True, opts=hopts, new_tokens=slow),
-                 R("io", "tiered", "streamed-host-keep-direct", io="auto", cache="cold", limit=True,
-                   opts={**hopts, "io_probe_margin": float("inf")}, new_tokens=slow)]
+    else:  # io="auto": it measures O_DIRECT against buffered reads while it streams and keeps the faster
+        runs += [R("io", "tiered", "streamed-host", io="auto", cache="cold", limit=True, opts=hopts, new_tokens=slow)]
     # a ring smaller than a unit (--pieces-ring-gb): every larger unit streams in pieces, reads pipelined, and the
     # host tier (each of --pieces-host-gb) holds whole small units and the first pieces of the others
     if a.pieces_ring_gb and cuda:
@@ -482,8 +491,7 @@ class Runner:
                 "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
-                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy",
-                                                                  "io_probe_margin")}}
+                "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy")}}
         sp = self.work / f"spec-{len(self.logs)}.json"
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"
@@ -559,8 +567,11 @@ def _cuda_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=list(SUITES), default="quick")
+    epilog = "suites:\n" + "\n".join(f"  {k:<10} {v}" for k, v in SUITE_HELP.items()) + (
+        "\n\nThe step suites (all but quick and full) take only --out-dir, --cache-dir, --repeat, --steps, --tag, "
+        "--nproc,\n--device (soak), --dry-run/--list; each of their commands is one measuring child process.")
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=list(SUITE_HELP), default="quick", help="which suite (list below)")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TIERED_CACHE", "/tmp/tiered-cache")),
                    help="checkpoints, resharded copies, offload folders, child logs (default $TIERED_CACHE or /tmp/tiered-cache)")
@@ -603,7 +614,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="appended to the output file names")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     p.add_argument("--list", action="store_true", help="print the plan and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what the suite would run and exit (step suites: every command; quick/full: the plan)")
+    p.add_argument("--steps", default="", help="step suites: comma list of fnmatch patterns on step names (e.g. "
+                                               "'host-*'); a selected step's setup (checkpoint, page cache) runs too")
+    p.add_argument("--nproc", type=int, default=None, help="multi-gpu: processes (GPUs) under torchrun (default: all)")
     a = p.parse_args(argv)
+    if a.suite in steps.STEP_SUITES:
+        return _step_suite(p, a)
     s = SUITES[a.suite]
     for k in ("device", "arch", "dtype", "layers", "scale", "max_shard_size", "ring_gb", "gpu_gb", "new_tokens",
               "slow_new_tokens", "budget_s", "timeout_s"):
@@ -619,9 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown group(s) {bad}; choose from {GROUPS}")
 
-    a.cache_dir.mkdir(parents=True, exist_ok=True)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
     cuda = a.device == "cuda"
+    a.list = a.list or a.dry_run
     if cuda and not a.list and not _cuda_available():
         print("run.py: --device cuda but torch sees no CUDA device; use --suite quick or --device cpu", file=sys.stderr)
         return 2
@@ -630,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs:
             print(f"{r.group:10} {r.key:70} {r.new_tokens} tokens  {r.opts}")
         return 0
+    a.cache_dir.mkdir(parents=True, exist_ok=True)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
 
     info = machine_info(a.cache_dir)
     stem = f"{info['date'][:10]}-{machine_label(info)}-{a.suite}{('-' + a.tag) if a.tag else ''}"
@@ -677,6 +696,27 @@ def main(argv: list[str] | None = None) -> int:
     runner.log(f"done in {time.monotonic() - runner.t0:.0f} s: {json_path}")
     print((a.out_dir / f"{stem}.md").read_text())
     return 0
+
+
+def _step_suite(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """A suite of ``benchmarks/steps.py``: print its commands (--dry-run, --list) or run them."""
+    suite = steps.STEP_SUITES[a.suite]
+    dry = a.dry_run or a.list
+    if a.device is None:
+        a.device = "cuda" if suite.device != "cpu" else None
+    n_gpus = steps.gpu_count() if suite.device == "multi-gpu" or a.nproc is None else 0
+    a.nproc = a.nproc or n_gpus or 2
+    if not dry:
+        if suite.device == "multi-gpu" and n_gpus < 2:
+            print(f"run.py: suite {a.suite} needs 2 or more GPUs (nvidia-smi sees {n_gpus})", file=sys.stderr)
+            return 2
+        if a.device == "cuda" and not _cuda_available():
+            print(f"run.py: suite {a.suite} needs CUDA but torch sees no CUDA device (--dry-run prints its commands)",
+                  file=sys.stderr)
+            return 2
+    info = machine_info(a.cache_dir)
+    stem = f"{info['date'][:10]}-{machine_label(info)}-{a.suite}{('-' + a.tag) if a.tag else ''}"
+    return steps.run_suite(a, a.suite, stem, None if dry else info)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tiered  # noqa: E402
-import tiered.expert_cache  # noqa: E402
-import tiered.experts  # noqa: E402  # noqa: E402
 from tiered.stats import proc_status  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -95,14 +93,7 @@ def main() -> int:
                    help="stream MoE experts whole with their layer (routed_experts=False), as before issue 8")
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="GiB of routed experts kept on the GPU (default: what --gpu-gb leaves; 0: none)")
-    p.add_argument("--expert-cache-policy", choices=["layer", "lru"], default="layer")
-    p.add_argument("--expert-read-chunk-mib", type=int, default=None,
-                   help="bytes per reader task when reading routed experts (tiered.experts.READ_CHUNK; default 8)")
-    p.add_argument("--expert-staging-mib", type=int, default=None,
-                   help="pinned staging for routed experts on CUDA (tiered.experts.STAGING_BYTES; default 256)")
     p.add_argument("--host-gb", type=float, default=0.0, help="GiB of pinned host tier (CUDA; default 0: none)")
-    p.add_argument("--expert-prefetch", action="store_true",
-                   help="expert_prefetch=True: guess the next block's experts and copy them early (tiered/speculate.py)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: tiered.load(distributed=True), one GPU per rank (cuda:$LOCAL_RANK)")
     p.add_argument("--cuda-warmup", action="store_true",
@@ -138,15 +129,10 @@ def main() -> int:
     if a.cuda_warmup and cuda_base is not None:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()]):  # the prompt stays the same
             model_base = _cuda_warmup(a)
-    tiered.expert_cache.POLICY = a.expert_cache_policy
-    if a.expert_read_chunk_mib:
-        tiered.experts.READ_CHUNK = a.expert_read_chunk_mib << 20
-    if a.expert_staging_mib:
-        tiered.experts.STAGING_BYTES = a.expert_staging_mib << 20
     t0 = time.perf_counter()
     model = tiered.load(a.model_dir, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch,
                         gpu_gb=a.gpu_gb, threads=a.threads, io=a.io, distributed=a.distributed, host_gb=a.host_gb,
-                        expert_cache_gb=a.expert_cache_gb, expert_prefetch=a.expert_prefetch,
+                        expert_cache_gb=a.expert_cache_gb,
                         **({"embedding_rows": False} if a.no_embedding_rows else {}),
                         **({"routed_experts": False} if a.no_routed_experts else {}))
     if model.device.type == "cuda":
@@ -231,22 +217,13 @@ def main() -> int:
         "dense_gb_per_token": (snap.get("dense_bytes", 0) - used0.get("dense_bytes", 0)) / 1e9 / max(1, n),
         "expert_cache_slots": snap.get("expert_cache_slots", 0),
         "expert_cache_gb": snap.get("expert_cache_bytes", 0) / GiB,
-        "expert_cache_policy": a.expert_cache_policy,
-        "expert_read_chunk_mib": a.expert_read_chunk_mib or 8,
-        "expert_staging_mib": a.expert_staging_mib or 256,
         "expert_cache_hit_rate": ((snap.get("expert_cache_hits", 0) - used0.get("expert_cache_hits", 0))
                                   / max(1, snap.get("expert_cache_hits", 0) + snap.get("expert_cache_misses", 0)
                                         - used0.get("expert_cache_hits", 0) - used0.get("expert_cache_misses", 0))),
         "experts_per_call": ((snap.get("experts_read", 0) + snap.get("experts_from_host", 0)
-                              + snap.get("expert_prefetch_hits", 0) - used0.get("expert_prefetch_hits", 0)
                               - used0.get("experts_read", 0) - used0.get("experts_from_host", 0))
                              / max(1, snap.get("expert_calls", 0) - used0.get("expert_calls", 0))),
-        "expert_prefetch": a.expert_prefetch,
         "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
-        "experts_prefetched": snap.get("experts_prefetched", 0) - used0.get("experts_prefetched", 0),
-        "expert_prefetch_hits": snap.get("expert_prefetch_hits", 0) - used0.get("expert_prefetch_hits", 0),
-        "expert_prefetch_gb_per_token": (snap.get("expert_prefetch_bytes", 0)
-                                         - used0.get("expert_prefetch_bytes", 0)) / 1e9 / max(1, n),
         "read_gbps": snap["read_gbps"],
         "h2d_gbps": snap["h2d_gbps"],
         "end_to_end_gbps": (snap["read_bytes"] - s0) / total / 1e9,

@@ -246,10 +246,6 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     import tiered
     from tiered.errors import ConfigError
 
-    if "io_probe_margin" in spec.extra:  # io="auto": how much faster buffered reads must be (inf: keep O_DIRECT)
-        import tiered.reader
-
-        tiered.reader.PROBE_MARGIN = float(spec.extra["io_probe_margin"])
     b.start_load()
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,

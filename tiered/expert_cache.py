@@ -32,7 +32,7 @@ import torch
 __all__ = ["ExpertCache", "POLICIES", "slot_view"]
 
 POLICIES = ("layer", "lru")
-#: The policy a loaded model's cache uses (``benchmarks/stream_run.py --expert-cache-policy`` sets it to compare).
+#: The policy a loaded model's cache uses (the comparison with ``"lru"``: benchmarks/NOTES.md).
 POLICY = "layer"
 
 
