@@ -36,7 +36,7 @@ from .errors import StreamerError
 from .plan import Unit
 from .reader import Reader
 from .ring import Ring
-from .sources import PIECES_IN_FLIGHT, HostSource, MappedSource, PiecesSource, RingSource, Source
+from .sources import HOST, MAPPED, PIECES, PIECES_IN_FLIGHT, RING, MappedSource, Source
 from .stage import CpuStage, CudaStage, Loaded
 from .stats import Stats
 
@@ -82,12 +82,8 @@ class Loader:
         self.device = device
         self._abort_check = abort
         # where each unit's bytes come from (tiered/sources.py): one lookup, the ring by default
-        self.ring_source = RingSource(self)
-        self.sources: dict[int, Source] = {
-            **{i: MappedSource(self) for i in mapped},
-            **{i: HostSource(self) for i in host_ids},
-            **{i: PiecesSource(self) for i in self.pieces},
-        }
+        self.sources: dict[int, Source] = {**{i: MAPPED for i in mapped}, **{i: HOST for i in host_ids},
+                                           **{i: PIECES for i in self.pieces}}
         self._q: queue.Queue[tuple[Future[Loaded], Unit, bool] | None] = queue.Queue()
         self.live: dict[Future[Loaded], int] = {}  # job -> owning thread id, until forgotten
         self._closed = False
@@ -190,4 +186,4 @@ class Loader:
             self._cancel_queued()
 
     def _load(self, u: Unit, resident: bool) -> Loaded:
-        return self.sources.get(u.index, self.ring_source).load(u, resident)
+        return self.sources.get(u.index, RING).load(self, u, resident)

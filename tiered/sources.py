@@ -30,27 +30,25 @@ from .stage import CudaStage, Loaded, views
 if TYPE_CHECKING:
     from .loader import Loader
 
-__all__ = ["Source", "RingSource", "MappedSource", "HostSource", "PiecesSource", "PIECES_IN_FLIGHT"]
+__all__ = ["Source", "RingSource", "MappedSource", "HostSource", "PiecesSource", "RING", "MAPPED", "HOST", "PIECES",
+           "PIECES_IN_FLIGHT"]
 
 #: Pieces of a unit larger than the ring read at once (their copies queued together on the reader threads).
 PIECES_IN_FLIGHT = 2
 
 
 class Source:
-    """One tier's way of loading a unit, for the loader ``ld`` (its reader, ring, stage, stats and abort check)."""
+    """One tier's way of loading a unit. Stateless: :meth:`load` is given the loader ``ld`` (its reader, ring, stage,
+    stats and abort check), so a source holds no reference to it (no cycle keeps a dropped model's files open)."""
 
-    def __init__(self, ld: Loader) -> None:
-        self.ld = ld
-
-    def load(self, u: Unit, resident: bool) -> Loaded:
+    def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         raise NotImplementedError
 
 
 class RingSource(Source):
     """Disk or page cache -> a ring slot (the reader threads) -> the device stage (H2D on CUDA)."""
 
-    def load(self, u: Unit, resident: bool) -> Loaded:
-        ld = self.ld
+    def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         io = ld.io.get(u.index)
         rd, size, at = read_args(u, io)
         slot = ld.ring.alloc(size, u.name, abort=ld.abort, reclaim=lambda: ld.stage.retire(block=True))
@@ -68,13 +66,12 @@ class RingSource(Source):
 class MappedSource(Source):
     """CPU zero copy: the unit computes on views of the file mapping."""
 
-    def load(self, u: Unit, resident: bool) -> Loaded:
+    def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         """A mapped unit: views of the checkpoint's file mapping (after the shards' checks), and readahead of
         their pages into the page cache (``MADV_WILLNEED``: asynchronous; RSS grows only when they run). Loaded to
         stay (``resident``), it goes through the ring instead."""
-        ld = self.ld
         if resident:
-            return ld.ring_source.load(u, resident)
+            return RING.load(ld, u, resident)
         t0 = time.perf_counter()
         params: dict[str, torch.Tensor] = {}
         ranges = []
@@ -98,11 +95,10 @@ class HostSource(Source):
     """The host tier: the unit's slot, read once at load (``Streamer.load_host``); each pass stages it from there (H2D
     from pinned memory on CUDA; in place on the CPU). Before its slot is filled, the unit is read as any other."""
 
-    def load(self, u: Unit, resident: bool) -> Loaded:
-        ld = self.ld
+    def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         hs = ld.host.get(u.index)
         if hs is None:
-            return ld.ring_source.load(u, resident)
+            return RING.load(ld, u, resident)
         faults.hit("stage", unit=u.name)
         return ld.stage.stage(u, hs, resident=resident, abort=ld.abort, io=ld.io.get(u.index), keep=True)
 
@@ -110,7 +106,7 @@ class HostSource(Source):
 class PiecesSource(Source):
     """CUDA: a unit larger than the ring, read piece by piece into one full-size device buffer."""
 
-    def load(self, u: Unit, resident: bool) -> Loaded:
+    def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         """CUDA, a unit larger than the ring: each piece (a few whole-element runs of its targets, see
         :func:`tiered.dist.split_unit`) is copied (H2D, copy stream) into its place in one full-size device buffer —
         from the host tier when it holds the piece (its first pieces: no read), else read into a ring slot first.
@@ -120,7 +116,6 @@ class PiecesSource(Source):
         :data:`PIECES_IN_FLIGHT` pieces read at once; the ring holds those and the pieces whose H2D runs). The unit
         is ready when its last piece's copy is (the copy stream runs in order), so its views are exactly the whole
         unit's: outputs stay bitwise equal."""
-        ld = self.ld
         stage = ld.stage
         assert isinstance(stage, CudaStage)
         buf = stage.buffer(u.nbytes, resident=resident, abort=ld.abort)
@@ -179,3 +174,7 @@ class PiecesSource(Source):
                 stage.give_back(buf, ready)
             raise
         return Loaded(u, views(u, buf.t), dev=None if resident else buf, ready=ready, base=buf.t)
+
+
+#: One instance of each (sources hold no state).
+RING, MAPPED, HOST, PIECES = RingSource(), MappedSource(), HostSource(), PiecesSource()
