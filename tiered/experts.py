@@ -46,6 +46,10 @@ a stack/concatenate placed per expert, a per-expert piece that is not contiguous
 Threads: the experts are read and bound on the calling thread, inside the module's call; concurrent calls
 of one experts module are serialised by its lock, released however the call ends (``KeyboardInterrupt``
 included: :class:`~tiered.guard.CallGuard`).
+
+Which experts modules can be routed and where each expert's bytes lie (:func:`find_experts`, :func:`route_out`,
+:func:`merge_adjacent`, ...) is :mod:`tiered.expert_spec`'s job; its names are re-exported here. This module reads
+and binds the routed experts on each call (:class:`ExpertGather`) and holds the host tier's (:class:`HostExperts`).
 """
 
 from __future__ import annotations
@@ -53,8 +57,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,10 +64,13 @@ from torch import nn
 
 from .errors import StreamerError
 from .expert_cache import ExpertCache
+from .expert_spec import Dest as Dest
+from .expert_spec import ExpertPart as ExpertPart
+from .expert_spec import ExpertSpec, _align, expert_pairs, find_experts, merge_adjacent, route_out, slot_layout
+from .expert_spec import _is_experts_module as _is_experts_module
+from .expert_spec import _slices as _slices
 from .format import TensorInfo
-from .guard import foreign_forward
 from .hostmem import page_up
-from .plan import Target, Unit
 from .ring import Ring
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
@@ -75,184 +80,6 @@ __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExper
 STAGING_BYTES = 256 << 20
 #: Bytes per reader task when reading experts: small enough that one expert keeps every reader thread busy.
 READ_CHUNK = 8 << 20
-
-Dest = Callable[[torch.Tensor], torch.Tensor] | None  # where a source lands inside one expert's slab (None: all of it)
-
-
-@dataclass(eq=False)
-class ExpertPart:
-    """One stacked parameter (or buffer) of an experts module: ``per[j]`` = what fills expert ``j``'s slab."""
-
-    target: Target
-    per: list[list[tuple[TensorInfo, Dest]]]
-
-    @property
-    def slab_shape(self) -> tuple[int, ...]:
-        return tuple(self.target.shape[1:])
-
-    @property
-    def slab_bytes(self) -> int:
-        return math.prod(self.slab_shape) * self.target.dtype.itemsize
-
-
-@dataclass(eq=False)
-class ExpertSpec:
-    """An experts module inside ``unit`` whose parameters can be read one expert at a time."""
-
-    unit: Unit
-    module: nn.Module
-    name: str
-    num_experts: int
-    parts: list[ExpertPart] = field(default_factory=list)
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes one expert takes in the model dtype (all parts)."""
-        return sum(p.slab_bytes for p in self.parts)
-
-    @property
-    def expert_src_bytes(self) -> int:
-        """Bytes of the checkpoint read for one expert (expert 0)."""
-        return sum(info.nbytes for p in self.parts for info, _ in p.per[0])
-
-
-def _is_experts_module(m: nn.Module) -> bool:
-    # an instance forward already set (another library's wrapper) would see the renumbered ids: not routed
-    return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "has_gate", None), bool)
-            and isinstance(getattr(m, "is_transposed", None), bool) and m.num_experts > 0
-            and not foreign_forward(m))
-
-
-def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorInfo, Dest]]] | None:
-    """Per expert, the sources that fill its slab of ``tgt`` (shape ``(E, ...)``); None if not expert-separable."""
-    if tgt.key in converted or not tgt.shape or tgt.shape[0] != E or not tgt.copies:
-        return None
-    per_el = math.prod(tgt.shape[1:])
-    out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]
-    full = torch.empty(tgt.shape, dtype=tgt.dtype, device="meta")
-    slab = torch.empty(tgt.shape[1:], dtype=tgt.dtype, device="meta")
-    for c in tgt.copies:
-        s = c.src
-        if c.place is None:
-            if tuple(s.shape) != tuple(tgt.shape):
-                return None
-            pb = per_el * s.dtype.itemsize
-            for j in range(E):
-                out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, tuple(s.shape[1:]), s.file, s.offset + j * pb, pb),
-                               None))
-            continue
-        try:
-            v = c.place(full)
-        except (RuntimeError, IndexError, TypeError):
-            return None
-        if v.numel() != s.numel or v.numel() == 0:
-            return None
-        off = v.storage_offset()
-        j = off // per_el if per_el else -1
-        end = off + sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True))
-        if not (0 <= j < E and end < (j + 1) * per_el):
-            return None
-
-        def dest(t: torch.Tensor, place=c.place, E=E) -> torch.Tensor:  # expert j's slab seen as every expert
-            return place(t.unsqueeze(0).expand(E, *t.shape))
-
-        try:
-            w = dest(slab)
-        except (RuntimeError, IndexError, TypeError):
-            return None
-        if not w.is_contiguous() or w.storage_offset() != off - j * per_el or tuple(w.shape) != tuple(v.shape):
-            return None
-        out[j].append((s, dest))
-    if any(not o for o in out):
-        return None
-    return out
-
-
-def find_experts(unit: Unit) -> list[ExpertSpec]:
-    """The experts modules of ``unit`` that can be routed (see the module docstring); [] if none."""
-    if unit.module is None:
-        return []
-    converted = {k for conv in unit.converts for k in conv.targets}
-    by_module: dict[int, list[Target]] = {}
-    for t in unit.targets:
-        by_module.setdefault(id(t.module), []).append(t)
-    specs = []
-    for name, m in unit.module.named_modules():
-        if not _is_experts_module(m) or id(m) not in by_module:
-            continue
-        tgts = by_module[id(m)]
-        if {t.attr for t in tgts if t.is_param} != set(m._parameters) or len(tgts) == len(unit.targets):
-            continue  # every parameter must be a target here, and the unit must keep something
-        parts = []
-        for t in tgts:
-            per = _slices(t, m.num_experts, converted)
-            if per is None:
-                break
-            parts.append(ExpertPart(t, per))
-        else:
-            specs.append(ExpertSpec(unit, m, f"{unit.name}.{name}" if name else unit.name, m.num_experts, parts))
-    return specs
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def route_out(unit: Unit, specs: list[ExpertSpec], align: int) -> None:
-    """Take the experts' targets out of ``unit`` and lay out what is left (offsets, ``nbytes``, ``src_bytes``)."""
-    gone = {id(p.target) for s in specs for p in s.parts}
-    unit.targets = [t for t in unit.targets if id(t) not in gone]
-    off = 0
-    for t in unit.targets:
-        off = _align(off, align)
-        t.offset = off
-        off += t.nbytes
-    unit.nbytes = _align(off, align)
-    unit.src_bytes = sum(c.src.nbytes for t in unit.targets for c in t.copies) + sum(
-        s.nbytes for c in unit.converts for ss in c.sources.values() for s in ss)
-
-
-def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[TensorInfo, torch.Tensor]]:
-    """``pairs`` (checkpoint source, destination) in file order, each run of sources that are adjacent in one file
-    *and* land adjacent in one destination tensor merged into one pair: the reader copies a pair as one range
-    (chunked), so such a run is one request instead of one per tensor. Same bytes to the same places: the copies
-    are disjoint, so their order and grouping do not change the result.
-
-    Merged when: same file, the next source starts where the last ends, same source dtype, and the destinations
-    are contiguous, of one dtype, in one storage, the next starting where the last ends (Mixtral's ``w1, w3`` of
-    one expert written adjacent by ``tiered reshard`` fill the two halves of its ``gate_up_proj`` slab; experts
-    ``j, j + 1`` of a stacked tensor when both are routed). Sources adjacent in the file whose destinations are
-    not (``w3`` then ``w2``: ``gate_up_proj`` and ``down_proj``) stay separate pairs, read one after the other.
-    """
-    order = sorted(pairs, key=lambda p: (str(p[0].file), p[0].offset))
-    out: list[tuple[TensorInfo, torch.Tensor]] = []
-    for info, dest in order:
-        if out:
-            last, ld = out[-1]
-            if (info.file == last.file and info.offset == last.offset + last.nbytes and info.dtype == last.dtype
-                    and info.numel and last.numel and dest.dtype == ld.dtype and dest.device == ld.device
-                    and dest.is_contiguous() and ld.is_contiguous()
-                    and dest.untyped_storage().data_ptr() == ld.untyped_storage().data_ptr()
-                    and dest.storage_offset() == ld.storage_offset() + ld.numel()):
-                n = last.numel + info.numel
-                merged = TensorInfo(f"{last.name.partition(' .. ')[0]} .. {info.name}", info.dtype, (n,), info.file,
-                                    last.offset, last.nbytes + info.nbytes)
-                out[-1] = (merged, ld.as_strided((n,), (1,), ld.storage_offset()))
-                continue
-        out.append((info, dest))
-    return out
-
-
-def expert_pairs(spec: ExpertSpec, todo: list[tuple[int, int]],
-                 out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
-    """(source, destination) of expert ``j`` into row ``u`` of each part's ``(U, ...)`` tensor in ``out``, for each
-    ``(u, j)`` of ``todo``, adjacent reads merged."""
-    pairs = []
-    for p, t in zip(spec.parts, out, strict=True):
-        for u, j in todo:
-            for info, dest in p.per[j]:
-                pairs.append((info, t[u] if dest is None else dest(t[u])))
-    return merge_adjacent(pairs)
 
 
 class HostExperts:
@@ -321,16 +148,6 @@ class HostExperts:
         if self.ring.pinned and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.ring.close()
-
-
-def slot_layout(spec: ExpertSpec) -> tuple[list[int], int]:
-    """Where each part of one expert sits in an :class:`~tiered.expert_cache.ExpertCache` slot (byte offsets,
-    512-aligned) and the bytes the slot needs."""
-    offs, at = [], 0
-    for p in spec.parts:
-        offs.append(at)
-        at += _align(p.slab_bytes, 512)
-    return offs, at
 
 
 class ExpertGather:

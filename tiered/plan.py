@@ -325,21 +325,18 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str, bool]:
     return mod, attr, False
 
 
-def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
-    """Map every checkpoint tensor onto ``model`` (built on ``meta``) and group targets into units.
+_Conv = dict[str, tuple[object, dict[str, list[TensorInfo]]]]  # model key -> (its converter, pattern -> sources)
 
-    Target dtype is the meta parameter's dtype (what ``from_pretrained`` casts to).
-    Persistent buffers found in the checkpoint are targets too.
 
-    Raises:
-        MissingTensorError: a parameter has no checkpoint tensor (and is not tied to one that has).
-        ShapeMismatchError: a checkpoint tensor's shape differs from the parameter's.
-    """
-    sd = model.state_dict(keep_vars=True)
+def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor]) -> tuple[
+        dict[str, TensorInfo], _Conv, list[str], dict[str, Exception], list[str], list[str]]:
+    """Checkpoint names onto the state_dict keys ``sd`` (``transformers``' renamings and converters for a
+    ``PreTrainedModel``): ``(direct, conv, unused, unavailable, unused_skipped, unused_missing)``; ``direct``: model
+    key -> the one checkpoint tensor it copies; ``unused``: checkpoint tensors nothing uses."""
     tools = _conversion_tools(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     direct: dict[str, TensorInfo] = {}
-    conv: dict[str, tuple[object, dict[str, list[TensorInfo]]]] = {}
+    conv: _Conv = {}
     unused: list[str] = []
     # model key -> the error to raise if the model needs it: a tensor torch cannot hold, or one the index
     # names and no shard holds. Unneeded ones are only listed (the loader warns), as from_pretrained ignores them.
@@ -386,7 +383,13 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
                 unavailable[k] = why
             else:
                 bucket.append(k)
+    return direct, conv, unused, unavailable, unused_skipped, unused_missing
 
+
+def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo],
+                  conv: _Conv, unavailable: dict[str, Exception]) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
+    """Model key -> its :class:`Target` and copies (a tied weight copies its twin's source), in state_dict order;
+    and each conversion that cannot be placed, with the key it fills."""
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     targets: dict[str, Target] = {}
     converts: list[tuple[Convert, str]] = []
@@ -430,7 +433,11 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
             else:
                 converts.append((Convert(converter, src_key, srcs, [key]), key))
         targets[key] = tgt
+    return targets, converts
 
+
+def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tuple[Convert, str]], align: int) -> list[Unit]:
+    """The targets grouped by unit root (:func:`find_unit_roots`), each unit laid out at ``align``-byte offsets."""
     roots = find_unit_roots(model)
     owner_of: dict[int, int] = {}
     for i, (_, mod, direct_only) in enumerate(roots):
@@ -462,6 +469,23 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     rest = [k for k in targets if k not in claimed]
     if rest:  # pragma: no cover - find_unit_roots covers every parameter
         raise MissingTensorError(f"internal: targets without a unit: {rest[:5]}")
+    return units
+
+
+def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
+    """Map every checkpoint tensor onto ``model`` (built on ``meta``) and group targets into units.
+
+    Target dtype is the meta parameter's dtype (what ``from_pretrained`` casts to).
+    Persistent buffers found in the checkpoint are targets too.
+
+    Raises:
+        MissingTensorError: a parameter has no checkpoint tensor (and is not tied to one that has).
+        ShapeMismatchError: a checkpoint tensor's shape differs from the parameter's.
+    """
+    sd = model.state_dict(keep_vars=True)
+    direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd)
+    targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable)
+    units = _group_units(model, targets, converts, align)
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped,
                 unused_index_missing=unused_missing)
 

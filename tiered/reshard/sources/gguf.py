@@ -160,28 +160,11 @@ def _top_level_map(state: dict[str, Any], arch: str, n_layers: int, processor: A
     return out
 
 
-def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
-    """Validate ``path`` (header, architecture, every tensor's name and type) and build its source.
-
-    Reads the GGUF header and metadata and writes the config, generation config and tokenizer
-    files into memory; reads no tensor data.
-
-    Raises:
-        ImportError: the ``gguf`` package is missing (``pip install gguf``).
-        UnsupportedCheckpointError: not a GGUF file, a split GGUF, an architecture ``transformers``
-            cannot map one to one, or tensors that do not fit the model the config describes.
-    """
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise ImportError("reading GGUF needs the gguf package: pip install gguf") from None
-    import transformers
+def _open_reader(path: Path, src: GGUFSource) -> tuple[Any, str, str]:
+    """``(gguf.GGUFReader of path, general.architecture, general.name)``, the reader and architecture set on ``src``;
+    refuses a split GGUF and an architecture not in :data:`SUPPORTED`."""
     from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from ...meta import build_meta_model
-
-    src = GGUFSource(path)
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError / struct.error / OSError on a bad file
@@ -198,7 +181,13 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
         raise _unsupported(f"{path}: GGUF architecture {arch!r} is not supported by tiered reshard yet; supported: "
                            f"{', '.join(sorted(SUPPORTED))} (the Llama family, whose GGUF tensors map one to one "
                            "onto transformers'); convert the original Hugging Face checkpoint instead")
+    return reader, arch, name
 
+
+def _build_config(path: Path) -> tuple[Any, dict[str, Any], Any, str]:
+    """``(config, the parsed GGUF config dict, the causal-LM class, its name)`` as ``AutoConfig.from_pretrained(dir,
+    gguf_file=...)`` builds them, with ``architectures`` and ``dtype`` (float32) set."""
+    import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:  # what AutoConfig.from_pretrained(dir, gguf_file=...) does (AutoTokenizer parses the metadata again)
@@ -213,17 +202,20 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
         raise _unsupported(f"{path}: no causal-LM class for model_type {config.model_type!r}")
     config.architectures = [cls_name]
     config.dtype = torch.float32
-    src.config = config
+    return config, parsed, cls, cls_name
 
-    processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
-    src._processor = processor_cls(config=parsed)
-    model = build_meta_model(cls, config, torch.float32)
+
+def _map_tensors(path: Path, src: GGUFSource, reader: Any, model: Any, arch: str, cls_name: str) -> list[str]:
+    """Fill ``src``'s infos, tensors, GGUF names and quant-type counts from the file's tensors that ``model`` (built
+    on ``meta``) has; returns the GGUF names of the others."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
     # GGUF names follow the file's own architecture (a Mistral GGUF says "llama"; gguf-py has no "mistral"
     # name table, so transformers itself fails on one; the tensors are named as Llama's). What
     # get_gguf_hf_weights_map does at the top level, once: its recursion into every submodule builds
     # gguf's name table again for each (~10 s here); it is used only if a name is left unmapped.
     state = model.state_dict()
-    key_map = _top_level_map(state, arch, config.num_hidden_layers, src._processor)
+    key_map = _top_level_map(state, arch, src.config.num_hidden_layers, src._processor)
     if len(key_map) < len({k for k in state if not k.endswith("rotary_emb.inv_freq")}):
         key_map = {**get_gguf_hf_weights_map(model, src._processor, model_type=arch), **key_map}
 
@@ -244,6 +236,61 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
         src._gguf_names[hf] = t.name
         qt = t.tensor_type.name
         src.quant_types[qt] = src.quant_types.get(qt, 0) + 1
+    return unused
+
+
+def _write_tokenizer(path: Path, src: GGUFSource) -> None:
+    """The tokenizer files ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` saves, into ``src.generated_files``
+    (a note instead when transformers cannot read one)."""
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(src.root, gguf_file=path.name)
+    except Exception as e:  # a model without a usable tokenizer is still a model
+        src.notes.append(f"no tokenizer written: transformers could not read one from the GGUF ({type(e).__name__}: {e})")
+        return
+    with tempfile.TemporaryDirectory(prefix="tiered-gguf-tok-") as d:
+        tok.save_pretrained(d)
+        for p in sorted(Path(d).iterdir()):
+            if p.is_file():
+                src.generated_files[p.name] = p.read_bytes()
+    tc = json.loads(src.generated_files.get("tokenizer_config.json", b"{}"))
+    tj = json.loads(src.generated_files.get("tokenizer.json", b"{}"))
+    if tc.get("clean_up_tokenization_spaces") and (tj.get("model") or {}).get("type") == "BPE":
+        # transformers ignores it for BPE tokenizers, with a warning on every decode: say False instead
+        tc["clean_up_tokenization_spaces"] = False
+        src.generated_files["tokenizer_config.json"] = (json.dumps(tc, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
+    """Validate ``path`` (header, architecture, every tensor's name and type) and build its source.
+
+    Reads the GGUF header and metadata and writes the config, generation config and tokenizer
+    files into memory; reads no tensor data.
+
+    Raises:
+        ImportError: the ``gguf`` package is missing (``pip install gguf``).
+        UnsupportedCheckpointError: not a GGUF file, a split GGUF, an architecture ``transformers``
+            cannot map one to one, or tensors that do not fit the model the config describes.
+    """
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ImportError("reading GGUF needs the gguf package: pip install gguf") from None
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from ...meta import build_meta_model
+
+    src = GGUFSource(path)
+    reader, arch, name = _open_reader(path, src)
+    config, parsed, cls, cls_name = _build_config(path)
+    src.config = config
+
+    processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    src._processor = processor_cls(config=parsed)
+    model = build_meta_model(cls, config, torch.float32)
+    unused = _map_tensors(path, src, reader, model, arch, cls_name)
     from ...errors import TieredError
     from ...plan import build_plan
 
@@ -261,22 +308,7 @@ def open_gguf(path: Path, notes_sink: list[str] | None = None) -> GGUFSource:
     src.generated_files["config.json"] = (config.to_json_string(use_diff=True)).encode()
     gen = transformers.GenerationConfig.from_model_config(config)
     src.generated_files["generation_config.json"] = gen.to_json_string(use_diff=True).encode()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(src.root, gguf_file=path.name)
-    except Exception as e:  # a model without a usable tokenizer is still a model
-        src.notes.append(f"no tokenizer written: transformers could not read one from the GGUF ({type(e).__name__}: {e})")
-    else:
-        with tempfile.TemporaryDirectory(prefix="tiered-gguf-tok-") as d:
-            tok.save_pretrained(d)
-            for p in sorted(Path(d).iterdir()):
-                if p.is_file():
-                    src.generated_files[p.name] = p.read_bytes()
-        tc = json.loads(src.generated_files.get("tokenizer_config.json", b"{}"))
-        tj = json.loads(src.generated_files.get("tokenizer.json", b"{}"))
-        if tc.get("clean_up_tokenization_spaces") and (tj.get("model") or {}).get("type") == "BPE":
-            # transformers ignores it for BPE tokenizers, with a warning on every decode: say False instead
-            tc["clean_up_tokenization_spaces"] = False
-            src.generated_files["tokenizer_config.json"] = (json.dumps(tc, indent=2, ensure_ascii=False) + "\n").encode()
+    _write_tokenizer(path, src)
 
     if notes_sink is not None:
         notes_sink.extend(src.notes)
