@@ -437,7 +437,8 @@ def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints
     ids = torch.tensor([[5, 17, 42, 99]])
     with tiered.load(ckpts["llama"], device="cpu", ring_gb=facts["ring_gb"], prefetch=prefetch) as m:
         plan = m._tiered.plan
-        ring_units = m._tiered.streamer.streamed  # the embedding reads its rows instead (tiered/rows.py)
+        p = tiered.stats(m).placement
+        ring_units = sorted([*p.host, *p.streamed])  # the embedding reads its rows instead (tiered/rows.py)
         assert len(ring_units) == len(plan.units) - 1
         emb = next(u for u in plan.units if u.index not in ring_units).targets[0]
         rows = len(set(ids.flatten().tolist())) * emb.shape[1] * emb.copies[0].src.dtype.itemsize

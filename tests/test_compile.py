@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import streaming_ring_gb
+from conftest import assert_cache_bytes, assert_clean, load_mix, logits_of, make_ids, streaming_ring_gb
 
 import tiered
+
+GiB = 1 << 30
 
 
 def test_compiled_forward_equals_stock_and_breaks_only_at_units(ckpts):
@@ -73,3 +75,30 @@ def test_deep_model_compiles_each_layer_without_hitting_the_recompile_limit(tmp_
         log.removeHandler(handler)
         dynamo.reset()
     assert not [s for s in seen if "recompile_limit" in s or "cache_size_limit" in s], seen
+
+
+class TestHostile:
+    """torch.compile over the modules CallGuard binds per call (tests/test_guard.py)."""
+
+    def test_compile_eager_with_rows_experts_and_cache(self, mix, stock, ring_rows):
+        """torch.compile(backend='eager') of a model with a row-streamed embedding, routed experts and an expert
+        cache: logits equal stock, twice (the second with cache hits), the guards run eagerly (graph breaks at the
+        modules, no tracing into their locks)."""
+        import torch._dynamo
+
+        ref = stock(mix, impl="grouped_mm")
+        a, b = make_ids(14, (2, 9)), make_ids(15, (1, 4))
+        wa, wb = logits_of(ref, a), logits_of(ref, b)
+        torch._dynamo.reset()
+        try:
+            with load_mix(mix, ring_rows, expert_cache_gb=4.5 * 36864 / GiB) as m, torch.no_grad():
+                cm = torch.compile(m, backend="eager")
+                assert torch.equal(cm(a).logits, wa)
+                assert torch.equal(cm(a).logits, wa)  # the cache hits now
+                assert torch.equal(m(b).logits, wb)  # and the eager model beside the compiled one
+                assert_clean(m)
+                s = tiered.stats(m).snapshot()
+                assert s["experts_read"] > 0 and s["embedding_bytes"] > 0 and s["expert_cache_hits"] > 0
+                assert_cache_bytes(m, ref)
+        finally:
+            torch._dynamo.reset()

@@ -14,9 +14,11 @@ import pytest
 import torch
 import transformers
 from conftest import Checkpoints
+from conftest import run_child as _run_child
 from models import VOCAB
 from safetensors.torch import save_file
-from test_reliability import USE_AFTER_CLOSE, _run_child, _Tables
+from test_equality import _Tables
+from test_lifecycle import USE_AFTER_CLOSE
 
 import tiered
 import tiered.expert_cache

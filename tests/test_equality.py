@@ -1,4 +1,6 @@
-"""tiered vs stock transformers, bit for bit, resident and streamed, on tiny random checkpoints and a real one."""
+"""tiered vs stock transformers, bit for bit, resident and streamed, on tiny random checkpoints and a real one; odd
+cases of the same promise: outputs that alias weights, dtype plans (``_keep_in_fp32_modules``), zero-size and scalar
+tensors, casts from misaligned sources (every reader backend), submodules of a streamed unit called directly."""
 
 from __future__ import annotations
 
@@ -7,25 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import Checkpoints, streaming_ring_gb
-from models import BUILDERS, VOCAB, MLPStack
+from conftest import STOCK, Checkpoints, ids_for, make_ids, plan_ring_gb, stream, streaming_ring_gb
+from models import BUILDERS, MLPStack
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 import tiered
+from tiered.format import encode_header, open_checkpoint
 from tiered.lifecycle import _closed
 
 ALL = list(BUILDERS)
 CAUSAL = [n for n, (_, _, _, causal) in BUILDERS.items() if causal]
 MODES = ["resident", "streamed"]
 RESIDENT_GB = 1.0  # far more than any test checkpoint: everything stays in the ring
-
-
-def _ids(batch: int = 2, seq: int = 10, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+GiB = 1 << 30
 
 
 def _inputs(causal: bool) -> dict[str, torch.Tensor]:
-    ids = _ids()
+    ids = make_ids(0, (2, 10))
     mask = torch.ones_like(ids)
     if not causal:
         mask[1, -3:] = 0  # padding in the second row: exercises the attention mask
@@ -44,8 +45,7 @@ class References:
 
     def model(self, name: str) -> torch.nn.Module:
         if name not in self.models:
-            auto = BUILDERS[name][2]
-            self.models[name] = auto.from_pretrained(self.ckpts[name]).eval()
+            self.models[name] = STOCK(self.ckpts[name], auto=BUILDERS[name][2])
         return self.models[name]
 
     def output(self, name: str):
@@ -318,7 +318,7 @@ def test_out_of_order_unit_calls(ckpts: Checkpoints, refs: References) -> None:
             assert torch.equal(m.lm_head(h), ref.lm_head(h))
             assert torch.equal(m.lm_head(h * 2), ref.lm_head(h * 2))  # same unit twice in a row
             assert torch.equal(m.model.norm(h), ref.model.norm(h))
-            assert torch.equal(m.model.embed_tokens(_ids()), ref.model.embed_tokens(_ids()))
+            assert torch.equal(m.model.embed_tokens(make_ids(0, (2, 10))), ref.model.embed_tokens(make_ids(0, (2, 10))))
             assert torch.equal(m.lm_head(h), ref.lm_head(h))
             assert tiered.stats(m).misses > misses
             # and a full pass afterwards is still exact
@@ -364,3 +364,228 @@ def test_unplaced_conversion_fallback_matches(mode: str, ckpts: Checkpoints, ref
         with torch.no_grad():
             out = m(**_inputs(True))
         assert torch.equal(out.logits, ref.logits)
+
+
+# ---------------------------------------- outputs aliasing weights, dtype plans, degenerate shapes, casts, direct calls
+
+
+class _Table(nn.Module):
+    def __init__(self, rows: int = 64, width: int = 256) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, width))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.weight[:n]  # a view of the weight: (n, width)
+
+
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Table() for _ in range(6))
+
+    def forward(self, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        outs = [b(n) for b in self.blocks]  # every output kept while later blocks stream through the ring
+        return torch.stack(outs), {"first": outs[0]}
+
+
+def test_output_aliasing_a_weight_is_copied_before_reuse(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref = _Tables()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        want, _ = ref(40)
+    with torch.device("meta"):
+        mod = _Tables()
+    block = 64 * 256 * 4
+    with tiered.attach(mod, tmp_path, ring_gb=2 * block / GiB, device="cpu") as m, torch.no_grad():
+        assert tiered.stats(m).resident_units == 0
+        for _ in range(2):
+            got, extra = m(40)
+            assert torch.equal(got, want)
+            assert torch.equal(extra["first"], want[0])
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("t5", torch.float16), ("t5", torch.bfloat16),
+                                             ("deepseek_v3", torch.bfloat16), ("deepseek_v3", torch.float16)])
+def test_keep_in_fp32_dtype_plan_matches_from_pretrained(name: str, dtype: torch.dtype, ckpts: Checkpoints) -> None:
+    d = ckpts[name]
+    auto = transformers.AutoModelForSeq2SeqLM if name == "t5" else transformers.AutoModelForCausalLM
+    ref = auto.from_pretrained(d, dtype=dtype).eval()
+    kw = {"decoder_input_ids": make_ids(1, (2, 4))} if name == "t5" else {}
+    with torch.no_grad():
+        want = ref(input_ids=make_ids(0, (2, 10)), **kw).logits
+    fp32 = {k for k, v in ref.state_dict().items() if v.dtype == torch.float32}
+    if name == "t5" and dtype == torch.float16 or name == "deepseek_v3":
+        assert fp32, "the reference keeps nothing in fp32: the test would prove nothing"
+    for ring in (1.0, None):
+        if ring is None:
+            m = stream(d, dtype=dtype)
+        else:
+            m = tiered.load(d, device="cpu", ring_gb=ring, dtype=dtype)
+        with m, torch.no_grad():
+            if ring is not None:
+                assert {k for k, v in m.state_dict().items() if v.dtype == torch.float32} == fp32
+            assert torch.equal(m(input_ids=make_ids(0, (2, 10)), **kw).logits, want)
+
+
+class _Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 8))
+        self.scale = nn.Parameter(torch.tensor(1.5))  # a scalar: shape ()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.register_buffer("none_here", torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x * self.scale + self.empty.sum() + self.none_here.sum()
+
+
+def test_zero_size_and_scalar_tensors_load_as_safetensors_loads_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref = _Odd()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
+    sd = load_file(tmp_path / "model.safetensors")
+    assert sd["empty"].shape == (0, 8) and sd["scale"].shape == ()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = ref(x)
+    for ring in (1.0, 3 * 4096 / GiB):
+        with torch.device("meta"):
+            mod = _Odd()
+        with tiered.attach(mod, tmp_path, ring_gb=ring, device="cpu") as m, torch.no_grad():
+            assert torch.equal(m(x), want)
+            if ring == 1.0:
+                got = m.state_dict()
+                for k, v in sd.items():
+                    assert got[k].shape == v.shape and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+class _AllEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(0, 4))
+        self.b = nn.Parameter(torch.zeros(4, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum() + self.a.sum() + self.b.sum()
+
+
+def test_model_whose_tensors_are_all_empty_loads(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(0, 4), "b": torch.zeros(4, 0)}, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        mod = _AllEmpty()
+    with tiered.attach(mod, tmp_path, ring_gb=1.0, device="cpu") as m, torch.no_grad():
+        assert m.a.shape == (0, 4) and m.b.shape == (4, 0)
+        assert float(m(torch.ones(2))) == 2.0
+
+
+class _Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64, bias=False, dtype=torch.bfloat16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct", "pread"])
+def test_cast_from_a_misaligned_source_is_exact(io: str, tmp_path: Path) -> None:
+    """fp32 tensors at file offsets that are not a multiple of 4 (a 3-byte tensor first), cast to bf16 on the fly."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"a_pad": torch.arange(3, dtype=torch.uint8)}
+    sd.update({f"blocks.{i}.weight": torch.randn(64, 64, generator=g) for i in range(3)})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # in this order (save_file would align them)
+        f.write(encode_header([(k, v.dtype, tuple(v.shape), v.numel() * v.element_size()) for k, v in sd.items()]))
+        for v in sd.values():
+            f.write(v.numpy().tobytes())
+    from tiered.format import read_header
+
+    offs = [t.offset for n, t in read_header(tmp_path / "model.safetensors").tensors.items() if n != "a_pad"]
+    assert any(o % 4 for o in offs), offs
+    with torch.device("meta"):
+        mod = _Lin()
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    ref = _Lin()
+    ref.load_state_dict({k: v.to(torch.bfloat16) for k, v in sd.items() if k != "a_pad"})
+    with torch.no_grad():
+        want = ref(x)
+    with pytest.warns(UserWarning, match="not used"):
+        m = tiered.attach(mod, tmp_path, ring_gb=2 * 64 * 64 * 2 / GiB, device="cpu", io=io)
+    with m, torch.no_grad():
+        assert torch.equal(m(x), want)
+
+
+def test_submodule_of_a_streamed_unit_called_directly(llama_ref, ckpts: Checkpoints) -> None:
+    d, _ = llama_ref
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with stream(d) as m, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m.model.layers[2].mlp(x), ref.model.layers[2].mlp(x))
+            assert torch.equal(m.model.layers[1].self_attn.q_proj(x), ref.model.layers[1].self_attn.q_proj(x))
+            assert torch.equal(m.lm_head(x), ref.lm_head(x))
+        assert all(p.device.type == "meta" for p in m.model.layers[2].parameters())  # given back after each call
+        assert not m._tiered.streamer.held
+
+
+
+class TestHostilePread:
+    """``io="pread"``: tensors at odd file offsets, casts, staging chunks and zero-size tensors."""
+
+    @pytest.mark.parametrize("dtype", [None, torch.float32])
+    def test_pread_odd_offsets_and_a_cast_equal_stock(self, odd_ckpt, dtype):
+        ids = ids_for(1)
+        kw = {"dtype": dtype} if dtype else {}
+        ref = transformers.AutoModelForCausalLM.from_pretrained(odd_ckpt, **kw).eval()
+        with torch.no_grad():
+            want = ref(ids).logits
+        assert want.dtype == (dtype or torch.bfloat16)
+        with tiered.load(odd_ckpt, ring_gb=plan_ring_gb(odd_ckpt), device="cpu", io="pread", threads=3, **kw) as m:
+            with torch.no_grad():
+                for _ in range(2):
+                    assert torch.equal(m(ids).logits, want)
+            assert tiered.stats(m).units > 1 and set(tiered.stats(m).placement.resident) == set()
+
+
+    def test_pread_big_cast_zero_size_and_odd_offsets(self, tmp_path):
+        """A plain module: a fp32 tensor larger than two pread staging chunks cast to bf16 (and a bf16 one cast up)
+        at odd offsets, and zero-size tensors, read with io="pread" equal torch's own casts."""
+        from torch import nn
+
+        g = torch.Generator().manual_seed(3)
+        big_n = (1 << 21) + (1 << 20) + 3  # fp32: more elements than DIRECT_CHUNK / 4, not a multiple of it
+        src = {"a_pad": torch.tensor([5], dtype=torch.uint8), "big": torch.randn(big_n, generator=g),
+               "empty": torch.empty(0, 4), "small": torch.randn(33, generator=g).to(torch.bfloat16),
+               "z_empty16": torch.empty(4, 0, dtype=torch.bfloat16)}
+        hdr = encode_header([(k, v.dtype, tuple(v.shape), v.numel() * v.element_size()) for k, v in src.items()])
+        with open(tmp_path / "model.safetensors", "wb") as f:
+            f.write(hdr)
+            for v in src.values():
+                f.write(v.view(torch.uint8).numpy().tobytes())
+        offs = {k: t.offset % 2 for k, t in open_checkpoint(tmp_path).tensors.items()}
+        assert offs["big"] == offs["small"] == 1
+
+        class M(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.big = nn.Parameter(torch.empty(big_n, dtype=torch.bfloat16))
+                self.empty = nn.Parameter(torch.empty(0, 4, dtype=torch.float64))
+                self.small = nn.Parameter(torch.empty(33, dtype=torch.float32))
+                self.z_empty16 = nn.Parameter(torch.empty(4, 0, dtype=torch.bfloat16))
+
+            def forward(self, x):
+                return self.big * x, self.small * x, self.empty.sum() + x, self.z_empty16.shape
+
+        with torch.device("meta"):
+            m = M()
+        with tiered.attach(m, tmp_path, ring_gb=0.05, device="cpu", io="pread", threads=3) as m:
+            with torch.no_grad():
+                b, s, e, z = m(torch.tensor(1.0))
+        assert torch.equal(b, src["big"].to(torch.bfloat16)) and bool(b.float().abs().sum() > 0)
+        assert torch.equal(s, src["small"].float())
+        assert float(e) == 1.0 and tuple(z) == (4, 0)
+

@@ -6,19 +6,32 @@ on the CPU with ``expert_cache_gb`` (host memory there) and compare with stock `
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import shutil
 import threading
 
 import pytest
 import torch
-import transformers
+from conftest import (
+    STOCK,
+    assert_cache_bytes,
+    assert_clean,
+    experts_read_fault,
+    greedy,
+    load_mix,
+    logits_of,
+    make_ids,
+)
 
 import tiered
-from tests import models
-from tiered.errors import ConfigError
+from tiered import faults
+from tiered.errors import ConfigError, ShardChangedError
 from tiered.expert_cache import ExpertCache
 
 GiB = 1 << 30
+E = 8  # experts per block of `mix` (the hostile tests)
 
 
 def _hit_rate(policy: str, slots: int, trace: list[list[list[int]]]) -> float:
@@ -96,17 +109,13 @@ def test_cache_bookkeeping():
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
+def mixtral(mix):
     # bf16 (see tests/test_experts.py: in fp32 a one-row product on the CPU rounds with the weight's address)
-    return models.mixtral(tmp_path_factory.mktemp("cache") / "m", num_experts=8, top_k=2, max_shard_size="200KB")
-
-
-def _ids(seed=0, shape=(2, 7)):
-    return torch.randint(0, models.VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+    return mix
 
 
 def _load(path, **kw):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+    ref = STOCK(path)
     layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in ref.model.layers)
     return tiered.load(path, ring_gb=layer * 0.6 / GiB, device="cpu", **kw), ref
 
@@ -114,7 +123,7 @@ def _load(path, **kw):
 @pytest.mark.parametrize("policy", ["layer", "lru"])
 def test_cached_experts_equal_stock_and_save_reads(mixtral, policy, monkeypatch):
     monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
-    ids = _ids()
+    ids = make_ids()
     m0, ref = _load(mixtral, expert_cache_gb=0)
     with m0:
         want = ref(ids).logits
@@ -123,8 +132,8 @@ def test_cached_experts_equal_stock_and_save_reads(mixtral, policy, monkeypatch)
         assert torch.equal(m0.generate(ids, max_new_tokens=6, do_sample=False), want_gen)
         s0 = tiered.stats(m0).snapshot()
         assert s0["expert_cache_slots"] == 0
-    e = m0._tiered.experts[0].spec.expert_bytes
-    total = sum(eg.spec.num_experts for eg in m0._tiered.experts)
+    e = tiered.stats(m0).placement.specs[0].expert_bytes
+    total = tiered.stats(m0).placement.experts_total
     assert total > 10
     m, _ = _load(mixtral, expert_cache_gb=10.5 * e / GiB)  # 10 of the model's experts
     with m:
@@ -142,14 +151,14 @@ def test_cached_experts_equal_stock_and_save_reads(mixtral, policy, monkeypatch)
 
 
 def test_cache_larger_than_the_experts_keeps_them_all(mixtral):
-    ids = _ids(1)
+    ids = make_ids(1)
     m, ref = _load(mixtral, expert_cache_gb=1.0)
     with m:
         want = ref(ids).logits
         for _ in range(3):
             assert torch.equal(m(ids).logits, want)
         s = tiered.stats(m).snapshot()
-        assert s["expert_cache_slots"] == sum(eg.spec.num_experts for eg in m._tiered.experts)  # capped at all of them
+        assert s["expert_cache_slots"] == tiered.stats(m).placement.experts_total  # capped at all of them
         read = s["experts_read"]
         assert torch.equal(m(ids).logits, want)
         assert tiered.stats(m).experts_read == read  # all hits now: nothing read
@@ -158,18 +167,18 @@ def test_cache_larger_than_the_experts_keeps_them_all(mixtral):
 def test_cache_with_threads(mixtral):
     """Model calls from threads and direct calls of experts modules share one cache: each result equals stock."""
     m, ref = _load(mixtral, expert_cache_gb=0.0001)
-    want = {s: ref(_ids(s)).logits for s in range(4)}
+    want = {s: ref(make_ids(s)).logits for s in range(4)}
     errors: list = []
 
     def run(seed):
         try:
             for _ in range(3):
-                assert torch.equal(m(_ids(seed)).logits, want[seed])
+                assert torch.equal(m(make_ids(seed)).logits, want[seed])
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
     with m:
-        assert m._tiered.expert_cache is not None
+        assert tiered.stats(m).expert_cache_slots > 0
         ts = [threading.Thread(target=run, args=(s,)) for s in range(4)]
         for t in ts:
             t.start()
@@ -183,3 +192,233 @@ def test_cache_with_threads(mixtral):
 def test_bad_expert_cache_gb(mixtral, bad):
     with pytest.raises(ConfigError, match="expert_cache_gb"):
         tiered.load(mixtral, ring_gb=0.01, device="cpu", expert_cache_gb=bad)
+
+
+# ---------------------------------------------------------------------------------------------- hostile
+
+
+def _slot_bytes(m) -> int:
+    return tiered.stats(m).placement.expert_slot_bytes
+
+
+def _sequence(m, a, b):
+    """The same calls for every model: a prefill, a batch-3 prefill, a greedy generate."""
+    with torch.no_grad():
+        out = [m(a).logits, m(b).logits]
+        out.append(greedy(m, a, 5))
+    return out
+
+
+@pytest.fixture(scope="module")
+def nocache(mix, stock, ring_rows):
+    """Outputs and experts read by a model without cache over :func:`_sequence`, and stock's outputs."""
+    a, b = make_ids(20, (2, 7)), make_ids(21, (3, 12))
+    want = _sequence(stock(mix, impl="grouped_mm"), a, b)
+    with load_mix(mix, ring_rows, expert_cache_gb=0) as m0:
+        got = _sequence(m0, a, b)
+        read = tiered.stats(m0).experts_read
+        slot = _slot_bytes(m0)
+        assert tiered.stats(m0).expert_cache_slots == 0
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert want[0].abs().sum() > 0
+    return {"a": a, "b": b, "want": want, "read": read, "slot": slot}
+
+
+class TestHostile:
+    """Budgets at and around slot boundaries, every experts implementation, Ctrl-C between a slot's admission and its
+    fill, a shard rewritten under cached experts, inference mode: outputs stay stock's bit for bit and every slot
+    the cache maps holds the right expert (on ``mix`` with row-read embedding and routed experts, ``ring_rows``).
+    A strict xfail for a slot served before it was filled after a Ctrl-C passes since the fix in expert_cache.py."""
+
+    @pytest.mark.parametrize("policy", ["layer", "lru"])
+    @pytest.mark.parametrize("slots", [0.5, 1, 1 - 1e-9, 2.5, 7, 3 * E - 1, 3 * E, 1e6])
+    def test_cache_budgets_equal_stock_and_stats_add_up(self, mix, stock, ring_rows, nocache, monkeypatch, policy, slots):
+        monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
+        slot = nocache["slot"]
+        gb = slots * slot / GiB
+        with load_mix(mix, ring_rows, expert_cache_gb=gb) as m:
+            want_slots = min(int(gb * GiB) // slot, 3 * E)
+            c = m._tiered.expert_cache
+            assert (c.slots if c is not None else 0) == want_slots
+            got = _sequence(m, nocache["a"], nocache["b"])
+            for g, w in zip(got, nocache["want"], strict=True):
+                assert torch.equal(g, w)
+            s = tiered.stats(m).snapshot()
+            assert s["expert_cache_slots"] == want_slots
+            assert s["expert_cache_hits"] + s["experts_read"] == nocache["read"]
+            assert s["expert_cache_hits"] + s["expert_cache_misses"] == (nocache["read"] if c is not None else 0)
+            if c is not None:
+                assert c.policy == policy and len(c.where) <= c.slots
+                assert s["expert_cache_hits"] > 0 or want_slots < 7
+                assert_cache_bytes(m, stock(mix))
+            if want_slots >= 3 * E:  # everything cached after the first call that routed to every expert
+                assert s["experts_read"] == 3 * E
+            assert_clean(m)
+
+
+    @pytest.mark.parametrize(("impl", "policy"), [("eager", "layer"), ("grouped_mm", "layer"), ("batched_mm", "layer"),
+                                                  ("grouped_mm", "lru"), ("batched_mm", "lru")])
+    def test_cache_prefill_all_experts_then_decode_every_impl(self, mix, stock, ring_rows, monkeypatch, impl, policy):
+        """A prefill routing to every expert of every block (batch 3), then greedy decoding, in each
+        experts_implementation, with a cache smaller than one block's experts."""
+        monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
+        ref = stock(mix, impl=impl)
+        ids = make_ids(30, (3, 16))
+        want = logits_of(ref, ids)
+        want_gen = greedy(ref, ids, 4)
+        with load_mix(mix, ring_rows, expert_cache_gb=5 * 36864 / GiB) as m, torch.no_grad():
+            m.set_experts_implementation(impl)
+            assert tiered.stats(m).expert_cache_slots == 5
+            before = tiered.stats(m).experts_read
+            assert torch.equal(m(ids).logits, want)
+            assert tiered.stats(m).experts_read - before > 2 * E  # the prefill routed to (nearly) every expert
+            assert torch.equal(greedy(m, ids, 4), want_gen)
+            assert torch.equal(m(ids).logits, want)
+            assert_cache_bytes(m, ref)
+            assert_clean(m)
+
+
+    @pytest.mark.parametrize("policy", ["layer", "lru"])
+    @pytest.mark.parametrize("n_ok", [0, 2, 5])
+    @pytest.mark.parametrize("slots", [3, 3 * E])
+    def test_cache_ctrl_c_in_the_reader_then_consistent(self, mix, stock, ring_rows, monkeypatch, policy, n_ok, slots):
+        """Ctrl-C in a reader thread mid-call (tiered.faults 'read'): the next call equals stock, every slot the
+        cache maps holds the right expert, and its hits + reads equal what a cache-less model reads for that call."""
+        monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
+        ref = stock(mix, impl="grouped_mm")
+        first, second = make_ids(40, (2, 6)), make_ids(41, (2, 6))
+        want = logits_of(ref, second)
+        with load_mix(mix, ring_rows, expert_cache_gb=0) as m0, torch.no_grad():
+            r0 = tiered.stats(m0).experts_read
+            m0(second)
+            per_call = tiered.stats(m0).experts_read - r0
+        with load_mix(mix, ring_rows, expert_cache_gb=slots * 36864 / GiB) as m, torch.no_grad():
+            assert tiered.stats(m).expert_cache_slots == slots
+            m(first)
+            fn, state = experts_read_fault(n_ok)
+            with faults.inject("read", fn), pytest.raises(KeyboardInterrupt):
+                m(second)
+            assert state["fired"]
+            assert_clean(m)
+            assert_cache_bytes(m, ref)
+            s0 = tiered.stats(m).snapshot()
+            assert torch.equal(m(second).logits, want)
+            s1 = tiered.stats(m).snapshot()
+            assert (s1["expert_cache_hits"] - s0["expert_cache_hits"]) + (s1["experts_read"] - s0["experts_read"]) == per_call
+            assert_cache_bytes(m, ref)
+            assert torch.equal(m(second).logits, want)
+
+
+    @pytest.mark.parametrize("policy", ["layer", "lru"])
+    def test_cache_slot_admitted_but_not_filled_is_never_served(self, mix, stock, ring_rows, monkeypatch, policy):
+        """Ctrl-C (or any exception) after ``admit`` gave a slot and before the expert's bytes are in it."""
+        monkeypatch.setattr(tiered.expert_cache, "POLICY", policy)
+        ref = stock(mix, impl="grouped_mm")
+        ids = make_ids(50)
+        want = logits_of(ref, ids)
+        with load_mix(mix, ring_rows, expert_cache_gb=1.0) as m, torch.no_grad():
+            c = m._tiered.expert_cache
+            c.store.fill_(0x3C)  # what a slot holds before it is filled: another expert's bytes, or anything
+            real_admit, real_view = c.admit, c.view
+            state = {"admitted": False, "fired": False}
+
+            def admit(*a, **k):
+                s = real_admit(*a, **k)
+                state["admitted"] |= s is not None
+                return s
+
+            def view(*a, **k):
+                if state["admitted"] and not state["fired"]:
+                    state["fired"] = True
+                    raise KeyboardInterrupt  # arrives between admit() and the copy into the slot
+                return real_view(*a, **k)
+
+            monkeypatch.setattr(c, "admit", admit)
+            monkeypatch.setattr(c, "view", view)
+            with pytest.raises(KeyboardInterrupt):
+                m(ids)
+            monkeypatch.setattr(c, "admit", real_admit)
+            monkeypatch.setattr(c, "view", real_view)
+            assert_clean(m)
+            assert torch.equal(m(ids).logits, want)
+            assert_cache_bytes(m, ref)
+
+
+    def test_cache_shard_rewritten_under_the_model(self, mix, stock, ring_rows, tmp_path):
+        """A shard holding cached experts is rewritten: every call (model or direct, all hits included) raises
+        ShardChangedError, never a stale hit; once the original bytes and mtime are back, outputs equal stock."""
+        path = tmp_path / "m"
+        shutil.copytree(mix, path)
+        ref = stock(mix, impl="grouped_mm")
+        ids = make_ids(60)
+        want = logits_of(ref, ids)
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        idx, w = torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 2, dtype=torch.bfloat16)
+        with load_mix(path, ring_rows, expert_cache_gb=1.0) as m, torch.no_grad():
+            assert torch.equal(m(ids).logits, want)
+            eg = m._tiered.experts[1]
+            ex = eg.spec.module
+            want_ex = ref.get_submodule(eg.spec.name)(x, idx, w)
+            assert torch.equal(ex(x, idx, w), want_ex)  # experts 0..2 of block 1 are cached now
+            read = tiered.stats(m).experts_read
+            assert torch.equal(ex(x, idx, w), want_ex)
+            assert tiered.stats(m).experts_read == read  # all hits
+            info = eg.spec.parts[0].per[1][0][0]  # expert 1's first source tensor
+            f = info.file
+            st = os.stat(f)
+            with open(f, "r+b") as fh:
+                fh.seek(info.offset)
+                orig = fh.read(info.nbytes)
+                fh.seek(info.offset)
+                fh.write(bytes(b ^ 0x40 for b in orig))  # different weights, same size
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            for _ in range(2):
+                with pytest.raises(ShardChangedError, match=re.escape(f.name)):
+                    ex(x, idx, w)
+                with pytest.raises(ShardChangedError):
+                    m(ids)
+                assert_clean(m)
+            with open(f, "r+b") as fh:
+                fh.seek(info.offset)
+                fh.write(orig)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+            assert torch.equal(ex(x, idx, w), want_ex)
+            assert torch.equal(m(ids).logits, want)
+            assert_cache_bytes(m, ref)
+
+
+    @pytest.mark.parametrize("cache_gb", [0, 1.0])
+    def test_cache_and_rows_under_inference_mode_then_grad_mode(self, mix, stock, ring_rows, cache_gb):
+        """Slots filled under torch.inference_mode() are served outside it and with grad enabled: equal to stock."""
+        ref = stock(mix, impl="grouped_mm")
+        ids = make_ids(62)
+        want = logits_of(ref, ids)
+        with load_mix(mix, ring_rows, expert_cache_gb=cache_gb) as m:
+            with torch.inference_mode():
+                assert torch.equal(m(ids).logits, want)
+                assert torch.equal(m(ids).logits, want)
+            with torch.no_grad():
+                assert torch.equal(m(ids).logits, want)
+            with torch.enable_grad():
+                assert torch.equal(m(ids).logits.detach(), want)
+            assert_clean(m)
+            if cache_gb:
+                assert tiered.stats(m).expert_cache_hits > 0
+                assert_cache_bytes(m, ref)
+
+
+    @pytest.mark.parametrize("bad", [True, float("inf"), -1e-9, [1]])
+    def test_cache_bad_budgets_refused(self, mix, bad):
+        with pytest.raises(tiered.ConfigError, match="expert_cache_gb"):
+            tiered.load(mix, ring_gb=0.01, device="cpu", expert_cache_gb=bad)
+
+
+    def test_cache_ignored_when_nothing_is_routed(self, mix, stock):
+        """The whole model fits the ring: nothing routed, no cache, equal to stock."""
+        ref = stock(mix, impl="grouped_mm")
+        ids = make_ids(61)
+        with tiered.load(mix, ring_gb=1.0, device="cpu", expert_cache_gb=1.0) as m, torch.no_grad():
+            assert tiered.stats(m).expert_cache_slots == 0 and tiered.stats(m).expert_modules == 0
+            assert torch.equal(m(ids).logits, logits_of(ref, ids))
+

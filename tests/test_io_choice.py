@@ -98,10 +98,10 @@ def test_auto_keeps_a_page_cache_tier_in_the_room_the_limit_leaves(ckpts: Checkp
         monkeypatch.setattr(tiered.machine, "page_cache_room", lambda room=room: (room, "cgroup /x memory.max=1"))
         with tiered.load(d, device="cpu", ring_gb=0.0002, io="auto") as m, torch.no_grad():
             s = tiered.stats(m)
-            assert m._tiered.reader.io == "direct"
-            st = m._tiered.streamer
-            tier = set(st.loader.mapped)
-            assert s.page_cache_units == len(tier) and tier <= set(st.streamed)
+            p = s.placement
+            assert p.io == "direct"
+            tier = set(p.mapped)
+            assert s.page_cache_units == len(tier) and tier <= set(p.host) | set(p.streamed)
             assert torch.equal(m(ids).logits, want)
             seen[room] = (len(tier), s.page_cache_bytes)
     assert seen[total - 1][0] >= 1 and 0 < seen[total - 1][1] < total

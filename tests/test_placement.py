@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import tiered
 from tests import models
 from tiered import policy
 from tiered.cli import _plan_for
+from tiered.errors import ConfigError
+from tiered.hostmem import PAGE_SIZE, page_up
 from tiered.placement import GBPS, place_here, predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,3 +372,158 @@ def test_golden_cuda_decisions(ckpts, model):
                     if got.get(k) != r["decisions"].get(k)}
             bad.append((r["case"]["id"], diff))
     assert not bad, bad[:3]
+
+
+# ---------------------------------------------------------------------------------------------- hostile
+
+
+def _place_cuda(d, **kw):
+    """``place_here`` for CUDA (explicit ``gpu_gb``, 0 unless given; ``ring_gb`` 0.01 unless given)."""
+    config, ckpt, plan = _plan_for(d, None, "cuda")
+    kw.setdefault("ring_gb", 0.01)
+    kw.setdefault("gpu_gb", 0)
+    return place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, config=config, **kw), plan
+
+
+def _host_bytes_sweep(sizes: list[int], resident: set[int] = frozenset()) -> list[tuple[int, int]]:
+    plan = SimpleNamespace(units=[SimpleNamespace(index=i, nbytes=s) for i, s in enumerate(sizes)])
+    total = sum(page_up(s) for i, s in enumerate(sizes) if i not in resident)
+    out = []
+    for b in range(0, total + 2 * PAGE_SIZE, PAGE_SIZE):
+        host = policy.choose_host(plan, set(resident), set(), sizes, b / GiB)
+        assert sum(page_up(sizes[i]) for i in host) <= b
+        out.append((b, sum(page_up(sizes[i]) for i in host)))
+    return out
+
+
+def _drops(sweep):
+    return [(b0, u0, b1, u1) for (b0, u0), (b1, u1) in zip(sweep, sweep[1:], strict=False) if u1 < u0]
+
+
+class TestHostileHostTier:
+    """The host tier spread over the execution order (tiered/policy.py ``choose_host``, tiered/placement.py ``place``)
+    at edge budgets: a subset of what streams, within the budget, all when they fit, none when none fits; bad
+    budgets refused. Two strict xfails record a known limitation (more budget can hold fewer bytes)."""
+
+    @pytest.mark.parametrize("name", ["llama", "mixtral"])
+    @pytest.mark.parametrize("embedding_rows", [False, True])
+    @pytest.mark.parametrize("gpu_frac", [0, 0.4])
+    def test_host_tier_invariants_at_edge_budgets(self, ckpts, name, embedding_rows, gpu_frac):
+        """For budgets 0, 1 byte, below the smallest unit, every prefix of the execution order (and one byte either
+        side), the total minus one byte, the total, and far more: the host tier is a subset of the units that would
+        stream, never more than the budget (page-rounded, with its experts), takes them all when they fit, takes none
+        when none fits, leaves no unit out that still fits, and leaves the resident units as they were."""
+        d = ckpts[name]
+        _, whole = _place_cuda(d, embedding_rows=embedding_rows)
+        gpu_gb = gpu_frac * sum(u.nbytes for u in whole.units) / GiB  # 0.4: some units resident, the rest streamed
+        p0, plan0 = _place_cuda(d, embedding_rows=embedding_rows, gpu_gb=gpu_gb)
+        assert not p0.host
+        cand = set(p0.streamed)
+        need = {i: page_up(plan0.units[i].nbytes) for i in cand}
+        assert cand and (gpu_frac == 0 or p0.resident)
+        total = sum(need.values())
+        order = [i for i in range(len(plan0.units)) if i in cand]
+        prefixes = [sum(need[i] for i in order[:k]) for k in range(1, len(order) + 1)]
+        budgets = {0, 1, min(need.values()) - 1, total - 1, total, total + 1, 64 * total}
+        budgets |= {b + e for b in prefixes for e in (-1, 0, 1)}
+        for b in sorted(x for x in budgets if x >= 0):
+            p, plan = _place_cuda(d, embedding_rows=embedding_rows, gpu_gb=gpu_gb, host_gb=b / GiB)
+            host = set(p.host)
+            used = sum(need[i] for i in host)
+            assert sorted([*p.resident, *p.host, *p.streamed, *p.rows]) == list(range(len(plan.units))), b
+            assert p.resident == p0.resident and p.rows == p0.rows, b
+            assert host <= cand, (b, host - cand)
+            assert used + p.host_expert_bytes <= b, (b, used, p.host_expert_bytes)
+            assert all(page_up(plan.units[i].nbytes) == need[i] for i in host)
+            if b >= total:
+                assert host == cand, (b, total, cand - host)
+            if b < min(need.values()):
+                assert not host, b
+            if b == total - 1:
+                assert host != cand
+            left = [i for i in cand - host if used + need[i] <= b]
+            assert not left, f"budget {b}: units {left} still fit beside {sorted(host)} ({b - used} bytes left)"
+
+
+    def test_host_tier_spread_is_even_for_equal_units(self):
+        """N equal units, a budget of k of them: exactly k taken, and every prefix of the execution order holds its
+        even share k*m/N of them to within one unit (the spread the change promises)."""
+        n = 3 * PAGE_SIZE
+        for N in range(1, 17):
+            plan = SimpleNamespace(units=[SimpleNamespace(index=i, nbytes=n) for i in range(N)])
+            for k in range(N + 1):
+                host = policy.choose_host(plan, set(), set(), [n] * N, k * n / GiB)
+                assert len(host) == k, (N, k, sorted(host))
+                c = 0
+                for m in range(1, N + 1):
+                    c += (m - 1) in host
+                    assert abs(c - k * m / N) <= 1, (N, k, sorted(host))
+
+
+    @pytest.mark.xfail(strict=True, reason="known limitation (2026-12-01): the host tier spread over the execution order, "
+                       "and the first-fit choice it falls back to, are not monotone in bytes when unit sizes differ a lot (a "
+                       "larger budget can hold fewer bytes); bytes in the host tier matter only while reads bound the pass")
+    def test_more_host_budget_never_puts_fewer_bytes_in_the_host_tier_huge_next_to_tiny(self):
+        """Huge units next to tiny ones (an embedding or lm_head beside small layers): raising ``host_gb`` must never
+        leave fewer bytes in the host tier (every byte there is a byte not read per pass: fewer is slower, and
+        ``tiered inspect`` would predict a slower model for more memory). Budgets swept one page at a time."""
+        sizes = [1846, 1_000_000, 4788, 2776, 3_000_000, 12288, 1_000_000, 3_000_000]
+        drops = _drops(_host_bytes_sweep(sizes))
+        worst = max(drops, key=lambda x: x[1] - x[3], default=None)
+        assert not drops, (f"{len(drops)} budget steps of one page put fewer bytes in the host tier; worst: host_gb "
+                           f"{worst[0]} B holds {worst[1]} B but {worst[2]} B holds {worst[3]} B")
+
+
+    @pytest.mark.xfail(strict=True, reason="known limitation (2026-12-01): the host tier spread over the execution order, "
+                       "and the first-fit choice it falls back to, are not monotone in bytes when unit sizes differ a lot (a "
+                       "larger budget can hold fewer bytes); bytes in the host tier matter only while reads bound the pass")
+    def test_more_host_budget_never_puts_fewer_bytes_in_the_host_tier_through_place(self, ckpts):
+        """The same through ``place`` on the MoE checkpoint (units and whole blocks of experts, page-rounded), budgets
+        swept one page at a time up to the streamed units' total."""
+        d = ckpts["mixtral"]
+        p0, plan0 = _place_cuda(d, embedding_rows=False)
+        total = sum(page_up(plan0.units[i].nbytes) for i in p0.streamed)
+        sweep = []
+        for b in range(0, total + 2 * PAGE_SIZE, PAGE_SIZE):
+            p, plan = _place_cuda(d, embedding_rows=False, host_gb=b / GiB)
+            sweep.append((b, sum(page_up(plan.units[i].nbytes) for i in p.host) + p.host_expert_bytes))
+            assert sweep[-1][1] <= b
+        drops = _drops(sweep)
+        assert not drops, f"more host_gb, fewer bytes in the host tier (budget, bytes, budget, bytes): {drops}"
+
+
+    def test_place_with_zero_host_gb_takes_nothing_and_refuses_a_negative_one(self, ckpts):
+        for host_gb in (0, 0.0, -0.0):
+            p, _ = _place_cuda(ckpts["mixtral"], host_gb=host_gb)
+            assert not p.host and p.host_bytes == 0 and p.host_expert_modules == 0 and p.host_expert_bytes == 0
+        with pytest.raises(ConfigError, match="host_gb"):  # as tiered.load refuses it
+            _place_cuda(ckpts["mixtral"], host_gb=-1.0)
+
+
+    def test_a_budget_for_all_units_and_experts_takes_every_expert_block(self, ckpts):
+        """A host budget holding every streamed unit and every routed block's experts (page-rounded) takes all of them;
+        one byte less leaves one block of experts out (units come first)."""
+        d = ckpts["mixtral"]
+        p0, plan0 = _place_cuda(d)
+        assert p0.expert_modules >= 2
+        units = sum(page_up(plan0.units[i].nbytes) for i in p0.streamed)
+        big, _ = _place_cuda(d, host_gb=64 * units / GiB)
+        assert big.host_expert_modules == big.expert_modules
+        everything = units + big.host_expert_bytes
+        p, _ = _place_cuda(d, host_gb=everything / GiB)
+        assert set(p.host) == set(p0.streamed) and p.host_expert_modules == p.expert_modules
+        q, _ = _place_cuda(d, host_gb=(everything - 1) / GiB)
+        assert set(q.host) == set(p0.streamed) and q.host_expert_modules == q.expert_modules - 1
+        assert q.host_expert_bytes < p.host_expert_bytes
+
+
+
+def test_inspect_prints_the_placement_load_builds(dirs):
+    """`tiered inspect` (place_here on this machine) and tiered.stats(model).placement (what the load built) are the
+    same value, field for field, for the same options."""
+    d = dirs["mixtral"]
+    for kw in ({"ring_gb": 0.001, "host_gb": 0.0005}, {"ring_gb": 1.0}, {"ring_gb": 0.001, "zero_copy": False}):
+        with tiered.load(d, device="cpu", **kw) as m:
+            built = tiered.stats(m).placement.as_dict()
+        p, _ = _place(d, "cpu", **kw)
+        assert p.as_dict() == built, kw

@@ -20,6 +20,7 @@ import models
 import pytest
 import torch
 import transformers
+from conftest import ring_below_layer
 from safetensors.torch import load_file
 
 import tiered
@@ -97,16 +98,6 @@ def _stock(d: Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(d).eval()
 
 
-def _ring_below_layer(ref: transformers.PreTrainedModel) -> float:
-    """A ring smaller than the largest MoE layer that holds every layer without its routed experts (GiB)."""
-    layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in ref.model.layers)
-    dense = max(sum(-(-p.numel() * p.element_size() // 64) * 64 for n, p in lay.named_parameters()
-                    if ".experts." not in f".{n}" or "shared" in n) for lay in ref.model.layers)
-    ring = max(layer * 0.6, -(-dense // 4096) * 4096 + 4096)
-    assert ring < layer
-    return ring / 2**30
-
-
 # ---------------------------------------------------------------------------------------------- layout
 
 
@@ -175,7 +166,7 @@ def test_resharded_experts_equal_stock_on_the_original(ckpts, fused, tmp_path: P
     stock = _stock(dst)
     assert torch.equal(stock(ids).logits, want)
     assert torch.equal(stock.generate(ids, max_new_tokens=5, do_sample=False), want_gen)
-    ring = _ring_below_layer(ref)
+    ring = ring_below_layer(ref)
     layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in ref.model.layers)
     for kw in ({}, {"zero_copy": False}, {"routed_experts": False}):
         # experts read whole: a ring of a few layers (each unit whole), still less than the model
@@ -200,7 +191,7 @@ def test_reader_requests_per_expert(ckpts, fused, tmp_path: Path) -> None:
     per stacked tensor. The bytes are the same either way (the equality tests above)."""
     dst = tmp_path / "out"
     tiered.reshard(ckpts["mixtral"], dst, quiet=True)
-    ring = _ring_below_layer(_stock(dst))
+    ring = ring_below_layer(_stock(dst))
 
     def requests(d: Path, ids: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
         with tiered.load(d, ring_gb=ring, device="cpu") as m:

@@ -1,17 +1,26 @@
-"""The ring allocator: slots never overlap, stay inside the ring, and back-pressure wakes on free."""
+"""The ring allocator: slots never overlap, stay inside the ring, and back-pressure wakes on free; the ring in host
+memory: sized against what the host (and its cgroups) has available, untouched until used, balanced after passes."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from conftest import ROOT, make_ids, run_child, stream
 
-from tiered.errors import RingTooSmallError
+from tiered.errors import HostMemoryError, RingTooSmallError, TieredError
+from tiered.format import encode_header
+from tiered.hostmem import PAGE_SIZE, host_memory_available
 from tiered.ring import Ring
 
 PAGE = 4096
+GiB = 1 << 30
+MiB = 1 << 20
 
 
 def test_random_fifo_and_out_of_order_frees_never_overlap() -> None:
@@ -62,3 +71,110 @@ def test_unit_larger_than_ring_names_it() -> None:
     with pytest.raises(RingTooSmallError, match="model.layers.7"):
         ring.alloc(5 * PAGE, "model.layers.7")
     ring.close()
+
+
+# ---------------------------------------------------------------------------------------------- the ring in host memory
+
+
+def _fake_tree(tmp_path: Path, avail_kib: int, groups: dict[str, tuple[str, int, int]]) -> tuple[str, str]:
+    """A fake /proc (MemAvailable) and cgroup v2 tree: path -> (memory.max, memory.current, file bytes)."""
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {avail_kib} kB\n")
+    leaf = max(groups, key=len)
+    (proc / "self" / "cgroup").write_text(f"0::{leaf}\n")
+    for path, (mx, cur, file) in groups.items():
+        g = cg / path.strip("/")
+        g.mkdir(parents=True, exist_ok=True)
+        (g / "memory.max").write_text(mx + "\n")
+        (g / "memory.current").write_text(f"{cur}\n")
+        (g / "memory.stat").write_text(f"anon {cur - file}\nfile {file}\n")
+    return str(proc), str(cg)
+
+
+def test_host_memory_available_takes_the_tightest_parent_cgroup(tmp_path: Path) -> None:
+    proc, cg = _fake_tree(tmp_path, 20 * 1024 * 1024, {
+        "/": ("max", 5 * GiB, 0),
+        "/outer": (str(3 * GiB), 2 * GiB, GiB // 2),  # 3 - 2 + 0.5 = 1.5 GiB left: the tightest
+        "/outer/inner": ("max", GiB, 0),
+    })
+    avail, where = host_memory_available(proc=proc, cgroup_root=cg)
+    assert avail == 3 * GiB // 2 and "/outer" in where and "inner" not in where
+
+
+def test_host_memory_available_meminfo_when_no_limit(tmp_path: Path) -> None:
+    proc, cg = _fake_tree(tmp_path, 1024 * 1024, {"/a": ("max", GiB, 0)})
+    assert host_memory_available(proc=proc, cgroup_root=cg) == (GiB, "MemAvailable")
+
+
+TOO_BIG_RING = """
+import resource, sys, torch, tiered
+from torch import nn
+resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # the old code's ring would fail or OOM here
+d, ring_gb = sys.argv[1], float(sys.argv[2])
+class Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32768, 32768, bias=False) for _ in range(int(sys.argv[3])))
+with torch.device("meta"):
+    m = Big()
+try:
+    tiered.attach(m, d, ring_gb=ring_gb, device="cpu")
+except tiered.TieredError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_ring_larger_than_available_memory_is_refused_before_allocation(tmp_path: Path) -> None:
+    avail, _ = host_memory_available()
+    if avail is None:
+        pytest.skip("no /proc/meminfo")
+    layer = 32768 * 32768 * 4  # 4 GiB of fp32 per block
+    n = int(avail // layer) + 3
+    tensors = [(f"blocks.{i}.weight", torch.float32, (32768, 32768), layer) for i in range(n)]
+    head = encode_header(tensors, {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
+        f.write(head)
+        f.truncate(len(head) + n * layer)
+    ring_gb = (avail + GiB) / GiB
+    r = run_child(TOO_BIG_RING, str(tmp_path), str(ring_gb), str(n))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("HostMemoryError") and "ring_gb <=" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_ring_pages_are_not_touched_at_creation() -> None:
+    from tiered.ring import Ring
+    from tiered.stats import proc_status
+
+    before = proc_status()["VmRSS"]
+    ring = Ring(GiB // 2)
+    grew = proc_status()["VmRSS"] - before
+    ring.close()
+    assert grew < 32 * MiB, f"creating a 512 MiB ring grew RSS by {grew / MiB:.0f} MiB"
+
+
+def test_host_memory_error_is_a_tiered_and_memory_error() -> None:
+    assert issubclass(HostMemoryError, TieredError) and issubclass(HostMemoryError, MemoryError)
+
+
+def test_streaming_many_passes_keeps_the_ring_balanced(llama_ref) -> None:
+    d, want = llama_ref
+    with stream(d) as m, torch.no_grad():
+        ring = m._tiered.ring
+        for _ in range(5):
+            assert torch.equal(m(make_ids(0, (2, 10))).logits, want)
+        m._tiered.streamer.loader.close()  # stop prefetching: what is left in the ring is a leak
+        for f in list(m._tiered.streamer.pending.values()):
+            m._tiered.streamer.loader.discard(f)
+        m._tiered.streamer.pending.clear()
+        time.sleep(0.1)
+        assert ring.used == 0, f"{ring.used} bytes of the ring still allocated after every pass ended"
+
+
+def test_page_size_has_one_definition() -> None:
+    import mmap
+
+    assert PAGE_SIZE == mmap.PAGESIZE
+    src = "\n".join((ROOT / "tiered" / f).read_text() for f in os.listdir(ROOT / "tiered") if f.endswith(".py"))
+    assert "4095" not in src and "// 4096" not in src and "mmap.PAGESIZE" in (ROOT / "tiered/hostmem.py").read_text()
+

@@ -14,7 +14,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import models
 import pytest
+import torch
+import transformers
+from conftest import run_child
+from models import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -135,3 +140,46 @@ def test_exit_without_close_is_clean(tall_checkpoint: Path) -> None:
     for _ in range(3):
         r = _run(tall_checkpoint, drop=False)  # asserts exit status 0
         assert r["nonzero"]
+
+
+# ---------------------------------------------------------------------------------------------- hostile
+
+
+RSS_CHILD = """
+import json, sys, torch, transformers, tiered
+transformers.MixtralForCausalLM
+from tiered.stats import proc_status
+d = sys.argv[1]
+torch.set_num_threads(2)
+ids = torch.tensor([[3]])
+base = proc_status()["VmRSS"]
+m = tiered.load(d, device="cpu", ring_gb=float(sys.argv[2]))
+with torch.no_grad():
+    for _ in range(3):
+        m(ids)
+s = tiered.stats(m).snapshot()
+print(json.dumps({"growth": proc_status()["VmHWM"] - base, "experts": s["expert_modules"],
+                  "read": s["experts_read"], "mapped": s["mapped_units"]}))
+"""
+
+
+class TestHostile:
+    """Routed experts: one-token passes hold a call's routed experts, not the model's (in a child process)."""
+
+    def test_rss_bound_with_routed_experts_one_token(self, tmp_path):
+        """fp32 Mixtral, 16 experts of 3 MiB x 4 layers (192 MiB of experts): three one-token passes may hold 2 experts
+        per call, so peak RSS growth stays far below the experts' total (the runtime's own growth on a first forward,
+        thread stacks and allocator arenas included, measured 37-50 MiB on the 2-core CI machine)."""
+        cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=16,
+                                         num_experts_per_tok=2, max_position_embeddings=64)
+        d = tmp_path / "big_moe"
+        models.save_model(transformers.MixtralForCausalLM(cfg), d, seed=1, dtype=torch.float32, max_shard_size="8MB")
+        total = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+        assert total > 180 << 20
+        out = run_child(RSS_CHILD, str(d), str(4 / 1024), timeout=240)  # 4 MiB ring: well below one layer (48 MiB of experts)
+        assert out.returncode == 0, out.stderr[-3000:]
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["experts"] == 4 and r["read"] <= 3 * 4 * 2, r
+        assert r["growth"] < total // 2, f"peak RSS grew {r['growth'] >> 20} MiB for {total >> 20} MiB of weights: {r}"
+

@@ -11,20 +11,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import models
 import pytest
 import torch
 import transformers
-from conftest import Checkpoints
-from models import VOCAB
+from conftest import Checkpoints, make_ids, run_child
 
 import tiered
+from tiered import faults
+from tiered.errors import StreamerError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RING = 64 * 1024 / 2**30  # 64 KiB: smaller than any test model's largest unit
-
-
-def _ids(seed: int, shape=(2, 7)) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("name", ["llama_fp32", "llama", "gptj", "gpt2", "llama_tied_single"])
@@ -38,9 +36,9 @@ def test_equal_to_stock_with_a_ring_smaller_than_any_unit(name: str, ckpts: Chec
         s = tiered.stats(m)
         assert s.mapped_units >= s.units - 2 and s.resident_units == 0, s  # (an embedding may read rows instead)
         for shape in ((1, 1), (2, 7)):
-            ids = _ids(1, shape)
+            ids = make_ids(1, shape)
             assert torch.equal(m(ids).logits, ref(ids).logits), shape
-        ids = _ids(2, (1, 5))
+        ids = make_ids(2, (1, 5))
         assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False),
                            ref.generate(ids, max_new_tokens=6, do_sample=False))
         # between passes no streamed parameter is bound: the placeholders are back
@@ -54,15 +52,13 @@ def test_bert_encoder(ckpts: Checkpoints) -> None:
     ref = transformers.AutoModel.from_pretrained(d)
     with tiered.load(d, device="cpu", ring_gb=TINY_RING) as m, torch.no_grad():
         assert tiered.stats(m).mapped_units > 0
-        ids = _ids(3)
+        ids = make_ids(3)
         assert torch.equal(m(ids).last_hidden_state, ref(ids).last_hidden_state)
 
 
 def test_a_unit_larger_than_the_ring(tmp_path: Path) -> None:
     """An untied lm_head of 8192 x 64 fp32 (2 MiB) with a 0.5 MiB ring: zero copy runs it, equal to stock; the
     ring path refuses it, naming the unit (issue 8, capability 1, on the CPU)."""
-    import models
-
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
@@ -85,7 +81,7 @@ def test_converted_units_still_use_the_ring(ckpts: Checkpoints) -> None:
     with tiered.load(d, device="cpu", ring_gb=0.002, dtype=torch.bfloat16) as m, torch.no_grad():
         s = tiered.stats(m)
         assert s.mapped_units == 0  # fp32 on disk, bf16 in the model: every unit casts
-        ids = _ids(4)
+        ids = make_ids(4)
         assert torch.equal(m(ids).logits, ref(ids).logits)
         assert tiered.stats(m).ring_high_water > 0
 
@@ -95,7 +91,7 @@ def test_zero_copy_off_is_the_ring(ckpts: Checkpoints) -> None:
     ref = transformers.AutoModelForCausalLM.from_pretrained(d)
     with tiered.load(d, device="cpu", ring_gb=0.002, zero_copy=False) as m, torch.no_grad():
         assert tiered.stats(m).mapped_units == 0
-        ids = _ids(5)
+        ids = make_ids(5)
         assert torch.equal(m(ids).logits, ref(ids).logits)
 
 
@@ -128,3 +124,125 @@ def test_shard_truncated_under_a_mapped_unit_is_an_error_not_sigbus(ckpts: Check
                          cwd=ROOT)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert "TRUNCATED True" in out.stdout or "STREAMER TruncatedShardError True" in out.stdout, out.stdout
+
+
+# ---------------------------------------------------------------------------------------------- hostile
+
+
+PLAIN_CHILD = """
+import os, sys, torch, tiered
+from torch import nn
+from safetensors.torch import save_file
+torch.set_num_threads(2)
+
+class Pos(nn.Module):  # a position table returning a view of its weight (as binding.copy_out_aliases describes)
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(64, 32))
+    def forward(self, x):
+        return self.table[: x.shape[1]]
+
+class Net(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32)) for _ in range(3)])
+        self.pos = Pos()
+        self.emb = nn.Embedding(50, 32, max_norm=0.5)
+    def forward(self, x):
+        if self.mode == "alias":
+            return self.pos(x)
+        if self.mode == "batchnorm":  # train mode: running stats are updated in place
+            h = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+            for b in self.blocks:
+                h = b(h)
+            return h
+        return self.emb(x)  # max_norm: F.embedding renormalises the looked-up rows of the weight in place
+
+work = sys.argv[1]
+for zc in sys.argv[2].split(","):
+    for mode in ("alias", "batchnorm", "max_norm"):
+        print("case", mode, zc, flush=True)  # the last one printed is the one that crashed, if any
+        d = os.path.join(work, mode + zc); os.makedirs(d)
+        torch.manual_seed(0)
+        ref = Net(mode)
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, d + "/model.safetensors")
+        with torch.device("meta"):
+            net = Net(mode)
+        m = tiered.attach(net, d, device="cpu", ring_gb=16 * 1024 / 2**30, zero_copy=zc == "1", embedding_rows=False)
+        assert (tiered.stats(m).mapped_units > 0) == (zc == "1")
+        x = torch.tensor([[1, 2, 3, 7]])
+        if mode == "batchnorm":
+            m.train(); ref.train()
+        for _ in range(2):
+            out, want = m(x), ref(x)
+            if mode == "alias":
+                assert torch.equal(out, want)
+                out.add_(1.0)  # the caller owns its output
+                assert torch.equal(m(x), want), "a write into an output changed the weights"
+        m.close()
+        print("ok", mode, zc, flush=True)
+print("DONE", flush=True)
+"""
+
+
+class TestHostile:
+    """Ctrl-C while a mapped unit's views are built, and writes into what zero copy maps (an output aliasing a
+    weight, BatchNorm's running stats in train mode, Embedding(max_norm)) — in a child process, where a SIGSEGV on
+    the read-only mapping fails the test. "Regression:" failed on commit 60471ee (fixed: reader.py MAP_PRIVATE,
+    stage.py ``owns`` knows the shard mappings)."""
+
+    @pytest.mark.parametrize("point", ["read", "stage"])
+    def test_ctrl_c_while_mapping_a_zero_copy_unit(self, ckpts, point):
+        """KeyboardInterrupt on the loader thread while it builds a mapped unit's views (Loader._map)."""
+        d = ckpts["llama"]
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d)
+        ids = make_ids(7)
+        with tiered.load(d, device="cpu", ring_gb=TINY_RING) as m, torch.no_grad():
+            assert tiered.stats(m).mapped_units > 0
+            hit = {"n": 0}
+
+            def boom(**kw):
+                if hit["n"] == 0 and "layers.1" in str(kw.get("unit")):
+                    hit["n"] += 1
+                    raise KeyboardInterrupt
+
+            with faults.inject(point, boom), pytest.raises(BaseException) as e:
+                m(ids)
+            assert isinstance(e.value, (KeyboardInterrupt, StreamerError)), e.value
+            for _ in range(2):
+                assert torch.equal(m(ids).logits, ref(ids).logits)
+
+
+    def test_writes_are_fine_through_the_ring(self, tmp_path):
+        out = run_child(PLAIN_CHILD, str(tmp_path), "0", timeout=120)
+        assert out.returncode == 0 and "DONE" in out.stdout, (out.returncode, out.stdout[-500:], out.stderr[-2000:])
+
+
+    def test_writes_into_mapped_weights_and_aliasing_outputs_do_not_crash(self, tmp_path):
+        """Regression (SIGSEGV on 60471ee): zero copy bound weights/buffers as views of a read-only PROT_READ mapping and
+        returned an output aliasing a mapped weight uncopied (CpuStage.owns knew only the ring). Writing the output, a
+        BatchNorm in train mode (running stats) and Embedding(max_norm) (renormalises rows in place) killed the process."""
+        out = run_child(PLAIN_CHILD, str(tmp_path), "1", timeout=120)
+        assert out.returncode == 0 and "DONE" in out.stdout, (out.returncode, out.stdout[-500:], out.stderr[-2000:])
+
+
+    def test_attach_plain_module_zero_copy_on_off(self, tmp_path):
+        from safetensors.torch import save_file
+
+        torch.manual_seed(3)
+        ref = models.MLPStack().eval()
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = ref(x)
+        for zc in (True, False):
+            with torch.device("meta"):
+                mod = models.MLPStack()
+            with tiered.attach(mod, tmp_path, device="cpu", ring_gb=160 * 1024 / 2**30, zero_copy=zc) as m, \
+                    torch.no_grad():
+                assert (tiered.stats(m).mapped_units > 0) == zc
+                for _ in range(2):
+                    assert torch.equal(m(x), want)
+                assert all(p.device.type == "meta" for p in m.parameters())
+

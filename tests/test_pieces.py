@@ -1,0 +1,220 @@
+"""Units read in pieces, at the plan level (tiered/policy.py ``cut_pieces``, tiered/dist.py ``split_unit``), on the CPU.
+
+A unit larger than half the ring is cut into pieces that each fit a slot (CUDA streams them: tests/test_cuda.py;
+ranks read one each: tests/test_dist.py). Here: the pieces cover every byte of every target exactly once, whatever
+the buffers held; the thresholds of ``cut_pieces``; units that cannot be cut; the ``ring_gb`` a refusal advises.
+Outputs are compared with stock ``transformers`` bit for bit. A strict xfail for pieces advice for a unit that cannot
+be cut passes since the fix in api.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import transformers
+from conftest import logits_of, make_ids
+
+import tiered
+import tiered.policy as tapi
+from tiered.dist import split_unit
+from tiered.errors import RingTooSmallError
+from tiered.hostmem import PAGE_SIZE, page_up
+from tiered.plan import Unit
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def piece_models(ckpts, mix):
+    return {
+        "llama_fp32": ckpts["llama_fp32"],
+        "gpt2": ckpts["gpt2"],
+        "mixtral": mix,
+    }
+
+
+CUTS = [  # name, load kwargs
+    ("llama_fp32", {}),
+    ("llama_fp32", {"dtype": torch.bfloat16}),  # cast fp32 -> bf16 on the fly
+    ("gpt2", {"dtype": torch.float16}),
+    ("mixtral", {"routed_experts": False}),  # experts placed from per-expert w1/w3/w2 into stacked tensors
+    ("mixtral", {"routed_experts": False, "dtype": torch.float32}),  # placed and cast
+]
+
+
+def _whole(reader, u):
+    buf = torch.zeros(u.nbytes, dtype=torch.uint8)
+    reader.read_unit(u, buf)
+    return buf
+
+
+def _assemble(reader, u, n, align, fill=0):
+    """Unit ``u`` read as the streamer reads it in ``n`` pieces: each piece into a slot of its own, then its
+    first ``min(chunk, nbytes - k * chunk)`` bytes copied to ``k * chunk`` of the unit's buffer."""
+    out = torch.full((u.nbytes,), fill, dtype=torch.uint8)
+    runs = []
+    for k in range(n):
+        cut = split_unit(u, k, n, align)
+        assert cut is not None
+        piece, chunk = cut
+        assert chunk % align == 0 and piece.nbytes == chunk
+        if k * chunk >= u.nbytes:
+            assert not piece.targets
+            continue
+        slot = torch.full((chunk,), fill, dtype=torch.uint8)
+        assert reader.read_unit(piece, slot) == piece.src_bytes
+        m = min(chunk, u.nbytes - k * chunk)
+        out[k * chunk:k * chunk + m] = slot[:m]
+        for t in piece.targets:
+            assert 0 <= t.offset and t.offset + t.nbytes <= m
+            runs.append((k * chunk + t.offset, k * chunk + t.offset + t.nbytes))
+    return out, runs
+
+
+def _target_bytes(u):
+    return sorted((t.offset, t.offset + t.nbytes) for t in u.targets if t.nbytes)
+
+
+def _merge(iv):
+    out: list[list[int]] = []
+    for a, b in sorted(iv):
+        if out and a == out[-1][1]:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return [tuple(x) for x in out]
+
+
+@pytest.mark.parametrize(("name", "kw"), CUTS)
+def test_split_unit_pieces_cover_every_byte_once(piece_models, name, kw):
+    with tiered.load(piece_models[name], ring_gb=1.0, device="cpu", zero_copy=False, **kw) as m:
+        h = m._tiered
+        align = h.plan.align
+        for u in h.plan.units:
+            if u.converts or not u.nbytes:
+                continue
+            whole = _whole(h.reader, u)
+            assert whole.any()
+            worlds = {1, 2, 3, 7, 64}
+            if u.nbytes // align < 400:  # more pieces than align-sized chunks: some pieces are empty
+                worlds |= {max(1, u.nbytes // (3 * align)), u.nbytes // align + 3}
+            for n in sorted(worlds):
+                got, runs = _assemble(h.reader, u, n, align)
+                # every byte of every target exactly once: runs disjoint, their union the targets' bytes
+                runs.sort()
+                assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:], strict=False)), f"{u.name}: pieces overlap"
+                assert _merge(runs) == _merge(_target_bytes(u)), f"{u.name} in {n} pieces"
+                assert torch.equal(got, whole), f"{u.name} in {n} pieces differs"
+                if n in (3, 7):  # nothing is left unwritten in a target, whatever the buffers held
+                    got2, _ = _assemble(h.reader, u, n, align, fill=0xA5)
+                    for a, b in _target_bytes(u):
+                        assert torch.equal(got2[a:b], whole[a:b])
+
+
+@pytest.mark.parametrize(("name", "kw"), CUTS)
+def test_pieces_plan_thresholds(piece_models, monkeypatch, name, kw):
+    """``_pieces`` around its thresholds (MIN_PIECE_BYTES lowered so tiny units need pieces): a ring of exactly
+    the unit's page-rounded size reads it whole, a page less reads it in pieces, each piece's slot fits half the
+    ring (two at once), and the pieces rebuild the unit byte for byte."""
+    monkeypatch.setattr(tapi, "MIN_PIECE_BYTES", 2 * PAGE_SIZE)
+    with tiered.load(piece_models[name], ring_gb=1.0, device="cpu", zero_copy=False, **kw) as m:
+        h = m._tiered
+        align = h.plan.align
+        u = max(h.plan.units, key=lambda x: x.nbytes)
+        whole = _whole(h.reader, u)
+        exact = page_up(u.nbytes)
+        assert tapi.cut_pieces([u], exact, exact / GiB, align) == {}
+        rings = [exact - PAGE_SIZE, exact // 2, exact // 3, 2 * (2 * PAGE_SIZE + 2 * PAGE_SIZE),
+                 2 * (2 * PAGE_SIZE + 2 * PAGE_SIZE) + PAGE_SIZE - 1]
+        for ring in rings:
+            ring = page_up(ring)
+            if ring >= exact:
+                continue
+            got = tapi.cut_pieces([u], ring, ring / GiB, align)
+            assert set(got) == {u.index}, ring
+            n = got[u.index]
+            chunk = split_unit(u, 0, n, align)[1]
+            assert 2 * page_up(chunk) <= ring, (ring, n, chunk)
+            assert n * chunk >= u.nbytes
+            rebuilt, _ = _assemble(h.reader, u, n, align)
+            assert torch.equal(rebuilt, whole)
+        small = 2 * tapi.MIN_PIECE_BYTES + PAGE_SIZE  # half a ring of MIN + PAGE / 2: room for a piece = MIN - PAGE
+        with pytest.raises(RingTooSmallError, match="pieces") as e:
+            tapi.cut_pieces([u], small, small / GiB, align)
+        advice = float(re.search(r"ring_gb >= ([\d.]+)", str(e.value)).group(1))
+        ok = page_up(int(advice * GiB))
+        assert set(tapi.cut_pieces([u], ok, advice, align)) <= {u.index}  # the advice is enough
+
+
+def test_pieces_real_minimum_threshold():
+    """With the real MIN_PIECE_BYTES: a ring just below two minimal pieces is refused with advice that works,
+    and the advised ring cuts a large (synthetic, empty) unit into pieces that fit half of it."""
+    big = Unit(0, "big", None, [], nbytes=64 << 20)  # type: ignore[arg-type]
+    lo = 2 * tapi.MIN_PIECE_BYTES + PAGE_SIZE  # a piece's room = MIN - PAGE: too small
+    with pytest.raises(RingTooSmallError, match="two pieces") as e:
+        tapi.cut_pieces([big], lo, lo / GiB, 64)
+    advice = float(re.search(r"ring_gb >= ([\d.]+)", str(e.value)).group(1))
+    ring = page_up(int(advice * GiB))
+    got = tapi.cut_pieces([big], ring, advice, 64)
+    assert set(got) == {0}
+    chunk = split_unit(big, 0, got[0], 64)[1]
+    assert 2 * page_up(chunk) <= ring and got[0] * chunk >= big.nbytes
+    at = 2 * tapi.MIN_PIECE_BYTES + 2 * PAGE_SIZE  # room == MIN exactly: accepted
+    assert set(tapi.cut_pieces([big], at, at / GiB, 64)) == {0}
+
+
+def test_pieces_skip_units_that_cannot_be_cut(piece_models, monkeypatch):
+    """Units built by a conversion transformers runs on whole tensors are never cut (split_unit None)."""
+    import tiered.plan
+
+    monkeypatch.setattr(tiered.plan, "_place_converter", lambda *a, **k: None)
+    monkeypatch.setattr(tapi, "MIN_PIECE_BYTES", 2 * PAGE_SIZE)
+    with tiered.load(piece_models["mixtral"], ring_gb=1.0, device="cpu", routed_experts=False) as m:
+        h = m._tiered
+        conv = [u for u in h.plan.units if u.converts]
+        assert conv
+        for u in conv:
+            assert split_unit(u, 0, 2, h.plan.align) is None
+        ring = page_up(max(u.nbytes for u in conv)) - PAGE_SIZE
+        assert tapi.cut_pieces(conv, ring, ring / GiB, h.plan.align) == {}
+
+
+def test_pieces_advice_for_a_unit_that_cannot_be_cut():
+    """Regression: a unit that cannot be cut got the "two pieces" advice (a ring that still could not hold it).
+    Now _pieces leaves it alone and attach's own check asks for a ring that holds it whole."""
+    uncut = Unit(0, "converted", None, [], converts=[object()], nbytes=64 << 20)  # type: ignore[arg-type, list-item]
+    ring = page_up(2 << 20)
+    assert tapi.cut_pieces([uncut], ring, ring / GiB, 64) == {}
+
+
+@pytest.mark.parametrize(("name", "kw"), [
+    ("llama_fp32", {"dtype": torch.bfloat16}),
+    ("gpt2", {}),
+    ("mixtral", {"routed_experts": False}),
+    ("mixtral", {"dtype": torch.float32}),
+])
+def test_ring_too_small_on_cpu_advice_works(piece_models, stock, name, kw):
+    """CPU, zero_copy=False: a ring below the largest unit is refused; the ring_gb it advises loads, and the
+    model then equals stock (same dtype) bit for bit."""
+    path = piece_models[name]
+    with pytest.raises(RingTooSmallError) as e:
+        tiered.load(path, ring_gb=16 * 1024 / GiB, device="cpu", zero_copy=False, **kw)
+    msg = str(e.value)
+    assert "ring_gb >=" in msg and "unit" in msg
+    advice = float(re.search(r"ring_gb >= ([\d.]+)", msg).group(1))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=kw.get("dtype", "auto")).eval()
+    ids = make_ids(70, (1, 6))
+    want = logits_of(ref, ids)
+    with tiered.load(path, ring_gb=advice, device="cpu", zero_copy=False, **kw) as m, torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    # a ring one page (rounded to what gib_up shows) below the advice's page is refused again, with the same advice
+    below = (page_up(int(advice * GiB)) - math.ceil(GiB / 1000) - PAGE_SIZE) / GiB
+    if below > 0:
+        try:
+            with tiered.load(path, ring_gb=below, device="cpu", zero_copy=False, **kw) as m2, torch.no_grad():
+                assert torch.equal(m2(ids).logits, want)
+        except RingTooSmallError as e2:
+            assert f"ring_gb >= {advice:.3f}" in str(e2)
