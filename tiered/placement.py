@@ -1,15 +1,17 @@
-"""Where each unit lives for given budgets, and the decode time that predicts (issue 9, capability 1).
+"""Where each unit lives, every budget, and the decode time that predicts: :func:`place` is a pure function of the
+plan, the :class:`~tiered.options.Options` and the :class:`~tiered.machine.Machine` facts (no allocation, no I/O, no
+collective) returning a printable :class:`Placement`. :func:`tiered.attach` builds exactly what it names,
+``tiered.stats(model).placement`` is that value, and ``tiered inspect MODEL_DIR --ring-gb R [--gpu-gb G] [--host-gb H]
+[--io IO]`` prints the same function's result on this machine (:func:`place_here`).
 
-``tiered inspect MODEL_DIR --device cuda --ring-gb R --gpu-gb G [--host-gb H] [--io IO]`` prints it; :func:`place`
-and :func:`predict` are the functions behind it.
-
-The placement is the one :func:`tiered.load` makes, computed by the same functions (``tiered/api.py``):
-routed experts leave their units when the model does not fit (``_fits_whole``), eligible embeddings read their
-rows, resident units are chosen largest first within ``gpu_gb`` less the device buffers it counts
-(``_choose_resident``, ``_buffers_counted``), the host tier takes streamed units in execution order within ``host_gb``
-(``_choose_host``), and the expert cache what ``gpu_gb`` leaves. Every streamed byte costs the same per pass
-from a given tier, so the placement that minimises time per token is the one that keeps the most bytes in the
-fastest tiers — a knapsack over whole units, which largest-first fills to within one unit of the budget.
+The rules are in :mod:`tiered.policy`: routed experts leave their units when the model does not fit
+(``fits_whole``), eligible embeddings read their rows, resident units are chosen largest first within ``gpu_gb``
+less the device buffers it counts (``choose_resident``, ``buffers_counted``), the host tier takes streamed units
+spread over the execution order within ``host_gb`` (``choose_host``), then routed blocks' experts and the first
+pieces of units larger than the ring, and the expert cache what ``gpu_gb`` leaves. Every streamed byte costs the
+same per pass from a given tier, so the placement that minimises time per token is the one that keeps the most
+bytes in the fastest tiers — a knapsack over whole units, which largest-first fills to within one unit of the budget.
+Golden records of every decision (``tests/golden/``, recorded before this module took them over) pin it down.
 
 The prediction is the streaming bound at batch 1 (compute is not counted, so it is a lower bound): the
 reader (disk or page cache -> ring) and the H2D copy (ring and host tier -> GPU) overlap, so the streamed part
