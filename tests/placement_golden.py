@@ -196,10 +196,12 @@ def placed(case: dict[str, Any], d: Path) -> dict[str, Any]:
     ckpt = open_checkpoint(d)
     plan = build_plan(model, ckpt, align=512 if case["device"] == "cuda" else 64)
     opts = Options(device=case["device"], distributed=world is not None, **kw)
-    with pinned(case["machine"], min_piece=case.get("min_piece_bytes")):
+    with pinned(case["machine"], world, case.get("rank"), case.get("min_piece_bytes")):
+        from tiered import dist
+
+        job = dist.Dist(None, case["rank"], world, "gloo") if world else dist.SINGLE  # its collectives: pinned's
         try:
-            p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=model.config,
-                      ranks=(case["rank"], world) if world else None)
+            p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=model.config, job=job)
         except tiered.TieredError as e:
             return {"error": type(e).__name__}
     return {

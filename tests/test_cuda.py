@@ -534,3 +534,11 @@ def test_inspect_placement_is_what_load_does_on_cuda(gpu_gb: float, host_gb: flo
         assert set(p.host) == st.host_ids
         assert p.streamed == [i for i in st.streamed if i not in st.host_ids]
         assert p.device_buffer_bytes == tiered.stats(m).device_buffer_bytes
+
+
+def test_an_integer_device_is_that_gpu(ckpts: Checkpoints) -> None:
+    """device=0 is cuda:0, as torch.device(0) is (the Hugging Face habit of passing a GPU index)."""
+    d = ckpts["llama"]
+    with tiered.load(d, device=0, ring_gb=0.01, gpu_gb=0) as m, tiered.load(d, device="cuda:0", ring_gb=0.01, gpu_gb=0) as r:
+        assert m.device == torch.device("cuda", 0)
+        assert torch.equal(m(_ids()).logits, r(_ids()).logits)

@@ -572,3 +572,69 @@ class TestHostile:
         finally:
             tdist.destroy_process_group()
 
+
+
+class _ThreadJob:
+    """One rank of a job whose ranks are threads of this process: ``min`` and ``agree`` are collectives over a barrier,
+    as torch.distributed's are over the ranks (tiered.dist.Dist's strategy, without processes)."""
+
+    def __init__(self, rank: int, world: int, box: list, barrier) -> None:
+        from tiered.dist import Dist
+
+        self.rank, self.world, self.box, self.barrier = rank, world, box, barrier
+        self.shared = Dist(None, rank, world, "gloo")
+
+    def _exchange(self, value):
+        self.box[self.rank] = value
+        self.barrier.wait()
+        got = list(self.box)
+        self.barrier.wait()
+        return got
+
+    def min(self, value: int) -> int:
+        return min(self._exchange(value))
+
+    def agree(self, value):
+        return self._exchange(value)[0]
+
+    def check_same_plan(self, plan, extra) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("name", "per_rank"), [
+    ("llama", [{"gpu_gb": 0.0004}, {"gpu_gb": 0.0001}]),
+    ("llama", [{"gpu_gb": 0.0003, "prefetch": 0}, {"gpu_gb": None, "prefetch": 4}]),
+    ("mixtral", [{"gpu_gb": 1.0}, {"gpu_gb": 0.0003}]),
+    ("llama", [{"gpu_gb": 0.0003, "ring_gb": 0.001}, {"gpu_gb": 0.0003, "ring_gb": 0.0002}]),
+])
+def test_ranks_with_different_options_place_the_same_units(ckpts, name, per_rank):
+    """Ranks that pass different gpu_gb, prefetch or ring_gb still stream the same units (the same resident set and
+    the same routed experts): every rank's all-gathers must match, or the job hangs. place() asks the job for the
+    smallest budget and ring, whether the model fits everywhere, and rank 0's resident set."""
+    import threading
+
+    from tiered.cli import _plan_for
+    from tiered.machine import Machine
+    from tiered.options import Options
+    from tiered.placement import place
+
+    d = ckpts[name]
+    world = len(per_rank)
+    box, barrier, out = [None] * world, threading.Barrier(world), [None] * world
+
+    def rank(r: int) -> None:
+        config, ckpt, plan = _plan_for(d, None, "cuda")
+        kw = {"ring_gb": 0.001, **per_rank[r]}
+        opts = Options(device="cuda:0", distributed=True, **kw)
+        machine = Machine(64 << 30, "test", 16 << 30, "test", gpu_free=1 << 30)
+        out[r] = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=config, job=_ThreadJob(r, world, box, barrier))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(p is not None for p in out)
+    assert out[0].resident == out[1].resident and out[0].rows == out[1].rows
+    assert [sp.name for sp in out[0].specs] == [sp.name for sp in out[1].specs]
+    assert out[0].gpu_budget == out[1].gpu_budget

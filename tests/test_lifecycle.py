@@ -24,6 +24,7 @@ from conftest import (
     in_a_fresh_process,
     load_routed,
     make_ids,
+    ring_below_layer,
     run_child,
     stream,
     streaming_ring_gb,
@@ -852,3 +853,25 @@ class TestHostileReaper:
                           f"the SIGINT handler ran in: {where}")
         assert all(_released(*p) for p in released), f"dropped models closed: {closed}"
 
+
+
+def test_stats_kept_after_the_model_is_dropped_hold_no_files(ckpts) -> None:
+    """A Stats kept after its model is dropped (a benchmark collecting them) holds no module: its placement, which
+    names the model's experts modules, is held weakly, so the dropped model's shard fds and mappings go."""
+    import os
+
+    d = ckpts["mixtral"]
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    m = tiered.load(d, device="cpu", ring_gb=ring_below_layer(d))
+    with torch.no_grad():
+        m(torch.tensor([[1, 2, 3]]))
+    st = tiered.stats(m)
+    assert st.placement is not None and st.placement.specs  # routed: the placement names experts modules
+    del m
+    gc.collect()
+    deadline = time.time() + 30  # the reaper closes a dropped model just after the collector frees it
+    while len(os.listdir("/proc/self/fd")) > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(os.listdir("/proc/self/fd")) <= before
+    assert st.placement is None and st.expert_modules > 0  # the counters stay; the placement went with the model

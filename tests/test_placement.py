@@ -247,7 +247,7 @@ def test_gpu_gb_on_the_cpu_warns(dirs):
 
 def test_expert_prefetch_is_accepted_and_ignored(dirs):
     """expert_prefetch was removed (measured slower): the keyword still loads, says so, and changes nothing."""
-    with pytest.warns(DeprecationWarning, match="expert_prefetch=True has no effect"):
+    with pytest.warns(FutureWarning, match="expert_prefetch=True has no effect"):  # shown by default, unlike Deprecation
         m = tiered.load(dirs["llama"], ring_gb=0.01, device="cpu", expert_prefetch=True)
     with m, tiered.load(dirs["llama"], ring_gb=0.01, device="cpu") as ref:
         assert tiered.stats(m).placement == tiered.stats(ref).placement
@@ -527,3 +527,15 @@ def test_inspect_prints_the_placement_load_builds(dirs):
             built = tiered.stats(m).placement.as_dict()
         p, _ = _place(d, "cpu", **kw)
         assert p.as_dict() == built, kw
+
+
+def test_cpu_with_an_index_is_placed_as_the_cpu(dirs):
+    """device="cpu:0" (or torch.device("cpu", 0)) is the CPU: the same placement as "cpu" (zero copy, resident when the
+    model fits the ring), never CUDA's pieces."""
+    d = dirs["llama"]
+    for ring_gb in (1.0, 0.0001):
+        got = []
+        for device in ("cpu", "cpu:0", torch.device("cpu", 0)):
+            with tiered.load(d, device=device, ring_gb=ring_gb) as m:
+                got.append({k: v for k, v in tiered.stats(m).placement.as_dict().items() if k != "device"})
+        assert got[0] == got[1] == got[2], ring_gb

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
 from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
-from .machine import Machine, gather
+from .machine import gather
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
-from .placement import Placement, place, warn_mmap_thrash
+from .placement import Placement, choose_io, place, warn_mmap_thrash
 from .plan import Plan, build_plan
 from .reader import Reader
-from .ring import GiB, Ring
+from .ring import GiB, Ring, gib_up
 from .rows import RowGather
 from .stats import Stats, proc_status
 from .streamer import Streamer
@@ -93,9 +94,9 @@ def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:
         )
 
 
-def _check_device(opts: Options) -> torch.device:
-    """The device ``opts`` runs on, with the warnings and refusals that depend on it (before any rendezvous)."""
-    device = opts.device
+def _check_device(opts: Options, device: str | torch.device | int | None) -> torch.device:
+    """The device to run on (``device`` as given: a string, a ``torch.device`` or a CUDA index), with the warnings
+    and refusals that depend on it (before any rendezvous)."""
     if opts.dist_on and device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank, as torchrun numbers them
     dev = _resolve_device(device)
@@ -104,23 +105,14 @@ def _check_device(opts: Options) -> torch.device:
     if dev.type == "cpu" and opts.gpu_gb is not None:
         warnings.warn(f"gpu_gb={opts.gpu_gb} has no effect on device=cpu: the ring (ring_gb) is the only memory there",
                       UserWarning, stacklevel=3)
-    if opts.expert_prefetch:
+    if opts.expert_prefetch:  # a FutureWarning: shown to the user by default (a DeprecationWarning from here is not)
         warnings.warn("expert_prefetch=True has no effect: the speculative expert prefetch was removed (measured slower "
                       "on an H200, Mixtral-8x7B shape: 0.147 against 0.122 s/token; benchmarks/NOTES.md)",
-                      DeprecationWarning, stacklevel=3)
+                      FutureWarning, stacklevel=3)
     if opts.host_gb and opts.dist_on and dev.type == "cpu":
         raise ConfigError(f"host_gb={opts.host_gb} with distributed on the CPU is not supported (each rank would hold a "
                           "chunk that the all-gather overwrites): raise ring_gb, or pass host_gb=0")
     return dev
-
-
-def _machine(dev: torch.device, opts: Options, job: _dist.Dist | _dist.Single) -> Machine:
-    """This machine's facts; distributed on CUDA, the GPU's free memory is the smallest over the ranks (one budget
-    for all, so that every rank places the same units)."""
-    m = gather(dev)
-    if m.gpu_free is not None and opts.gpu_gb is None:
-        m = dataclasses.replace(m, gpu_free=job.min(m.gpu_free))
-    return m
 
 
 def attach(
@@ -166,22 +158,21 @@ def attach(
             ``distributed`` outside ``torchrun`` or with ranks that built different plans.
         HostMemoryError: the ring or host tier is more than the host or cgroup can give.
     """
-    opts = Options(ring_gb=ring_gb, device=None if device is None else str(device), prefetch=prefetch, gpu_gb=gpu_gb,
-                   io=io, threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache,
+    opts = Options(ring_gb=ring_gb, prefetch=prefetch, gpu_gb=gpu_gb, io=io, threads=threads, drop_pages=drop_pages,
+                   drop_page_cache=drop_page_cache,
                    embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
                    routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
                    expert_prefetch=bool(expert_prefetch))
-    dev = _check_device(opts)
+    dev = _check_device(opts, device)
     job = _dist.resolve(distributed, dev)  # the distribution strategy: one process (a no-op) or torchrun's ranks
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
+    machine = gather(dev)
     ckpt = open_checkpoint(model_dir)
+    warn_mmap_thrash(choose_io(io, ckpt.nbytes, machine), ckpt.nbytes, ckpt.root, machine)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
     job.check_same_plan(plan, (dev.type, embedding_rows, routed_experts))  # the ranks' all-gathers must match
-    machine = _machine(dev, opts, job)
     opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
-    p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None),
-              ranks=(job.rank, job.world), ring_min=job.min(opts.ring_bytes))
-    warn_mmap_thrash(p.io, ckpt.nbytes, ckpt.root, machine)
+    p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None), job=job)
     opts = dataclasses.replace(opts, io=p.io)
     ensure_atexit()
     materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets}
@@ -208,7 +199,8 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     plan, dev, opts, dist = h.plan, h.device, h.opts, h.dist
     cuda = dev.type == "cuda"
     _stats_from(h.stats, plan, p, dist or _dist.SINGLE, rss0)
-    h.ring = _allocate(lambda: Ring(p.ring_bytes, pin=cuda), f"a {p.ring_bytes / GiB:.3f} GiB ring", "lower ring_gb")
+    h.ring = _allocate(lambda: Ring(p.ring_bytes, pin=cuda), f"a {p.ring_bytes / GiB:.3f} GiB ring",
+                       f"lower ring_gb (>= {gib_up(p.largest_unit_bytes)} GiB is enough to run)")
     h.stats.ring_bytes = h.ring.size
     h.reader = Reader(h.ckpt, threads=opts.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
                       io=p.io, adapt=p.io_probe)
@@ -238,17 +230,17 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
         n, slot = p.expert_cache_slots, p.expert_slot_bytes
         h.expert_cache = _allocate(lambda: ExpertCache(slot, n, dev, policy=_expert_cache_mod.POLICY),
                                    f"an expert cache of {n} experts ({n * slot / GiB:.3f} GiB) on {dev}",
-                                   "pass a smaller expert_cache_gb (0: none) or gpu_gb")
+                                   "pass a smaller expert_cache_gb (0: none) or gpu_gb", errors=(RuntimeError, MemoryError))
         h.stats.expert_cache_slots, h.stats.expert_cache_bytes = h.expert_cache.slots, h.expert_cache.nbytes
 
 
-def _allocate(make: Any, what: str, fix: str, verb: str = "allocate") -> Any:
-    """``make()``, with an allocation failure (OSError, MemoryError, CUDA out of memory) as a ConfigError."""
+def _allocate(make: Any, what: str, fix: str, verb: str = "allocate",
+              errors: tuple[type[BaseException], ...] = (OSError, MemoryError)) -> Any:
+    """``make()``, with an allocation failure (``errors``; the device's: ``RuntimeError``, which
+    ``torch.OutOfMemoryError`` is) as a ConfigError saying ``fix``."""
     try:
         return make()
-    except (OSError, MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if isinstance(e, RuntimeError) and "out of memory" not in str(e).lower():
-            raise
+    except errors as e:
         raise ConfigError(f"cannot {verb} {what} ({e}); {fix}") from None
 
 
@@ -262,7 +254,7 @@ def _stats_from(s: Stats, plan: Plan, p: Placement, job: _dist.Dist | _dist.Sing
     s.units, s.resident_units, s.resident_bytes = len(plan.units), len(p.resident), p.resident_bytes_of(plan)
     s.row_units, s.expert_modules, s.mapped_units = len(p.rows), len(p.specs), len(p.mapped)
     s.piece_units = len(p.pieces)
-    s._placement = p
+    s._placement = weakref.ref(p)  # the handle holds it: a Stats kept after the model is dropped holds no module
 
 
 def _install_hooks(h: Handle, p: Placement) -> None:

@@ -71,6 +71,10 @@ class Dist:
         """Refuse ranks that built different plans (:func:`check_same_plan`)."""
         check_same_plan(self, plan, extra)
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a collective)."""
+        return from_rank0(self, value)
+
 
 @dataclass(frozen=True)
 class Single:
@@ -88,6 +92,9 @@ class Single:
 
     def check_same_plan(self, plan: Plan, extra: tuple) -> None:
         return None
+
+    def agree(self, value: Any) -> Any:
+        return value
 
 
 #: The one-process job.

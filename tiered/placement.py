@@ -89,6 +89,7 @@ class Placement:
     page_cache_bytes: int = 0
     ring_bytes: int = 0  # the ring as allocated (never more than the whole model)
     ring_need_bytes: int = 0  # CPU: ring bytes of the largest unit copied into it (0: none); load refuses less
+    largest_unit_bytes: int = 0  # the largest unit the ring must hold whole (bytes): the least ring that runs
     host_ring_bytes: int = 0  # the host tier's buffer: whole-unit slots and first pieces (experts apart)
     gpu_budget: int = 0  # CUDA: bytes for resident units and the counted device buffers
     buffers_counted: int = 0  # device buffers counted inside gpu_budget
@@ -127,36 +128,36 @@ def warn_mmap_thrash(io: str, ckpt_bytes: int, root: Any, machine: Machine) -> N
             f"{root}: the checkpoint ({ckpt_bytes / GiB:.2f} GiB) is larger than the page cache this "
             f"{where} leaves ({room / GiB:.2f} GiB): io='mmap' re-reads it from disk through a thrashing "
             "page cache on every pass; io='direct' (or 'auto') reads it without one",
-            stacklevel=4,
+            stacklevel=3,
         )
 
 
 def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
-          ranks: tuple[int, int] | None = None, ring_min: int | None = None, strict: bool = True) -> Placement:
+          job: Any = None, strict: bool = True) -> Placement:
     """The placement of ``plan`` with ``opts`` on ``machine``: a pure function (no allocation, no I/O, no
     collective), the one :func:`tiered.attach` builds and ``tiered inspect`` prints.
 
     ``opts.device`` must be resolved (``"cpu"``, ``"cuda[:N]"``); ``ckpt_bytes``: the checkpoint's size, against the
-    page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures); ``ranks``:
-    ``(rank, world)`` of a distributed job, whose ranks all compute the same choice (the GPU budget in ``machine``
-    is already the smallest over the ranks), and ``ring_min`` the smallest ``ring_gb`` over
-    them in bytes (default this rank's). ``plan`` is changed as at load: routed experts leave their units when the
-    model does not fit. ``strict=False`` (``tiered inspect``): what a load would refuse is recorded in
-    ``Placement.refused`` instead of raised.
+    page cache's room for ``io="auto"``; ``config``: the model's (MoE top-k for the per-token figures); ``job``: the
+    distribution strategy (:mod:`tiered.dist`; default one process). Under ``torchrun`` its ranks agree — the
+    smallest ring and GPU budget, whether the model fits, rank 0's resident set — so that every rank streams the same
+    units (the job's collectives; nothing else here leaves the process). ``plan`` is changed as at load: routed
+    experts leave their units when the model does not fit. ``strict=False`` (``tiered inspect``): what a load would
+    refuse is recorded in ``Placement.refused`` instead of raised.
 
     Raises:
         RingTooSmallError: a unit the ring must hold is larger than it, or pieces cannot fit it.
         HostMemoryError: the ring, or the ring and host tier, is more than ``machine`` says the process can take.
     """
-    cpu = opts.device == "cpu"
-    dist = _dist.Dist(None, ranks[0], ranks[1], "") if ranks and ranks[1] > 1 else None
+    job = _dist.SINGLE if job is None else job
+    cpu = _is_cpu(opts.device)
+    dist = job.shared  # the Dist whose ranks share each unit; None: one process
     io = choose_io(opts.io, ckpt_bytes, machine)
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None)
-    p.gpu_budget = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
+    local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
-    ring_min = opts.ring_bytes if ring_min is None else ring_min
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
-    if experts and policy.fits_whole(plan, ring_min, cpu, p.gpu_budget):
+    if experts and job.min(int(policy.fits_whole(plan, opts.ring_bytes, cpu, local))):  # fits on every rank
         experts = {}
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align)
@@ -170,6 +171,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
 
     need = slot_need(dist.rank if dist else None)
     p.ring_bytes = _ring_bytes(opts.ring_bytes, need)
+    p.gpu_budget = local if cpu else job.min(local)  # one budget for all ranks: the smallest
+    ring_min = job.min(opts.ring_bytes)  # every rank places with the smallest ring (rank 0's choice must fit all)
     ring_room = min(_ring_bytes(ring_min, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
     eligible = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
     mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None, strict)
@@ -180,8 +183,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
             f"{machine.host_available / GiB:.3f} GiB is available ({machine.host_where}) and "
             f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime; pass ring_gb <= "
             f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)"))
-    resident = policy.choose_resident(plan, ring_room, cpu, p.gpu_budget, p.buffers_counted, rows=eligible,
-                                      slot_need=need)
+    resident = job.agree(policy.choose_resident(plan, ring_room, cpu, p.gpu_budget, p.buffers_counted,
+                                                rows=eligible, slot_need=need))  # rank 0's choice on every rank
     rows = eligible - resident
     host = policy.choose_host(plan, resident, rows, need, opts.host_gb)
     mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
@@ -223,6 +226,11 @@ def place_here(plan: Plan, *, device: str, ckpt_bytes: int, config: Any = None, 
     return place(plan, opts, gather(dev if cuda_here else None), ckpt_bytes=ckpt_bytes, config=config, strict=strict)
 
 
+def _is_cpu(device: str) -> bool:
+    """``"cpu"`` or ``"cpu:N"`` (a resolved device's string)."""
+    return device.partition(":")[0] == "cpu"
+
+
 def _device(opts: Options) -> Any:
     import torch
 
@@ -246,7 +254,7 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
                 one: bool, strict: bool) -> tuple[set[int], dict[int, int], int]:
     """Which units compute on the file mapping (CPU zero copy), which are cut in pieces (CUDA), and the ring bytes the
     largest unit copied whole into the ring takes; refuses a ring below it (RingTooSmallError)."""
-    cpu = p.device == "cpu"
+    cpu = _is_cpu(p.device)
     zc = opts.zero_copy and cpu and one and opts.drop_pages
     mappable = {u.index for u in plan.units if zc and p.io == "mmap" and u.index not in eligible and zero_copy_eligible(u)}
     if zc and p.io_probe:  # io="auto" picked O_DIRECT: a unit larger than the ring computes on the mapping instead
@@ -265,9 +273,10 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
     whole_units = [u for u in ring_units if u.index not in pieces]
     big = max(whole_units or ring_units or plan.units, key=lambda u: need[u.index])
     most = page_up(need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
+    p.largest_unit_bytes = big.nbytes
     if not whole_units:  # everything is mapped, read by rows or in pieces when it streams
         most = min(most, p.ring_bytes)
-    if most > p.ring_bytes:
+    if most > p.ring_bytes and not p.refused:  # (not a second note after cut_pieces's refusal, in inspect)
         why = ""
         if not cpu and one:
             why = (" and cannot be read in pieces (transformers builds it from whole tensors, e.g. fused, or stacked "

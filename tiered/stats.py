@@ -199,6 +199,10 @@ class Stats:
     expert_cache_bytes: int = 0
     expert_cache_hits: int = 0
     expert_cache_misses: int = 0
+    # expert_prefetch was removed (issue 21): kept at 0 so that code reading them still runs
+    expert_prefetch_bytes: int = 0
+    experts_prefetched: int = 0
+    expert_prefetch_hits: int = 0
     expert_modules: int = 0
     mapped_units: int = 0
     page_cache_units: int = 0
@@ -230,8 +234,9 @@ class Stats:
     @property
     def placement(self) -> Any:
         """The :class:`~tiered.placement.Placement` the load built (where each unit lives, every budget): the value
-        ``tiered inspect`` prints for the same options and machine."""
-        return self._placement
+        ``tiered inspect`` prints for the same options and machine. None once the model is gone (held weakly: it
+        names the model's experts modules)."""
+        return self._placement() if self._placement is not None else None
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
         """The loader read ``nbytes`` of the checkpoint (``resident``: a unit loaded once, at load)."""
@@ -314,6 +319,7 @@ class Stats:
         d["dense_bytes"] = d["streamed_bytes"] - d["expert_bytes"] - d["embedding_bytes"]
         looked = d["expert_cache_hits"] + d["expert_cache_misses"]
         d["expert_cache_hit_rate"] = d["expert_cache_hits"] / looked if looked else 0.0
+        d["expert_prefetch_accuracy"] = 0.0  # expert_prefetch was removed
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
         st = proc_status()
