@@ -306,31 +306,28 @@ def _golden(device: str) -> list[dict]:
     return json.loads((GOLDEN / f"placement-{device}.json").read_text())
 
 
-def _golden_ids(device: str) -> list[str]:
-    return [r["case"]["id"] for r in _golden(device)]
-
-
-@pytest.fixture(scope="module")
-def golden_cpu() -> dict[str, dict]:
-    return {r["case"]["id"]: r for r in _golden("cpu")}
+def _golden_mismatches(device: str, model: str, d: Path, decide) -> list:
+    """Every recorded case of ``model`` whose decisions ``decide(case, d)`` gives differently: (case id, {field: (recorded,
+    got)})."""
+    bad = []
+    for r in _golden(device):
+        if r["case"]["model"] != model:
+            continue
+        got = decide(r["case"], d)
+        if got != r["decisions"]:
+            keys = {*got, *r["decisions"]}
+            bad.append((r["case"]["id"], {k: (r["decisions"].get(k), got.get(k)) for k in keys
+                                          if got.get(k) != r["decisions"].get(k)}))
+    return bad
 
 
 @pytest.mark.parametrize("model", sorted({r["case"]["model"] for r in _golden("cpu")}))
-def test_golden_cpu_decisions(ckpts, golden_cpu, model):
+def test_golden_cpu_decisions(ckpts, model):
     """What a CPU load builds — per unit resident / host / rows / mapped / ring, routed experts, the expert cache,
     the ring, the backend, or the refusal — is what it built before the redesign (tests/placement_golden.py)."""
     import placement_golden
 
-    d = ckpts[model]
-    bad = []
-    for r in golden_cpu.values():
-        if r["case"]["model"] != model:
-            continue
-        got = placement_golden.run_case(r["case"], d)
-        if got != r["decisions"]:
-            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
-                    if got.get(k) != r["decisions"].get(k)}
-            bad.append((r["case"]["id"], diff))
+    bad = _golden_mismatches("cpu", model, ckpts[model], placement_golden.run_case)
     assert not bad, bad[:3]
 
 
@@ -341,16 +338,7 @@ def test_golden_place_is_pure(ckpts, model, device):
     `tiered inspect` prints is what a load on the H200 built before the redesign."""
     import placement_golden
 
-    d = ckpts[model]
-    bad = []
-    for r in _golden(device):
-        if r["case"]["model"] != model:
-            continue
-        got = placement_golden.placed(r["case"], d)
-        if got != r["decisions"]:
-            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
-                    if got.get(k) != r["decisions"].get(k)}
-            bad.append((r["case"]["id"], diff))
+    bad = _golden_mismatches(device, model, ckpts[model], placement_golden.placed)
     assert not bad, bad[:3]
 
 
@@ -361,16 +349,7 @@ def test_golden_cuda_decisions(ckpts, model):
     """The same on CUDA with an explicit gpu_gb: what the load builds is what it built before the redesign."""
     import placement_golden
 
-    d = ckpts[model]
-    bad = []
-    for r in _golden("cuda"):
-        if r["case"]["model"] != model:
-            continue
-        got = placement_golden.run_case(r["case"], d)
-        if got != r["decisions"]:
-            diff = {k: (r["decisions"].get(k), got.get(k)) for k in {*got, *r["decisions"]}
-                    if got.get(k) != r["decisions"].get(k)}
-            bad.append((r["case"]["id"], diff))
+    bad = _golden_mismatches("cuda", model, ckpts[model], placement_golden.run_case)
     assert not bad, bad[:3]
 
 
