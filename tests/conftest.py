@@ -90,18 +90,13 @@ def page_align(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def streaming_ring_gb(model: torch.nn.Module) -> float:
-    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan).
-
-    For a mixture-of-experts model the units are counted without their routed experts (as ``tiered.load``
-    lays them out when the model does not fit: ``tiered/experts.py``), so that the layers stream too.
-    Call it on a probe model that is closed afterwards (the probe's plan is laid out again).
-    """
+def routed_unit_sizes(plan) -> list[int]:
+    """Each unit's bytes as a load lays it out when the model does not fit: MoE units without their routed experts
+    (``tiered/experts.py``). ``plan`` is not changed (each routed unit is laid out on a copy)."""
     import dataclasses
 
     from tiered.experts import find_experts, route_out
 
-    plan = model._tiered.plan
     sizes = []
     for u in plan.units:
         specs = find_experts(u)
@@ -109,6 +104,17 @@ def streaming_ring_gb(model: torch.nn.Module) -> float:
             u = dataclasses.replace(u, targets=list(u.targets))
             route_out(u, specs, plan.align)
         sizes.append(u.nbytes)
+    return sizes
+
+
+def streaming_ring_gb(model: torch.nn.Module) -> float:
+    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan).
+
+    For a mixture-of-experts model the units are counted without their routed experts (as ``tiered.load``
+    lays them out when the model does not fit: ``tiered/experts.py``), so that the layers stream too.
+    Call it on a probe model that is closed afterwards (the probe's plan is laid out again).
+    """
+    sizes = routed_unit_sizes(model._tiered.plan)
     big = page_align(max(sizes))
     whole = sum(page_align(n) for n in sizes)
     ring = max(big, min(3 * big, whole - PAGE))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 import tempfile
@@ -52,17 +51,12 @@ def _page(n: int) -> int:
 def sizes(d: Path, device: str) -> dict[str, int]:
     """Bytes that size the grid: the largest unit, and the whole model, as units are laid out when experts are
     routed out (so that a ring between them streams)."""
+    from conftest import routed_unit_sizes
+
     from tiered.cli import _plan_for
-    from tiered.experts import find_experts, route_out
 
     _, ckpt, plan = _plan_for(d, None, device)
-    out = []
-    for u in plan.units:
-        specs = find_experts(u)
-        if specs:
-            u = dataclasses.replace(u, targets=list(u.targets))
-            route_out(u, specs, plan.align)
-        out.append(u.nbytes)
+    out = routed_unit_sizes(plan)
     return {"big": _page(max(out)), "whole": sum(_page(n) for n in out), "ckpt": ckpt.nbytes}
 
 
