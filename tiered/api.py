@@ -32,6 +32,7 @@ from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
 from .machine import gather
 from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
+from .placeholder import install_placeholders
 from .placement import Placement, choose_io, place, warn_mmap_thrash
 from .plan import Plan, build_plan
 from .reader import Reader
@@ -179,6 +180,7 @@ def attach(
                              | {q.target.key for sp in p.specs for q in sp.parts})
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
+    install_placeholders(module, plan.units, p.specs, dev)  # stock's device, dtype, requires_grad between passes
     h = Handle(module, plan, ckpt, opts, dev)
     h.dist, h.placement = job.shared, p
     live_add(h)

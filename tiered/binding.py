@@ -1,8 +1,10 @@
 """Binding: put a unit's tensors into its modules for the length of its forward, and take them out.
 
-Parameters of streamed units live on ``meta`` between passes (the placeholders the model was built
-with); :func:`bind` swaps in views of a ring slot (CPU) or device buffer (CUDA) and :func:`unbind`
-swaps the placeholders back, so nothing keeps pointing at memory that is about to be refilled.
+Parameters of streamed units are :class:`~tiered.placeholder.Placeholder` s between passes (stock's device, dtype,
+shape and ``requires_grad``, no storage); :func:`bind` swaps in views of a ring slot (CPU) or device buffer (CUDA),
+each taking its placeholder's ``requires_grad`` (as stock's parameter has it; ``model.requires_grad_(False)`` is
+followed), and :func:`unbind` swaps the placeholders back, so nothing keeps pointing at memory that is about to be
+refilled.
 
 :func:`copy_out_aliases` handles the one way memory could still escape: a module whose forward
 *returns* a view of its own weight (a position table returning ``self.weight[:n]``). Such outputs
@@ -15,26 +17,42 @@ from collections.abc import Callable
 
 import torch
 
+from .placeholder import is_placeholder
 from .plan import Unit
 
-__all__ = ["remember_placeholders", "bind", "unbind", "copy_out_aliases"]
+__all__ = ["remember_placeholders", "bind", "unbind", "copy_out_aliases", "follow_requires_grad"]
 
 _PLACEHOLDER = "_tiered_placeholder"
 
 
 def remember_placeholders(unit: Unit) -> None:
-    """Record each target's current (``meta``) tensor: what :func:`unbind` restores."""
+    """Record each target's current placeholder (or ``meta`` tensor): what :func:`unbind` restores."""
     for t in unit.targets:
         store = t.module._parameters if t.is_param else t.module._buffers
         cur = store.get(t.attr)
-        if cur is not None and cur.device.type == "meta":
+        if is_placeholder(cur):
             t.__dict__.setdefault(_PLACEHOLDER, cur)
 
 
 def bind(unit: Unit, params: dict[str, torch.Tensor]) -> None:
-    """Point ``unit``'s module attributes at ``params`` (target key -> tensor)."""
+    """Point ``unit``'s module attributes at ``params`` (target key -> tensor); a floating parameter takes its
+    placeholder's ``requires_grad``."""
     for t in unit.targets:
-        (t.module._parameters if t.is_param else t.module._buffers)[t.attr] = params[t.key]
+        v = params[t.key]
+        if t.is_param:
+            ph = t.__dict__.get(_PLACEHOLDER)
+            follow_requires_grad(v, ph)
+            t.module._parameters[t.attr] = v
+        else:
+            t.module._buffers[t.attr] = v
+
+
+def follow_requires_grad(v: torch.Tensor, ph: torch.Tensor | None) -> torch.Tensor:
+    """Give ``v`` (a bound floating parameter, a leaf) the ``requires_grad`` of ``ph`` (its placeholder; stock's
+    flag, True unless the user turned it off). Returns ``v``."""
+    if ph is not None and v.is_floating_point() and v.requires_grad != ph.requires_grad:
+        v.requires_grad_(ph.requires_grad)
+    return v
 
 
 def unbind(unit: Unit) -> None:

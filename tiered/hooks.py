@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .lifecycle import Handle  # noqa: TC001 - the mixin's annotation is evaluated at run time (get_type_hints)
+from .placeholder import StreamedTensorError, is_placeholder
 from .streamer import Streamer
 
 __all__ = ["TieredMixin", "wrap_class", "unit_hooks", "allow_one_compile_per_unit"]
@@ -47,8 +48,37 @@ class _TieredMixin:
         return super().generate(*args, **kwargs)  # type: ignore[misc]
 
     @property
-    def device(self) -> torch.device:  # parameters of streamed units sit on "meta" between passes
+    def device(self) -> torch.device:
         return self._tiered.device
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to``, ``.half``, ``.float``, ``.cpu``, ``.cuda``...), as stock, except that it is
+        refused up front — before any tensor changes — when it would change a streamed tensor's dtype or device: tiered
+        binds the checkpoint's bytes at the dtype and device the model was loaded with. Resident tensors and buffers
+        convert as stock's do; a conversion that changes no streamed tensor (``model.to(model.device)``) passes."""
+        kinds = {(t.dtype, t.device) for t in [*self.parameters(), *self.buffers()] if is_placeholder(t)}
+        for dtype, dev in kinds:
+            probe = fn(torch.empty(0, dtype=dtype, device=dev))
+            if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (dtype, dev):
+                raise StreamedTensorError(
+                    f"tiered: this would turn {dtype} on {dev} into {probe.dtype} on {probe.device}; a tiered model runs at "
+                    "the dtype and on the device it was loaded with: load it again with "
+                    f"tiered.load(..., dtype={probe.dtype}, device={str(probe.device)!r}). Nothing was changed.")
+        return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        """Refused before anything is written: a tiered model's weights are its checkpoint's files."""
+        raise StreamedTensorError(
+            f"tiered: save_pretrained({str(save_directory)!r}): this model's weights are the files in "
+            f"{self._tiered.ckpt.root}, read as it runs; copy that directory (or convert it with `tiered reshard`). "
+            "Nothing was written.")
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused before anything changes: the embedding table is read from the checkpoint as the model runs."""
+        raise StreamedTensorError(
+            "tiered: resize_token_embeddings changes the embedding table, which tiered reads from "
+            f"{self._tiered.ckpt.root} as the model runs; resize it with stock transformers, save_pretrained, and load "
+            "that directory. Nothing was changed.")
 
     def close(self) -> None:
         """Release the ring, threads and hooks. The model cannot run afterwards."""

@@ -41,6 +41,15 @@ def views(unit: Unit, base: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def stale(ld: Loaded) -> None:
+    """``ld``'s memory is about to be refilled with another unit: bump its autograd version counter (shared by the
+    bound views), so that a graph built in grad mode that saved one of them raises at ``backward()`` ("modified by
+    an inplace operation") instead of differentiating through another unit's bytes. Mapped units (their file
+    mapping is never rewritten) and host-tier slots keep their values and are not bumped."""
+    if ld.base is not None:
+        torch.autograd.graph.increment_version(ld.base)
+
+
 @dataclass(eq=False)
 class DevBuf:
     t: torch.Tensor  # (nbytes,) uint8 on the device
@@ -101,6 +110,7 @@ class CpuStage:
         if not ld.given_back:
             ld.given_back = True
             if ld.slot is not None:
+                stale(ld)
                 self.ring.free(ld.slot)
             if ld.mapped and self.drop_pages:
                 for m, off, n in ld.mapped:
@@ -256,6 +266,7 @@ class CudaStage:
         if ld.given_back or ld.dev is None:
             return
         ld.given_back = True
+        stale(ld)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         ld.dev.free = ev

@@ -1,0 +1,165 @@
+"""What model code sees of a streamed model outside a unit's forward (issue 22, items 1-3): stock's devices, dtypes,
+shapes and ``requires_grad``; a clear :class:`~tiered.placeholder.StreamedTensorError` — never garbage, never a silent
+no-op — for reading or changing a streamed tensor's values, and for module methods tiered cannot do as stock does.
+
+Every test compares with stock ``transformers`` (``from_pretrained``) bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import models
+import pytest
+import torch
+import transformers
+from conftest import make_ids, stream
+
+import tiered
+from tiered.placeholder import Placeholder, StreamedTensorError
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory) -> Path:
+    return models.llama(tmp_path_factory.mktemp("ph") / "llama", dtype=torch.bfloat16, seed=21)
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory) -> Path:
+    """A tiny Llama-4 text model (bf16, two MoE layers): its forward reads ``embed_tokens.weight.device``."""
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=128, attention_chunk_size=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = transformers.Llama4ForCausalLM(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=22)
+    d = tmp_path_factory.mktemp("ph") / "llama4"
+    m.save_pretrained(d)
+    return d
+
+
+def _stock(d: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+
+
+def _equal_logits(m, ref, ids) -> bool:
+    with torch.no_grad():
+        a, b = m(ids).logits, ref(ids).logits
+    assert b.abs().sum() > 0
+    return torch.equal(a, b)
+
+
+def test_parameters_and_submodules_look_like_stock(llama_bf16):
+    ref = _stock(llama_bf16)
+    with stream(llama_bf16) as m:
+        got = dict(m.named_parameters())
+        assert got.keys() == dict(ref.named_parameters()).keys()
+        for name, p in ref.named_parameters():
+            q = got[name]
+            assert (q.device, q.dtype, q.shape, q.requires_grad, isinstance(q, torch.nn.Parameter)) == \
+                (p.device, p.dtype, p.shape, p.requires_grad, True), name
+        streamed = [n for n, p in got.items() if isinstance(p, Placeholder)]
+        assert streamed, "the model must stream for this test"
+        for name, sub in ref.named_modules():  # inner models' own device / dtype (PreTrainedModel properties)
+            if isinstance(sub, transformers.PreTrainedModel):
+                mine = m.get_submodule(name)
+                assert (mine.device, mine.dtype) == (sub.device, sub.dtype), name
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "table"])
+def test_model_code_reading_a_weights_device_equals_stock(llama4, rows):
+    """Llama-4's text model moves its ids to ``embed_tokens.weight.device``: with ``meta`` placeholders that crashed
+    (row embeddings) or gave wrong logits silently (the table streamed)."""
+    ref = _stock(llama4)
+    with stream(llama4, embedding_rows=rows) as m:
+        assert _equal_logits(m, ref, make_ids(3, (2, 9)))
+
+
+def test_reading_a_streamed_weight_outside_its_forward_is_an_error(llama_bf16):
+    with stream(llama_bf16) as m:
+        w = m.model.layers[1].mlp.up_proj.weight
+        assert w.T.shape == w.shape[::-1]  # metadata and views work
+        with pytest.raises(StreamedTensorError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.1"):
+            w.sum()
+        with pytest.raises(StreamedTensorError):
+            float(w[0, 0])
+
+
+def test_in_place_edit_of_a_streamed_weight_is_refused(llama_bf16):
+    """A LoRA merge (``w.add_(delta)`` under ``no_grad``) had no effect and raised nothing."""
+    ref = _stock(llama_bf16)
+    with stream(llama_bf16) as m:
+        w = m.model.layers[0].self_attn.q_proj.weight
+        delta = torch.full(w.shape, 0.5, dtype=w.dtype)
+        with torch.no_grad():
+            for edit in (lambda: w.add_(delta), lambda: w.copy_(delta), lambda: w.mul_(2)):
+                with pytest.raises(StreamedTensorError, match="in-place"):
+                    edit()
+        assert _equal_logits(m, ref, make_ids(1))
+
+
+@pytest.mark.parametrize("convert", ["half", "float", "to_fp16", "to_dtype_kw"])
+def test_dtype_change_is_refused_before_anything_changes(llama_bf16, convert):
+    """``.half()`` / ``.float()`` / ``.to(dtype)`` cast buffers and placeholders but kept binding bf16 weights:
+    logits of neither dtype, silently."""
+    ref = _stock(llama_bf16)
+    with stream(llama_bf16) as m:
+        before = {n: (b.dtype, b.device) for n, b in m.named_buffers()}
+        call = {"half": lambda: m.half(), "float": lambda: m.float(), "to_fp16": lambda: m.to(torch.float16),
+                "to_dtype_kw": lambda: m.to(dtype=torch.float32)}[convert]
+        with pytest.raises(StreamedTensorError, match="load it again"):
+            call()
+        assert {n: (b.dtype, b.device) for n, b in m.named_buffers()} == before  # nothing was changed
+        assert _equal_logits(m, ref, make_ids(2))
+
+
+def test_conversions_that_change_nothing_pass(llama_bf16):
+    ref = _stock(llama_bf16)
+    with stream(llama_bf16) as m:
+        assert m.to("cpu") is m and m.cpu() is m and m.to(m.device) is m and m.to(torch.device("cpu")) is m
+        assert _equal_logits(m, ref, make_ids(4))
+
+
+def test_save_pretrained_is_refused_before_writing(llama_bf16, tmp_path):
+    with stream(llama_bf16) as m:
+        with pytest.raises(StreamedTensorError, match="tiered reshard"):
+            m.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_resize_token_embeddings_is_refused(llama_bf16):
+    with stream(llama_bf16) as m:
+        with pytest.raises(StreamedTensorError, match="resize"):
+            m.resize_token_embeddings(300)
+        assert m.get_input_embeddings().weight.shape[0] == 256
+
+
+def test_grad_mode_outputs_require_grad_as_stock(llama_bf16):
+    """Stock's parameters require grad, so in grad mode its logits do; after ``requires_grad_(False)`` they don't.
+    tiered bound every weight with ``requires_grad=False`` and ignored ``requires_grad_(True)``."""
+    ref = _stock(llama_bf16)
+    ids = make_ids(5)
+    with stream(llama_bf16) as m:
+        a, b = m(ids).logits, ref(ids).logits
+        assert a.requires_grad == b.requires_grad is True and torch.equal(a, b)
+        m.requires_grad_(False)
+        ref.requires_grad_(False)
+        a, b = m(ids).logits, ref(ids).logits
+        assert a.requires_grad == b.requires_grad is False and torch.equal(a, b)
+        assert not any(p.requires_grad for p in m.parameters())
+        m.requires_grad_(True)
+        assert m(ids).logits.requires_grad
+
+
+def test_backward_through_refilled_ring_memory_raises(llama_bf16):
+    """Backward is not supported through streamed weights whose ring slot was refilled: it must raise (the slot's
+    version counter is bumped at release), never differentiate through another unit's bytes."""
+    with tiered.load(llama_bf16, device="cpu", ring_gb=1.0) as probe:
+        from conftest import streaming_ring_gb
+
+        ring = streaming_ring_gb(probe)
+    with tiered.load(llama_bf16, device="cpu", ring_gb=ring, zero_copy=False, io="pread") as m:
+        assert tiered.stats(m).resident_units == 0
+        loss = m(make_ids(6)).logits.float().sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
