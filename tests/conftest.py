@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # `import models` from the tests
 
 import models  # noqa: E402
 
+from tiered.placeholder import is_placeholder  # noqa: E402
+
 PAGE = 4096
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,11 +298,11 @@ def assert_clean(m: torch.nn.Module) -> None:
     h = m._tiered
     for rg in h.rows:
         assert not rg.lock.locked()
-        assert rg.unit.module.weight.device.type == "meta"
+        assert is_placeholder(rg.unit.module.weight)
     for eg in h.experts:
         assert not eg.lock.locked()
         assert eg.spec.module.num_experts == eg.spec.num_experts
-        assert all(p.device.type == "meta" for p in eg.spec.module.parameters(recurse=False))
+        assert all(is_placeholder(p) for p in eg.spec.module.parameters(recurse=False))
 
 
 def assert_cache_bytes(m: torch.nn.Module, ref: torch.nn.Module) -> None:
