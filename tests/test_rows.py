@@ -247,3 +247,47 @@ def test_positional_embeddings_that_compute_their_ids_are_not_row_streamed(tmp_p
     with torch.no_grad(), tiered.load(tmp_path / "m", ring_gb=ring, device="cpu") as model:
         assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits,
                            ref(ids, attention_mask=torch.ones_like(ids)).logits)
+
+
+class _SoftTokens(torch.nn.Module):
+    """Ovis2's visual embedding table (stock class) behind a block: integer ids look rows up; float "soft tokens"
+    (probabilities over the visual vocabulary) are multiplied by the whole table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.models.ovis2.modeling_ovis2 import Ovis2VisualEmbeddingTable
+
+        self.table = Ovis2VisualEmbeddingTable(512, 64)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.table(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_eligibility_is_decided_per_call(tmp_path: Path, dtype) -> None:
+    """Integer ids read rows; float input (Ovis2's ``get_image_features``) binds the whole table for that call. Before
+    the fix: a TypeError on float input."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(7)
+    ref = _SoftTokens().to(dtype).eval()
+    save_model(ref, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        mod = _SoftTokens().to(dtype)
+    m = tiered.attach(mod, tmp_path, ring_gb=40 * 1024 / 2**30, device="cpu")  # 40 KiB: two blocks, not the table
+    try:
+        assert tiered.stats(m).row_units == 1, tiered.stats(m).placement
+        ids = torch.tensor([[3, 500, 3, 17]])
+        soft = torch.softmax(torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(1)), -1).to(dtype)
+        with torch.no_grad():
+            for x in (ids, soft, ids, soft):
+                want = ref(x)
+                assert want.abs().sum() > 0
+                assert torch.equal(m(x), want)
+        assert is_placeholder(m.table.weight)
+    finally:
+        m.close()

@@ -14,7 +14,11 @@ scaled embedding) whose weight streams is not a ring unit. On each call (its ``f
    (it only affects gradients; ``F.embedding`` refuses a ``padding_idx >= U``).
 
 The module's own forward then computes ``F.embedding(inverse, rows)``, which is ``table[ids]`` element
-for element: outputs are bitwise equal to the whole table's, in any dtype. Then the ``meta`` placeholder
+for element: outputs are bitwise equal to the whole table's, in any dtype.
+
+Eligibility is also decided per call: a call whose input is floating point (not ids: Ovis2's visual table
+multiplies "soft tokens" by its weight) binds the whole table for that call (:meth:`RowGather.table`, read in
+chunks) and leaves the input as it is. Then the ``meta`` placeholder
 and ``padding_idx`` are restored, however the call ended.
 
 Bytes read per call: ``U x embedding_dim x itemsize`` (a decode step of batch ``B``: at most ``B`` rows),
@@ -45,12 +49,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .binding import follow_requires_grad
 from .errors import TruncatedShardError
 from .guard import foreign_forward
 from .plan import Unit
 from .reader import ShardMap
 
-__all__ = ["RowGather", "row_eligible"]
+__all__ = ["RowGather", "row_eligible", "TABLE_CHUNK_BYTES"]
+
+#: A call whose input is not integer ids reads the whole table in chunks of this many bytes (64 MiB).
+TABLE_CHUNK_BYTES = 64 << 20
 
 
 def _calls_embedding_forward(cls: type) -> bool:
@@ -159,6 +167,17 @@ class RowGather:
         self.stats.add_rows(n * self.row_bytes)
         return out
 
+    def table(self) -> torch.Tensor:
+        """The whole table, ``(rows, D)`` in the model dtype on the device, read in chunks of at most
+        :data:`TABLE_CHUNK_BYTES` (host memory beyond the table: one chunk; on the CPU the table itself is host
+        memory for the call). For a call whose input is not ids (decided per call, see :meth:`bind`)."""
+        out = torch.empty((self.rows, self.dim), dtype=self.target.dtype, device=self.device)
+        step = max(1, TABLE_CHUNK_BYTES // max(1, self.row_bytes))
+        for a in range(0, self.rows, step):
+            b = min(self.rows, a + step)
+            out[a:b].copy_(self.read(torch.arange(a, b)).to(self.target.dtype))
+        return out
+
     # ----------------------------------------------------------------------------------- the call
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -174,6 +193,12 @@ class RowGather:
         else:
             key = "input" if "input" in kwargs else "input_ids"
             ids, where = kwargs.get(key), ("kwargs", key)
+        if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()):
+            # not ids: a forward that computes with the table itself (Ovis2's visual table multiplies soft tokens by
+            # it): the whole table for this call, the input untouched
+            module._parameters["weight"] = follow_requires_grad(nn.Parameter(self.table(), requires_grad=False),
+                                                                self.placeholder)
+            return args, kwargs
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(module).__name__}: expected integer ids (LongTensor/IntTensor), got "
                             f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
@@ -185,7 +210,7 @@ class RowGather:
         rows = self.read(uniq).to(self.target.dtype)
         if self.device.type != "cpu":
             rows = rows.pin_memory().to(self.device, non_blocking=False) if rows.numel() else rows.to(self.device)
-        module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+        module._parameters["weight"] = follow_requires_grad(nn.Parameter(rows, requires_grad=False), self.placeholder)
         module.padding_idx = None
         new_ids = inv.reshape(ids.shape).to(ids.device)
         if where[0] == "args":
