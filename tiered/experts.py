@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .binding import follow_requires_grad
 from .errors import StreamerError
 from .expert_cache import ExpertCache
 from .expert_spec import Dest as Dest
@@ -318,7 +319,8 @@ class ExpertGather:
         tensors = self.read(uniq.tolist())
         for p, t in zip(self.spec.parts, tensors, strict=True):
             if p.target.is_param:
-                module._parameters[p.target.attr] = nn.Parameter(t, requires_grad=False) \
+                module._parameters[p.target.attr] = follow_requires_grad(
+                    nn.Parameter(t, requires_grad=False), self.placeholders[p.target.attr]) \
                     if t.is_floating_point() else t
             else:
                 module._buffers[p.target.attr] = t
