@@ -5,21 +5,26 @@ from __future__ import annotations
 import json
 import os
 import struct
+from contextlib import nullcontext
 from pathlib import Path
 
+import models
 import pytest
 import torch
+import transformers
+from conftest import logits_of, make_ids
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tiered.errors import (
+    ConfigError,
     DuplicateTensorError,
     HeaderError,
     ShardNotFoundError,
     TieredError,
     TruncatedShardError,
 )
-from tiered.format import DTYPES, MAX_HEADER_SIZE, SPEC_DTYPE_BITS, SkippedTensor, open_checkpoint, read_header
+from tiered.format import DTYPES, INDEX_NAME, MAX_HEADER_SIZE, SPEC_DTYPE_BITS, SkippedTensor, open_checkpoint, read_header
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -699,3 +704,92 @@ def test_duplicate_between_tensor_and_skipped(tmp_path: Path) -> None:
     with pytest.raises(DuplicateTensorError, match="'q'") as e:
         open_checkpoint(tmp_path)
     assert "offset" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- which files, as stock
+
+
+def _tiny_llama(seed: int):
+    """A two-layer bf16 Llama with seeded random weights (``seed`` differs: the weights differ)."""
+    cfg = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = transformers.LlamaForCausalLM(cfg)
+    models.randomize_(m, seed=seed)
+    m.config.dtype = torch.bfloat16
+    return m.to(torch.bfloat16).eval()
+
+
+def _set_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _write_case(case: str, d: Path, a, b, tmp: Path) -> None:
+    """Two checkpoints of ``a`` and ``b`` (different weights) in ``d``, laid out as ``case`` says."""
+    if case == "sharded_then_single":  # save_pretrained deletes the shards, not the index
+        a.save_pretrained(d, max_shard_size="40KB")
+        b.save_pretrained(d)
+        assert (d / INDEX_NAME).is_file() and not list(d.glob("model-0*.safetensors"))
+    elif case == "single_then_sharded":  # model.safetensors stays, next to the index and its shards
+        b.save_pretrained(d)
+        a.save_pretrained(d, max_shard_size="40KB")
+        assert (d / "model.safetensors").is_file() and (d / INDEX_NAME).is_file()
+    elif case == "transformers_weights":
+        a.save_pretrained(d)
+        save_file({k: v.contiguous() for k, v in b.state_dict().items()}, d / "custom.safetensors", metadata={"format": "pt"})
+        _set_config(d, transformers_weights="custom.safetensors")
+    else:  # transformers_weights_index: another index and its shards
+        a.save_pretrained(d)
+        b.save_pretrained(tmp / "other", max_shard_size="40KB")
+        for f in (tmp / "other").glob("model-0*.safetensors"):
+            f.rename(d / f.name)
+        (tmp / "other" / INDEX_NAME).rename(d / "custom.safetensors.index.json")
+        _set_config(d, transformers_weights="custom.safetensors.index.json")
+
+
+@pytest.mark.parametrize("case", ["sharded_then_single", "single_then_sharded", "transformers_weights",
+                                  "transformers_weights_index"])
+def test_weight_files_are_the_ones_from_pretrained_loads(case: str, tmp_path: Path) -> None:
+    """A directory holding two checkpoints: tiered loads the one ``from_pretrained`` loads (transformers 5.17
+    ``_get_resolved_checkpoint_files``: ``config.json``'s ``transformers_weights``, else ``model.safetensors``, else
+    the index), and its logits are stock's bit for bit. Directories ``save_pretrained`` leaves (sharded then
+    unsharded: the index stays, its shards are gone) load; an ignored index with its shards is warned about."""
+    import tiered
+
+    a, b = _tiny_llama(1), _tiny_llama(2)
+    d = tmp_path / "m"
+    _write_case(case, d, a, b, tmp_path)
+    ids = make_ids(0, (2, 8))
+    assert not torch.equal(logits_of(a, ids), logits_of(b, ids))  # the two checkpoints really differ
+    want = logits_of(transformers.AutoModelForCausalLM.from_pretrained(d).eval(), ids)
+    warns = pytest.warns(UserWarning, match="two checkpoints") if case == "single_then_sharded" else nullcontext()
+    with warns:
+        m = tiered.load(d, device="cpu", ring_gb=1.0)
+    with m:
+        assert torch.equal(logits_of(m, ids), want)
+
+
+@pytest.mark.parametrize(("name", "error"), [("weights.bin", ConfigError), ("../outside.safetensors", ShardNotFoundError),
+                                             ("missing.safetensors", ShardNotFoundError),
+                                             ("adapter_model.bin", ShardNotFoundError)])
+def test_transformers_weights_refused_names_config_json(name: str, error: type, tmp_path: Path) -> None:
+    """A ``transformers_weights`` transformers refuses (not safetensors, outside the directory) or that is missing:
+    an error naming config.json and the file, never the other weights of the directory."""
+    save_file(sample_tensors(), tmp_path / "outside.safetensors")
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file(sample_tensors(), d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"transformers_weights": name}))
+    with pytest.raises(error) as e:
+        open_checkpoint(d)
+    assert_names_file(e, d / "config.json", name)
+
+
+def test_pytorch_bin_comes_before_other_safetensors(tmp_path: Path) -> None:
+    """transformers loads ``pytorch_model.bin`` before looking at any other name: tiered (which does not read .bin)
+    says so instead of loading some other ``*.safetensors`` file of the directory."""
+    torch.save({"a.weight": torch.ones(3, 5)}, tmp_path / "pytorch_model.bin")
+    save_file(sample_tensors(), tmp_path / "adapter.safetensors")
+    with pytest.raises(ShardNotFoundError, match="pytorch_model.bin.*tiered reshard"):
+        open_checkpoint(tmp_path)

@@ -30,7 +30,7 @@ from .guard import CallGuard
 from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
 from .machine import gather
-from .meta import build_meta_model, materialize_meta_buffers, meta_model_from_dir
+from .meta import build_meta_model, load_generation_config, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
 from .placeholder import install_placeholders
 from .placement import Placement, choose_io, place, warn_mmap_thrash
@@ -322,29 +322,35 @@ def load(
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
     expert_prefetch: bool = False,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
+
+    What is loaded is what ``transformers``' ``from_pretrained(model_dir)`` (5.17) loads: the weight files it picks
+    (:func:`tiered.format.weight_files`), at its default dtype (``"auto"``: the config's, else the checkpoint's;
+    :func:`tiered.meta.default_dtype`), with its generation config (:func:`tiered.meta.load_generation_config`).
 
     Args:
         model_dir: ``config.json`` plus ``model.safetensors`` or shards with ``model.safetensors.index.json``.
         model_class: a ``transformers`` class (or its name) overriding ``config.architectures[0]``.
+        dtype: the compute dtype (weights are cast while streamed); default: as ``from_pretrained``'s default.
+        trust_remote_code: run the directory's own model code where ``config.json``'s ``auto_map`` names it (as
+            ``from_pretrained(..., trust_remote_code=True)``; :func:`tiered.meta.model_class_for`). Only for code
+            you have read.
         progress: a progress bar on stderr while resident units load (default: on a terminal, >= 1 GiB).
         **options: the fields of :class:`tiered.Options` (listed below), each a keyword.
     Returns:
         an ordinary ``transformers`` model (``forward``, ``generate``, ``pipeline``) with ``.close()``.
 
     Raises:
-        ConfigError: no ``config.json`` or an architecture ``transformers`` does not know.
+        ConfigError: no ``config.json``, an architecture ``transformers`` does not know, or custom code
+            (``auto_map``) without ``trust_remote_code=True``.
         and every error :func:`attach` raises.
     """
     rss0 = proc_status().get("VmRSS", 0)
-    import transformers
-
     root = Path(model_dir)
-    model = meta_model_from_dir(root, dtype=dtype, model_class=model_class)
-    gen = root / "generation_config.json"
-    if gen.is_file() and getattr(model, "generation_config", None) is not None:
-        model.generation_config = transformers.GenerationConfig.from_pretrained(root)
+    model = meta_model_from_dir(root, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
+    load_generation_config(model, root)
     return attach(model, root, ring_gb=ring_gb, device=device, prefetch=prefetch, gpu_gb=gpu_gb, io=io,
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
                   embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,

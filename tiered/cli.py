@@ -52,7 +52,8 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         placement = {"ring_gb": a.ring_gb if a.ring_gb is not None else 4.0, "gpu_gb": a.gpu_gb,
                      "host_gb": a.host_gb, "prefetch": a.prefetch, "io": a.io or "mmap", "gbps": {**GBPS, **gbps}}
     with _option_errors_as_usage(parser):
-        info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement)
+        info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement,
+                           trust_remote_code=a.trust_remote_code)
     if a.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -89,7 +90,8 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     t0 = time.perf_counter()
     with _option_errors_as_usage(parser):
         model = load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
-                     threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb)
+                     threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb,
+                     trust_remote_code=a.trust_remote_code)
     load_s = time.perf_counter() - t0
     with model:
         if not callable(getattr(model, "generate", None)) or not model.can_generate():
@@ -253,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_TRUST_HELP = ("run MODEL_DIR's own model code (config.json's auto_map), as transformers' trust_remote_code=True; "
+               "only for code you have read")
+
+
 def _add_generate_parser(sub: Any) -> None:
     """``tiered generate``'s arguments."""
     g = sub.add_parser("generate", help="generate text from a model directory, streaming its weights",
@@ -260,6 +266,7 @@ def _add_generate_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("model_dir", metavar="MODEL_DIR",
                    help="local Hugging Face model directory: config.json, *.safetensors (and a tokenizer for text)")
+    g.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
     t = g.add_argument_group("prompt")
     t.add_argument("--prompt", default="Hello", metavar="TEXT",
                    help="the prompt, encoded with MODEL_DIR's tokenizer (default: %(default)r)")
@@ -286,7 +293,8 @@ def _add_generate_parser(sub: Any) -> None:
                    "`tiered inspect` says the least that works)")
     r.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
-                   help="compute dtype, cast while streaming (default: config.json's)")
+                   help="compute dtype, cast while streaming (default: as from_pretrained's: config.json's, "
+                   "else the checkpoint's)")
     r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of GPU memory for units kept resident plus the running unit's buffer, as accelerate's "
                    "max_memory counts; the prefetch buffers come on top (default: free memory - 4 GiB, all inside)")
@@ -318,6 +326,7 @@ def _add_inspect_parser(sub: Any) -> None:
                    "*.safetensors)")
     i.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
                    help="plan for this compute dtype (default: config.json's)")
+    i.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
     i.add_argument("--device", type=_device, default="cpu",
                    help="plan alignment for this device (cuda: 512 B, cpu: 64 B; default %(default)s)")
     i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4)")

@@ -186,7 +186,7 @@ def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Pa
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(d)
+        tok = AutoTokenizer.from_pretrained(d, trust_remote_code=bool(getattr(a, "trust_remote_code", False)))
     except Exception as e:  # noqa: BLE001 - any failure to build it is the same advice
         _fail(parser, f"MODEL_DIR {d}: its tokenizer does not load ({type(e).__name__}: {e}); pass --ids with token "
                       "ids instead, e.g. --ids --prompt '1 2 3'")

@@ -10,7 +10,8 @@ What it re-exports, by module (each name stays importable from here):
   here as ``_decode``, ``_FAST``, ``_EXACT``: :func:`read_header` calls ``tiered.format._decode``, so a test may
   swap it for ``_EXACT.decode`` here);
 * :mod:`tiered.checkpoint` — :func:`open_checkpoint` (a model directory's shards and every tensor by name),
-  :func:`read_index`, :func:`index_shard_paths`, :func:`check_model_dir`.
+  :func:`weight_files` (which files ``from_pretrained`` loads), :func:`checkpoint_dtype` (the dtype its default
+  takes from them), :func:`read_index`, :func:`index_shard_paths`, :func:`check_model_dir`.
 
 Defined here: :func:`encode_header` (the header of a file tiered writes) and :func:`parse_size`.
 """
@@ -23,7 +24,17 @@ import struct
 
 import torch
 
-from .checkpoint import INDEX_NAME, Checkpoint, check_model_dir, index_shard_paths, open_checkpoint, read_index
+from .checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    WeightFiles,
+    check_model_dir,
+    checkpoint_dtype,
+    index_shard_paths,
+    open_checkpoint,
+    read_index,
+    weight_files,
+)
 from .header import MAX_HEADER_SIZE, read_header
 from .serde_json import _EXACT as _EXACT
 from .serde_json import _FAST as _FAST
@@ -40,6 +51,9 @@ __all__ = [
     "Checkpoint",
     "read_header",
     "open_checkpoint",
+    "weight_files",
+    "WeightFiles",
+    "checkpoint_dtype",
     "dtype_name",
     "parse_size",
     "encode_header",
