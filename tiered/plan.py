@@ -1,8 +1,9 @@
 """The plan: which checkpoint bytes go to which parameter, grouped into units in execution order.
 
-A *unit* is the streaming granule: one repeated block (a decoder layer: each child of an
-``nn.ModuleList`` of identical blocks), or one other module that owns parameters outside the
-repeated blocks (embeddings, final norm, head). Its hook point is that module: everything the
+A *unit* is the streaming granule: one block of a layer list (a decoder layer: each child of an
+``nn.ModuleList`` of identical layers, or of a hybrid stack mixing layer classes, or of a stack of
+one; the rule is :mod:`tiered.units`'), or one other module that owns parameters outside the
+block lists (embeddings, final norm, head). Its hook point is that module: everything the
 unit holds is used inside that module's ``forward``.
 
 Checkpoint names are mapped onto module names with ``transformers``' own conversion machinery
@@ -27,6 +28,7 @@ from torch import nn
 
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
+from .units import find_unit_roots
 
 __all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots"]
 
@@ -160,56 +162,6 @@ class Plan:
     @property
     def max_unit(self) -> Unit:
         return max(self.units, key=lambda u: u.nbytes)
-
-
-def _repeated_lists(model: nn.Module) -> set[int]:
-    """ids of ModuleLists/Sequentials of >= 2 same-class children that hold parameters."""
-    out = set()
-    for mod in model.modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kids = list(mod.children())
-            if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
-                out.add(id(mod))
-    return out
-
-
-def find_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """Unit hook points in module-registration (DFS) order: the initial guess at execution order.
-
-    A module is descended into when its subtree contains a repeated block list; each child of a
-    repeated list is a unit; any other module owning parameters is one unit. Parameters owned
-    directly by an ancestor of a repeated list are a unit hooked on that ancestor.
-    """
-    rep = _repeated_lists(model)
-    holds_rep: set[int] = set()
-
-    def mark(mod: nn.Module) -> bool:
-        found = id(mod) in rep
-        for c in mod.children():
-            found = mark(c) or found
-        if found:
-            holds_rep.add(id(mod))
-        return found
-
-    mark(model)
-    roots: list[tuple[str, nn.Module, bool]] = []
-
-    def visit(name: str, mod: nn.Module) -> None:
-        if id(mod) in rep:
-            for cname, c in mod.named_children():
-                roots.append((f"{name}.{cname}" if name else cname, c, False))
-            return
-        if id(mod) in holds_rep:
-            if mod._parameters or mod._buffers:
-                roots.append((name or "<root>", mod, True))
-            for cname, c in mod.named_children():
-                visit(f"{name}.{cname}" if name else cname, c)
-            return
-        if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
-            roots.append((name or "<root>", mod, False))
-
-    visit("", model)
-    return roots
 
 
 def _conversion_tools(model: nn.Module):
@@ -386,45 +338,91 @@ def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor])
     return direct, conv, unused, unavailable, unused_skipped, unused_missing
 
 
+def _shared_keys(sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """State-dict key -> the other keys (sorted) that name the same tensor object: a parameter or buffer two modules
+    share. ``safetensors.torch.save_model`` stores such a group once, under one of its names
+    (``_remove_duplicate_names``), and ``load_model`` fills the other names by loading that one into the shared
+    tensor; on ``meta`` there is no storage to compare, so sharing is the object's identity (``keep_vars=True``)."""
+    groups: dict[int, list[str]] = {}
+    for k, v in sd.items():
+        groups.setdefault(id(v), []).append(k)
+    return {k: sorted(o for o in ks if o != k) for ks in groups.values() if len(ks) > 1 for k in ks}
+
+
+def _source_key(key: str, tied: dict[str, str], shared: dict[str, list[str]], direct: dict[str, TensorInfo],
+                conv: _Conv) -> str | None:
+    """The model key whose checkpoint tensor fills ``key``: ``key`` itself; else its tied twin
+    (``transformers``' ``all_tied_weights_keys``: a tied head reads the embedding); else the first key, sorted, that
+    shares its tensor object and the checkpoint holds (as ``safetensors.torch.load_model``); None if none."""
+    if key in direct or key in conv:
+        return key
+    other = tied.get(key) or next((t for t, s in tied.items() if s == key), None)
+    if other is not None and (other in direct or other in conv):
+        return other
+    return next((o for o in shared.get(key, ()) if o in direct or o in conv), None)
+
+
+def _from_config(model: nn.Module, ckpt: Checkpoint) -> bool:
+    """A ``transformers`` model next to a ``config.json`` (``tiered.load``'s case): messages name config.json then."""
+    root = ckpt.root if ckpt.root.is_dir() else ckpt.root.parent
+    return getattr(model, "config", None) is not None and (root / "config.json").is_file()
+
+
+def _missing_error(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], missing: list[str]) -> MissingTensorError:
+    shown = ", ".join(f"{k!r} (shape {list(sd[k].shape)})" for k in missing[:10])
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    if _from_config(model, ckpt):
+        return MissingTensorError(f"{ckpt.root}: no checkpoint tensor for parameter {shown}{more}; the checkpoint does "
+                                  "not match config.json: use the checkpoint's own config, or pass the right architecture")
+    files = [str(sh.path) for sh in ckpt.shards]
+    return MissingTensorError(
+        f"{ckpt.root}: {len(missing)} key(s) of {type(model).__name__}'s state_dict have no tensor in {files}: "
+        f"{shown}{more}; the checkpoint's names must be the module's state_dict names (a shared parameter may be "
+        "stored under any one of its names)")
+
+
+def _check_source(model: nn.Module, ckpt: Checkpoint, s: TensorInfo, tgt: Target) -> None:
+    """A direct copy's source agrees with its target: same shape, both complex or both real."""
+    if tuple(s.shape) == tgt.shape and s.dtype.is_complex == tgt.dtype.is_complex:
+        return
+    cfg = _from_config(model, ckpt)
+    built = "the model built from config.json" if cfg else f"the module ({type(model).__name__})"
+    fix = ("the config does not match the checkpoint: use the checkpoint's own config.json" if cfg
+           else "the checkpoint was not saved from this module")
+    if tuple(s.shape) != tgt.shape:
+        raise ShapeMismatchError(f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but "
+                                 f"{built} expects {list(tgt.shape)} for {tgt.key!r}; {fix}")
+    raise UnsupportedDtypeError(f"{s.file}: tensor {s.name!r} at offset {s.offset} has dtype {s.dtype} but {tgt.key!r} "
+                                f"is {tgt.dtype}: complex and real data do not convert; {fix}")
+
+
 def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo],
                   conv: _Conv, unavailable: dict[str, Exception]) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
-    """Model key -> its :class:`Target` and copies (a tied weight copies its twin's source), in state_dict order;
-    and each conversion that cannot be placed, with the key it fills."""
+    """Model key -> its :class:`Target` and copies (a tied or shared weight copies its twin's source:
+    :func:`_source_key`), in state_dict order; and each conversion that cannot be placed, with the key it fills.
+
+    Raises:
+        MissingTensorError: parameters with no source, all of them named (with the files for a plain module).
+    """
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    shared = _shared_keys(sd)
     targets: dict[str, Target] = {}
     converts: list[tuple[Convert, str]] = []
+    missing: list[str] = []
     for key, ref in sd.items():
         mod, attr, is_param = _owner(model, key)
-        if not is_param and key not in direct and key not in conv:
+        src_key = _source_key(key, tied, shared, direct, conv)
+        if not is_param and src_key is None:
             continue  # buffer not in the checkpoint: keep its initialised value
         if key in unavailable and key not in direct:
             raise unavailable[key]
+        if src_key is None:
+            missing.append(key)
+            continue
         tgt = Target(key, mod, attr, is_param, tuple(ref.shape), ref.dtype)
-        src_key = key
-        if key not in direct and key not in conv:
-            other = tied.get(key) or next((t for t, s in tied.items() if s == key), None)
-            if other is not None and (other in direct or other in conv):
-                src_key = other
-            else:
-                raise MissingTensorError(
-                    f"{ckpt.root}: no checkpoint tensor for parameter {key!r} (shape {list(ref.shape)}); "
-                    "the checkpoint does not match config.json: use the checkpoint's own config, or pass the "
-                    "right architecture"
-                )
         if src_key in direct:
-            s = direct[src_key]
-            if tuple(s.shape) != tgt.shape:
-                raise ShapeMismatchError(
-                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but the model "
-                    f"built from config.json expects {list(tgt.shape)} for {key!r}; the config does not match "
-                    "the checkpoint: use the checkpoint's own config.json"
-                )
-            if s.dtype.is_complex != tgt.dtype.is_complex:
-                raise UnsupportedDtypeError(
-                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has dtype {s.dtype} but {key!r} is {tgt.dtype}: "
-                    "complex and real data do not convert; the checkpoint does not match config.json"
-                )
-            tgt.copies.append(Copy(s))
+            _check_source(model, ckpt, direct[src_key], tgt)
+            tgt.copies.append(Copy(direct[src_key]))
         else:
             converter, srcs = conv[src_key]
             placed = _place_converter(converter, srcs, key, tgt.shape)
@@ -433,6 +431,8 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
             else:
                 converts.append((Convert(converter, src_key, srcs, [key]), key))
         targets[key] = tgt
+    if missing:
+        raise _missing_error(model, ckpt, sd, missing)
     return targets, converts
 
 
