@@ -39,6 +39,7 @@ import tiered.policy
 from tiered.errors import ConfigError, ShardChangedError, TruncatedShardError
 from tiered.experts import HostExperts
 from tiered.hostmem import page_up
+from tiered.ring import gib_up
 
 GiB = 1 << 30
 
@@ -170,9 +171,10 @@ def test_cpu_host_tier_holds_units_larger_than_the_ring(ckpts: Checkpoints, io: 
         assert torch.equal(m(ids).logits, want)
 
 
-def test_auto_maps_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    """io="auto" that picked O_DIRECT on the CPU: a unit larger than the ring computes on the file mapping (as with
-    io="mmap") instead of RingTooSmallError; the others are read O_DIRECT."""
+def test_auto_refuses_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """io="auto" that picked O_DIRECT on the CPU: a unit larger than the ring is refused before loading, as with
+    io="direct" and io="mmap" (it computed on the file mapping, its pages resident over the ring: issue 22, item 11);
+    with a ring of that unit the model runs O_DIRECT, equal to stock."""
     d = ckpts["llama"]
     with tiered.load(d, device="cpu", ring_gb=1.0, embedding_rows=False) as probe:
         sizes = sorted(page_up(u.nbytes) for u in probe._tiered.plan.units)
@@ -182,8 +184,11 @@ def test_auto_maps_a_unit_larger_than_the_ring(ckpts: Checkpoints, monkeypatch: 
     ring = (sizes[-1] - 4096) / GiB  # below the largest unit, above the others
     with pytest.raises(tiered.RingTooSmallError):
         tiered.load(d, device="cpu", ring_gb=ring, io="direct", embedding_rows=False)  # asked for O_DIRECT: refused
-    with tiered.load(d, device="cpu", ring_gb=ring, io="auto", embedding_rows=False) as m, torch.no_grad():
-        assert tiered.stats(m).placement.io == "direct" and tiered.stats(m).mapped_units >= 1
+    for io in ("auto", "mmap"):
+        with pytest.raises(tiered.RingTooSmallError, match=f"pass ring_gb >= {gib_up(sizes[-1])} "):
+            tiered.load(d, device="cpu", ring_gb=ring, io=io, embedding_rows=False)
+    with tiered.load(d, device="cpu", ring_gb=sizes[-1] / GiB, io="auto", embedding_rows=False) as m, torch.no_grad():
+        assert tiered.stats(m).placement.io == "direct"
         assert torch.equal(m(ids).logits, want)
 
 

@@ -40,7 +40,7 @@ from tiered.errors import StreamerError, TieredError
 from tiered.hostmem import PAGE_SIZE
 
 GiB = 1 << 30
-TINY_RING = 64 * 1024 / 2**30
+TINY_RING = 0.00025  # 256 KiB: one layer of the llama test model, not the whole model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import models
 import pytest
 import torch
 import transformers
-from conftest import Checkpoints, make_ids, run_child
+from conftest import Checkpoints, make_ids, run_child, streaming_ring_gb
 
 import tiered
 from tiered import faults
@@ -23,19 +23,26 @@ from tiered.errors import StreamerError
 from tiered.placeholder import is_placeholder
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_RING = 64 * 1024 / 2**30  # 64 KiB: smaller than any test model's largest unit
+
+
+def unit_ring(d: Path, **kw) -> float:
+    """A ring (GiB) that holds the largest unit (up to ~3) but not the whole model: zero copy runs on the mapping,
+    and the ring bounds the mapped pages of the unit running (issue 22, item 11)."""
+    with tiered.load(d, device="cpu", ring_gb=1.0, **kw) as probe:
+        return streaming_ring_gb(probe)
 
 
 @pytest.mark.parametrize("name", ["llama_fp32", "llama", "gptj", "gpt2", "llama_tied_single"])
-def test_equal_to_stock_with_a_ring_smaller_than_any_unit(name: str, ckpts: Checkpoints) -> None:
-    """Every unit computes on the mapping (no ring needed at all); logits for a one-token and a longer input, and
-    greedy generate, equal stock's. In fp32 the one-token product rounds with the weight's address: the mapping
-    gives the same addresses as stock's, where a 64-byte aligned copy in the ring did not."""
+def test_equal_to_stock_on_the_mapping(name: str, ckpts: Checkpoints) -> None:
+    """Every unit computes on the mapping (the ring bounds only the mapped pages of the unit running); logits for a
+    one-token and a longer input, and greedy generate, equal stock's. In fp32 the one-token product rounds with the
+    weight's address: the mapping gives the same addresses as stock's, where a 64-byte aligned copy in the ring did not."""
     d = ckpts[name]
     ref = transformers.AutoModelForCausalLM.from_pretrained(d)
-    with tiered.load(d, device="cpu", ring_gb=TINY_RING) as m, torch.no_grad():
+    with tiered.load(d, device="cpu", ring_gb=unit_ring(d)) as m, torch.no_grad():
         s = tiered.stats(m)
-        assert s.mapped_units >= s.units - 2 and s.resident_units == 0, s  # (an embedding may read rows instead)
+        # (an embedding may read rows instead)
+        assert s.ring_high_water == 0 and s.mapped_units >= s.units - 2 and s.resident_units == 0, s
         for shape in ((1, 1), (2, 7)):
             ids = make_ids(1, shape)
             assert torch.equal(m(ids).logits, ref(ids).logits), shape
@@ -51,15 +58,17 @@ def test_equal_to_stock_with_a_ring_smaller_than_any_unit(name: str, ckpts: Chec
 def test_bert_encoder(ckpts: Checkpoints) -> None:
     d = ckpts["bert"]
     ref = transformers.AutoModel.from_pretrained(d)
-    with tiered.load(d, device="cpu", ring_gb=TINY_RING) as m, torch.no_grad():
+    with tiered.load(d, device="cpu", ring_gb=unit_ring(d)) as m, torch.no_grad():
         assert tiered.stats(m).mapped_units > 0
         ids = make_ids(3)
         assert torch.equal(m(ids).last_hidden_state, ref(ids).last_hidden_state)
 
 
 def test_a_unit_larger_than_the_ring(tmp_path: Path) -> None:
-    """An untied lm_head of 8192 x 64 fp32 (2 MiB) with a 0.5 MiB ring: zero copy runs it, equal to stock; the
-    ring path refuses it, naming the unit (issue 8, capability 1, on the CPU)."""
+    """An untied lm_head of 8192 x 64 fp32 (2 MiB) with a 0.5 MiB ring: refused before loading, naming the unit and
+    the ring it needs, by the ring path and by zero copy alike — on the mapping its 2 MiB would be resident while it
+    runs, over the ring ``load`` promises as the bound (issue 22, item 11: it ran, 4x over the ring). With a ring of
+    the head, zero copy runs it on the mapping, equal to stock."""
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
@@ -68,8 +77,10 @@ def test_a_unit_larger_than_the_ring(tmp_path: Path) -> None:
     ring_gb = 0.5 / 1024
     with pytest.raises(tiered.RingTooSmallError, match="lm_head"):
         tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb, zero_copy=False)
+    with pytest.raises(tiered.RingTooSmallError, match=r"'lm_head' needs 0\.002 GiB .*file mapping"):
+        tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb)
     ids = torch.tensor([[7, 8191, 0, 4000, 7]])
-    with tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb) as m, torch.no_grad():
+    with tiered.load(tmp_path / "m", device="cpu", ring_gb=unit_ring(tmp_path / "m")) as m, torch.no_grad():
         assert torch.equal(m(ids).logits, ref(ids).logits)
         s = tiered.stats(m)
         assert s.ring_high_water == 0 and s.streamed_bytes >= 8192 * 64 * 4
@@ -100,7 +111,7 @@ TRUNCATE = textwrap.dedent(
     """
     import os, sys, torch, tiered
     d = sys.argv[1]
-    m = tiered.load(d, device="cpu", ring_gb=64 * 1024 / 2**30)
+    m = tiered.load(d, device="cpu", ring_gb=float(sys.argv[2]))
     ids = torch.arange(1, 6).unsqueeze(0)
     with torch.no_grad():
         m(ids)  # the next pass's first units are prefetched now: views of the mapping
@@ -121,7 +132,7 @@ def test_shard_truncated_under_a_mapped_unit_is_an_error_not_sigbus(ckpts: Check
     """A shard cut short after its units were prefetched as views: the check before compute raises (a SIGBUS
     would kill the process: run in a child)."""
     d = ckpts.copy("llama", tmp_path / "m")
-    out = subprocess.run([sys.executable, "-c", TRUNCATE, str(d)], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", TRUNCATE, str(d), str(unit_ring(d))], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert "TRUNCATED True" in out.stdout or "STREAMER TruncatedShardError True" in out.stdout, out.stdout
@@ -199,7 +210,7 @@ class TestHostile:
         d = ckpts["llama"]
         ref = transformers.AutoModelForCausalLM.from_pretrained(d)
         ids = make_ids(7)
-        with tiered.load(d, device="cpu", ring_gb=TINY_RING) as m, torch.no_grad():
+        with tiered.load(d, device="cpu", ring_gb=unit_ring(d)) as m, torch.no_grad():
             assert tiered.stats(m).mapped_units > 0
             hit = {"n": 0}
 

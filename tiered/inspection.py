@@ -22,35 +22,37 @@ def gib_up(n: float) -> float:
     return _gib_up(n)
 
 
-def _plan_for(model_dir: Path, dtype: str | None, device: str):
+def _plan_for(model_dir: Path, dtype: str | None, device: str, trust_remote_code: bool = False):
     from .format import open_checkpoint
     from .meta import meta_model_from_dir
     from .plan import build_plan
 
-    model = meta_model_from_dir(model_dir, dtype=dtype)
+    model = meta_model_from_dir(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     ckpt = open_checkpoint(model_dir)
     return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
 
 
 def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu",
-                placement: dict | None = None) -> dict:
+                placement: dict | None = None, trust_remote_code: bool = False) -> dict:
     """What ``tiered inspect`` prints, as a dict (bytes are exact; GiB = 2**30 bytes).
 
     ``placement``: ``tiered.load`` options (``ring_gb``, ``gpu_gb``, ``host_gb``, ``prefetch``, ``io``) and ``gbps``
     (bandwidths, :data:`tiered.placement.GBPS`'s keys): adds ``"placement"`` (where each unit goes; ``"io"``: the
     backend, ``"auto"`` resolved) and ``"predicted"`` (decode s/token, warm and cold; CUDA only) from
-    :mod:`tiered.placement`."""
+    :mod:`tiered.placement`. ``trust_remote_code``: build a model of the directory's own code (``auto_map``), as
+    :func:`tiered.load` does."""
     from .hostmem import page_up
     from .plan import layer_index
 
     model_dir = Path(model_dir)
-    config, ckpt, plan = _plan_for(model_dir, dtype, device)
+    config, ckpt, plan = _plan_for(model_dir, dtype, device, trust_remote_code)
     placed = None
     if placement is not None:
         from .placement import place_here, predict
 
         opts = {k: v for k, v in placement.items() if k != "gbps"}
-        _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device)  # place() routes experts out of its plan's units
+        # place() routes experts out of its plan's units
+        _, fresh_ckpt, fresh = _plan_for(model_dir, dtype, device, trust_remote_code)
         pl = place_here(fresh, device=device, ckpt_bytes=fresh_ckpt.nbytes, config=config, strict=False, **opts)
         placed = {"options": opts, **pl.as_dict(),
                   # resident: on the GPU on CUDA; on the CPU in the ring, which then holds the whole model
@@ -63,10 +65,11 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     big = plan.max_unit
     # CPU defaults (io="mmap", zero copy, embedding rows): units that compute on views of the file mapping and
     # embeddings that read their rows need no ring; only the others (cast or converted) are copied into it
-    from .reader import zero_copy_eligible
     from .rows import row_eligible
 
-    in_ring = [u for u in plan.units if not row_eligible(u) and not (device == "cpu" and zero_copy_eligible(u))]
+    # CPU zero copy computes on the file mapping, but the pages of the unit running count against the ring as a copy
+    # does (the bound load() promises): only embedding rows need no ring
+    in_ring = [u for u in plan.units if not row_eligible(u)]
     return {
         "placement": placed,
         "experts": _experts_info(config, plan),
@@ -239,12 +242,13 @@ def _print_checkpoint(info: dict, a: Any) -> None:
               + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
     if info["ring_free_units"] and info["ring_min_default_gb"] < info["ring_min_gb"]:
         cpu = a.device == "cpu"
-        why = ("compute on views of the file mapping (zero copy) or read embedding rows" if cpu
-               else "read embedding rows")
+        why = "read embedding rows"
         need = (f">= {gib_up(info['ring_min_default_gb'] * GiB)} GiB" if info["ring_min_default_gb"]
                 else "any size (a small one bounds RSS best)")
         print(f"ring needed with the defaults: {need}: {info['ring_free_units']} of {len(units)} units {why} and "
-              f"need no ring slot" + ("" if cpu else "; units larger than the ring are read in pieces when they can be cut"))
+              f"need no ring slot" + ("; the rest compute on views of the file mapping (zero copy), and the ring "
+                                      "bounds the pages of the unit running" if cpu else
+                                      "; units larger than the ring are read in pieces when they can be cut"))
         print(f"ring to copy every unit into it ({'zero_copy=False, ' if cpu else ''}embedding_rows=False): "
               f">= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
@@ -312,9 +316,9 @@ def _print_placement(info: dict, placement: dict | None) -> None:
                   + (f"; {len(pl['page_cache'])} of them are io=auto's page-cache tier (kept in the page cache "
                      f"between passes, the rest read O_DIRECT)" if pl["page_cache"] else ""))
         if pl["ring_need_bytes"] > pl["ring_bytes"]:
-            print(f"  note: tiered.load refuses this ring: the largest unit copied into it needs "
+            print(f"  note: tiered.load refuses this ring: the largest unit (copied into it, or run on the mapping) needs "
                   f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "
-                  f"{gib_up(pl['ring_need_bytes'])}" + ("" if pl["io"] == "mmap" else " or --io mmap"))
+                  f"{gib_up(pl['ring_need_bytes'])}")
         elif pl["refused"]:
             for why in pl["refused"]:
                 print(f"  note: tiered.load refuses these options here: {flags_for_options(why)}")

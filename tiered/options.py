@@ -33,10 +33,12 @@ def _bad(option: str, message: str, cls: type[ConfigError] | type[RingTooSmallEr
 
 #: Every option, documented once (appended to ``tiered.load``'s and ``tiered.attach``'s docstrings).
 OPTION_DOCS = """\
-        ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant.
+        ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant. It must hold the
+            largest unit (CUDA: the largest one that cannot be cut in pieces); on the CPU also with zero copy, whose
+            running unit's mapped pages count against it (a smaller ring: ``RingTooSmallError`` before loading).
         device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
-            default: ``config.json``'s dtype, as ``from_pretrained`` does.
+            default: ``from_pretrained``'s (``"auto"``: ``config.json``'s dtype, else the checkpoint's).
         prefetch: units of lookahead.
         gpu_gb: GiB of GPU memory for resident units (loaded once, never streamed) and the device buffer of the
             unit being computed, as accelerate's ``max_memory`` counts weights plus one offloaded layer; the

@@ -257,9 +257,6 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
     cpu = _is_cpu(p.device)
     zc = opts.zero_copy and cpu and one and opts.drop_pages
     mappable = {u.index for u in plan.units if zc and p.io == "mmap" and u.index not in eligible and zero_copy_eligible(u)}
-    if zc and p.io_probe:  # io="auto" picked O_DIRECT: a unit larger than the ring computes on the mapping instead
-        mappable |= {u.index for u in plan.units if u.index not in eligible and zero_copy_eligible(u)
-                     and page_up(need[u.index]) > p.ring_bytes}
     # CPU: the units the host tier will hold are read straight into it, never through the ring
     host_first = policy.choose_host(plan, set(), eligible, need, opts.host_gb) if cpu and opts.host_gb and one else set()
     ring_units = [u for u in plan.units if u.index not in eligible | mappable | host_first]
@@ -268,9 +265,12 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
     except RingTooSmallError as e:
         _refuse(p, strict, e)
         pieces = {}
+    # CPU zero copy: a mapped unit's pages are in RSS while it runs (faulted in from the page cache, dropped after), so
+    # it counts against the ring as a copied one does: the bound load() promises is the ring, not the largest unit
+    on_map = [u for u in plan.units if u.index in mappable and u.index not in host_first] if cpu else []
     if cpu:
-        p.ring_need_bytes = max((page_up(need[u.index]) for u in ring_units), default=0)
-    whole_units = [u for u in ring_units if u.index not in pieces]
+        p.ring_need_bytes = max((page_up(need[u.index]) for u in ring_units + on_map), default=0)
+    whole_units = [u for u in ring_units if u.index not in pieces] + on_map
     big = max(whole_units or ring_units or plan.units, key=lambda u: need[u.index])
     most = page_up(need[big.index])  # as the ring allocates it (and as `tiered inspect` reports it)
     p.largest_unit_bytes = big.nbytes
@@ -281,6 +281,9 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
         if not cpu and one:
             why = (" and cannot be read in pieces (transformers builds it from whole tensors, e.g. fused, or stacked "
                    "from per-expert ones)")
+        elif big.index in mappable:
+            why = (" (it runs on views of the file mapping, whose pages are resident while it runs: the ring bounds "
+                   "them too)")
         elif cpu and opts.zero_copy and p.io == "mmap" and one:
             why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
                    "tensors)")
