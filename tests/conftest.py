@@ -31,6 +31,11 @@ SHARED_BUILDERS = {
     "mixtral8": (models.mixtral, {"num_experts": 8, "top_k": 2, "max_shard_size": "200KB"}),
     "mixtral16": (models.mixtral, {"num_experts": 16, "top_k": 2, "max_shard_size": "200KB"}),
     "mixtral_fp32": (models.mixtral, {"dtype": torch.float32}),
+    # decoder stacks of mixed layer classes, or of one layer (tests/test_equality.py, TestHybridStacks)
+    "jamba": (models.jamba, {}),
+    "zamba": (models.zamba, {}),
+    "mllama": (models.mllama, {}),
+    "falcon_h1_one_layer": (models.falcon_h1, {"layers": 1}),
 }
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "bert",
     "mixtral",
     "qwen2_moe",
+    "llava",
+    "custom_code",
     "BUILDERS",
     "checkpoint_keys",
     "MLPStack",
@@ -325,6 +327,62 @@ def deepseek_v2(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_si
                       max_shard_size=max_shard_size)
 
 
+def llava(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = None, seed: int = 13) -> Path:
+    """A composite (multimodal) model: Llava, a one-layer CLIP vision tower and a two-layer Llama text model; its
+    ``config.json`` has sub-configs (``text_config``, ``vision_config``). Token ids below ``VOCAB``; the image token
+    is ``VOCAB`` (text-only inputs never hold it)."""
+    cfg = transformers.LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": VOCAB + 1, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "max_position_embeddings": 64},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                       "projection_dim": 32},
+        image_token_id=VOCAB,
+    )
+    return save_model(transformers.LlavaForConditionalGeneration(cfg), path, seed=seed, dtype=dtype,
+                      max_shard_size=max_shard_size)
+
+
+_TOY_CONFIG = '''from transformers import LlamaConfig
+
+
+class ToyConfig(LlamaConfig):
+    model_type = "tiered_toy"
+'''
+
+_TOY_MODEL = '''from transformers import LlamaForCausalLM
+
+from .configuration_toy import ToyConfig
+
+
+class ToyForCausalLM(LlamaForCausalLM):
+    config_class = ToyConfig
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = -out.logits  # not Llama's outputs: equal ones mean this code ran
+        return out
+'''
+
+
+def custom_code(src: Path, path: Path) -> Path:
+    """``src`` (a Llama checkpoint) as a model with its own code (``trust_remote_code``): ``configuration_toy.py``
+    and ``modeling_toy.py`` in the directory, named by config.json's ``auto_map`` (model type ``tiered_toy``, unknown
+    to transformers). Its ``ToyForCausalLM`` is Llama with negated logits: equal outputs prove the code ran."""
+    import shutil
+
+    shutil.copytree(src, path)
+    (path / "configuration_toy.py").write_text(_TOY_CONFIG)
+    (path / "modeling_toy.py").write_text(_TOY_MODEL)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="tiered_toy", architectures=["ToyForCausalLM"],
+               auto_map={"AutoConfig": "configuration_toy.ToyConfig",
+                         "AutoModelForCausalLM": "modeling_toy.ToyForCausalLM"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 #: Checkpoints outside the equality sweep (not plain causal LMs or encoders): name -> (builder, kwargs, auto class)
 EXTRA_BUILDERS: dict[str, tuple[Callable[..., Path], dict, type]] = {
     "t5": (t5, {}, transformers.AutoModelForSeq2SeqLM),
@@ -335,6 +393,80 @@ EXTRA_BUILDERS: dict[str, tuple[Callable[..., Path], dict, type]] = {
     "glm4_moe": (glm4_moe, {}, transformers.AutoModelForCausalLM),
     "deepseek_v2": (deepseek_v2, {}, transformers.AutoModelForCausalLM),
 }
+
+
+# ---------------------------------------------------------------------------------------------- hybrid stacks
+# Decoder stacks that mix layer classes in one ModuleList, or hold one layer (not in the placement golden grid).
+
+
+def jamba(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+          seed: int = 21) -> Path:
+    """Jamba: Mamba and attention decoder layers in one ``model.layers`` (MoE on odd layers); the torch Mamba path."""
+    cfg = transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        use_mamba_kernels=False, max_position_embeddings=128,
+    )
+    model = transformers.JambaForCausalLM(cfg)
+    assert len({type(lay) for lay in model.model.layers}) == 2
+    return save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def zamba(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+          seed: int = 22) -> Path:
+    """Zamba: Mamba layers and hybrid layers in one ``model.layers``; the hybrid layers share one attention block
+    (one module object, saved once under the first hybrid layer's names)."""
+    cfg = transformers.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, attention_hidden_size=128, attention_head_dim=32, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=8, n_mamba_heads=1, attn_layer_period=2, attn_layer_offset=1,
+        use_mamba_kernels=False, max_position_embeddings=128,
+    )
+    model = transformers.ZambaForCausalLM(cfg)
+    assert len({type(lay) for lay in model.model.layers}) == 2
+    return save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def mllama(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+           seed: int = 23) -> Path:
+    """Mllama (Llama-3.2-Vision): self- and cross-attention decoder layers in one ``language_model.layers``, a
+    vision tower with a one-layer ``global_transformer``. Inputs: :func:`mllama_inputs`."""
+    vc = transformers.MllamaVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14, max_num_tiles=2, intermediate_layers_indices=[0, 1], vision_output_dim=96,
+        supported_aspect_ratios=[[1, 1], [1, 2]],
+    )
+    tc = transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, cross_attention_layers=[1], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    cfg = transformers.MllamaConfig(vision_config=vc.to_dict(), text_config=tc.to_dict(), image_token_index=VOCAB - 1)
+    model = transformers.MllamaForConditionalGeneration(cfg)
+    return save_model(model, path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def mllama_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One image (two tiles) and 7 tokens, the first the image token, for :func:`mllama`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=g)
+    ids[0, 0] = VOCAB - 1
+    return {"input_ids": ids, "pixel_values": torch.randn(1, 1, 2, 3, 28, 28, generator=g),
+            "aspect_ratio_ids": torch.tensor([[2]]), "aspect_ratio_mask": torch.ones(1, 1, 2, dtype=torch.long),
+            "cross_attention_mask": torch.ones(1, 7, 1, 2, dtype=torch.long)}
+
+
+def falcon_h1(path: Path, *, layers: int = 1, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB",
+              seed: int = 24) -> Path:
+    """Falcon-H1 (attention and Mamba-2 side by side in each layer), ``layers`` decoder layers (default one: a stack
+    of one layer)."""
+    cfg = transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=128,
+    )
+    return save_model(transformers.FalconH1ForCausalLM(cfg), path, seed=seed, dtype=dtype,
+                      max_shard_size=max_shard_size)
 
 
 # ---------------------------------------------------------------------------------------------- plain module

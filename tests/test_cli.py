@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import models
 import pytest
 import torch
 import transformers
@@ -552,19 +553,20 @@ def test_inspect_io_changes_the_cpu_placement_as_load_does(dirs: dict[str, Path]
 
 
 def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:
-    """A ring below the largest unit: with io=mmap every unit maps and load takes it; with io=direct they are all
-    copied into the ring and load refuses it, which inspect says (and its JSON figures show)."""
+    """A ring below the largest unit: load refuses it with io=direct (copied into the ring) and io=mmap alike (on the
+    mapping the unit's pages are resident while it runs, which the ring bounds), which inspect says (and its JSON
+    figures show), with the ring that runs."""
     d = dirs["notok"]
-    ring = _inspect_json(d)["ring_min_gb"] / 2
-    mm = _inspect_json(d, "--ring-gb", ring, "--io", "mmap")["placement"]
-    di = _inspect_json(d, "--ring-gb", ring, "--io", "direct")["placement"]
-    assert mm["ring_need_bytes"] <= mm["ring_bytes"] < di["ring_need_bytes"]
-    tiered.load(d, device="cpu", ring_gb=ring, io="mmap").close()
-    with pytest.raises(tiered.RingTooSmallError):
-        tiered.load(d, device="cpu", ring_gb=ring, io="direct")
-    assert "tiered.load refuses this ring" not in cli("inspect", d, "--ring-gb", ring, "--io", "mmap").stdout
-    r = cli("inspect", d, "--ring-gb", ring, "--io", "direct")
-    assert r.returncode == 0 and "tiered.load refuses this ring" in r.stdout and "or --io mmap" in r.stdout, r.stdout
+    info = _inspect_json(d)
+    ring = info["ring_min_gb"] / 2
+    for io in ("mmap", "direct"):
+        pl = _inspect_json(d, "--ring-gb", ring, "--io", io)["placement"]
+        assert pl["ring_bytes"] < pl["ring_need_bytes"] == info["ring_min_gb"] * 2**30
+        with pytest.raises(tiered.RingTooSmallError):
+            tiered.load(d, device="cpu", ring_gb=ring, io=io)
+        r = cli("inspect", d, "--ring-gb", ring, "--io", io)
+        assert r.returncode == 0 and "tiered.load refuses this ring" in r.stdout, r.stdout
+    tiered.load(d, device="cpu", ring_gb=info["ring_min_gb"], io="mmap").close()
 
 
 def test_inspect_io_auto_resolves_as_load_does(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
@@ -605,3 +607,20 @@ def test_inspect_io_direct_predicts_every_pass_from_the_disk(dirs: dict[str, Pat
     r = cli("inspect", *args, "--io", "direct")
     assert r.returncode == 0 and "io=direct bypasses the page cache" in r.stdout, r.stdout
     assert "from a warm page cache" not in r.stdout
+
+
+def test_generate_trust_remote_code(ckpts: Checkpoints, tmp_path: Path) -> None:
+    """``tiered generate`` on a directory with its own model code (``auto_map``): refused without
+    ``--trust-remote-code`` (the advice names the flag); with it, stock's greedy tokens
+    (``from_pretrained(..., trust_remote_code=True)``)."""
+    d = models.custom_code(ckpts["llama"], tmp_path / "toy")
+    ids = [5, 17, 42, 99, 3]
+    args = ("generate", d, "--ids", "--prompt", " ".join(map(str, ids)), "--max-new-tokens", NEW, "--device", "cpu")
+    r = cli(*args)
+    assert r.returncode == 1 and "--trust-remote-code" in r.stderr, r.stderr
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    r = cli(*args, "--trust-remote-code")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(i) for i in want], (r.stdout, want)

@@ -1,15 +1,19 @@
 """tiered vs stock transformers, bit for bit, resident and streamed, on tiny random checkpoints and a real one; odd
 cases of the same promise: outputs that alias weights, dtype plans (``_keep_in_fp32_modules``), zero-size and scalar
-tensors, casts from misaligned sources (every reader backend), submodules of a streamed unit called directly."""
+tensors, casts from misaligned sources (every reader backend), submodules of a streamed unit called directly; a model
+directory loaded as stock loads it (default dtype, generation config, custom code with ``trust_remote_code``)."""
 
 from __future__ import annotations
 
+import json
+from contextlib import nullcontext
 from pathlib import Path
 
+import models
 import pytest
 import torch
 import transformers
-from conftest import STOCK, Checkpoints, ids_for, make_ids, plan_ring_gb, stream, streaming_ring_gb
+from conftest import STOCK, Checkpoints, greedy, ids_for, logits_of, make_ids, plan_ring_gb, stream, streaming_ring_gb
 from models import BUILDERS, MLPStack
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -269,6 +273,183 @@ def test_attach_plain_module(ring_gb: float, mlp_dir: Path) -> None:
             assert all(is_placeholder(p) for p in m.parameters())  # unbound between passes
     finally:
         m.close()
+
+
+class _SharedHead(nn.Module):
+    """A plain module whose head shares the embedding's weight (one ``nn.Parameter`` in two modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 64)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(3))
+        self.head = nn.Linear(64, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("saved_as", ["save_model", "head.weight"])
+@pytest.mark.parametrize("ring_gb", [RESIDENT_GB, 80 * 1024 / GiB])  # 80 KiB: one block (33 KiB) at a time
+def test_attach_plain_module_with_a_shared_parameter(saved_as: str, ring_gb: float, tmp_path: Path) -> None:
+    """``safetensors.torch.save_model`` stores a shared parameter once, under one of its names (``emb.weight``);
+    ``load_model`` fills the other. ``tiered.attach`` binds both from that one tensor, whichever name was stored
+    (``head.weight``: the file written by hand with the other name), and gives ``load_model``'s outputs bit for bit.
+    Before the fix: MissingTensorError about config.json."""
+    from safetensors.torch import load_model, save_model
+
+    torch.manual_seed(5)
+    src = _SharedHead()
+    with torch.no_grad():
+        for prm in src.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.2 + (1.0 if prm.dim() == 1 else 0.0))
+    if saved_as == "save_model":
+        save_model(src, str(tmp_path / "model.safetensors"))
+    else:
+        sd = {k: v.contiguous() for k, v in src.state_dict().items() if k != "emb.weight"}
+        save_file(sd, tmp_path / "model.safetensors")
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert ("emb.weight" in keys) != ("head.weight" in keys), keys  # stored once
+    ref = _SharedHead()
+    missing, unexpected = load_model(ref, tmp_path / "model.safetensors", strict=True)
+    assert not missing and not unexpected
+    ref.eval()
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids)
+    assert want.abs().sum() > 0
+    with torch.device("meta"):
+        mod = _SharedHead()
+    with tiered.attach(mod, tmp_path, ring_gb=ring_gb, device="cpu", embedding_rows=False) as m, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(ids), want)
+        s = tiered.stats(m)
+        assert (s.resident_units == s.units) == (ring_gb == RESIDENT_GB), s.snapshot()
+
+
+# ---------------------------------------------------------------------------------------------- hybrid stacks
+
+#: checkpoint (conftest SHARED_BUILDERS) -> its decoder layer list: mixed layer classes, or one layer
+HYBRID = {
+    "jamba": "model.layers",  # Mamba and attention layers (MoE on odd ones)
+    "zamba": "model.layers",  # Mamba and hybrid layers (a shared attention block, tied)
+    "mllama": "model.language_model.layers",  # self- and cross-attention layers; the vision tower's 1-layer list
+    "falcon_h1_one_layer": "model.layers",  # a stack of one layer
+}
+
+
+def _hybrid_stock(name: str, d: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    import models
+
+    if name == "mllama":  # an image and its tokens: the cross-attention layer runs
+        return STOCK(d, auto=transformers.MllamaForConditionalGeneration), models.mllama_inputs()
+    return STOCK(d), {"input_ids": make_ids(0)}
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_stack_streams_per_layer(name: str, io: str, ckpts: Checkpoints) -> None:
+    """A decoder stack mixing layer classes (Jamba, Zamba, Mllama's language model) or holding one layer is split
+    into one unit per layer (tiered/units.py), so a ring that holds the largest layer but not the stack runs it:
+    every layer streams, and the logits equal stock ``from_pretrained``'s bit for bit, twice. Before the fix the
+    stack was one unit: ``io="pread"`` refused with RingTooSmallError for ``<root>``."""
+    from tiered.hostmem import PAGE_SIZE, page_up
+    from tiered.meta import meta_model_from_dir
+    from tiered.plan import build_plan
+
+    d = ckpts[name]
+    ref, inputs = _hybrid_stock(name, d)
+    with torch.no_grad():
+        want = ref(**inputs).logits
+    assert want.abs().sum() > 0
+    stack = HYBRID[name]
+    n = len(ref.get_submodule(stack))
+    plan = build_plan(meta_model_from_dir(d), open_checkpoint(d), align=64)
+    layer_units = {u.index for u in plan.units if u.name in {f"{stack}.{i}" for i in range(n)}}
+    assert len(layer_units) == n, [u.name for u in plan.units]
+    ring = page_up(max(u.nbytes for u in plan.units)) + PAGE_SIZE
+    assert ring < sum(page_up(plan.units[i].nbytes) for i in layer_units) or n == 1  # smaller than the stack
+    assert ring < sum(page_up(u.nbytes) for u in plan.units)  # and than the model
+    with tiered.load(d, device="cpu", ring_gb=ring / GiB, io=io) as m, torch.no_grad():
+        p = tiered.stats(m).placement
+        assert tiered.stats(m).units == len(plan.units)
+        assert layer_units <= set(p.streamed), (p.streamed, p.resident)
+        for _ in range(2):
+            assert torch.equal(m(**inputs).logits, want)
+        assert tiered.stats(m).units_streamed >= n
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.q = nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.q(self.norm(x))
+
+
+class _Ffn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _ReadHead(nn.Module):
+    """Reads its list's weights without calling them: the list must not be split out of this module's unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList([nn.Linear(64, 64), nn.LayerNorm(64)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.parts[0].weight * self.parts[1].weight[:, None]
+        return x @ w.T + self.parts[0].bias + self.parts[1].bias
+
+
+class _PlainHybrid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Attn(), _Ffn(), _Attn(), _Ffn()])  # mixed classes: a unit each
+        self.last = nn.ModuleList([_Ffn()])  # one block: a unit
+        self.head = _ReadHead()  # leaves read, not called: one unit with their reader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lay in [*self.layers, *self.last]:
+            x = lay(x)
+        return self.head(x)
+
+
+def test_unit_roots_split_blocks_not_leaves_read_by_a_parent(tmp_path: Path) -> None:
+    """The unit-root rule (tiered/units.py) on a plain module: a list of mixed block classes and a list of one block
+    are split, a list of leaf modules whose weights the parent reads without calling them stays in the parent's unit;
+    streamed one unit at a time it gives the eager module's output bit for bit. Before the fix the whole module was
+    one unit."""
+    from tiered.plan import find_unit_roots
+
+    torch.manual_seed(9)
+    ref = _PlainHybrid().eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.2 + (1.0 if prm.dim() == 1 else 0.0))
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(x)
+    with torch.device("meta"):
+        mod = _PlainHybrid()
+    names = [n for n, _, _ in find_unit_roots(mod)]
+    assert names == ["layers.0", "layers.1", "layers.2", "layers.3", "last.0", "head"], names
+    with tiered.attach(mod, tmp_path, ring_gb=80 * 1024 / GiB, device="cpu") as m, torch.no_grad():
+        assert tiered.stats(m).resident_units == 0
+        for _ in range(2):
+            assert torch.equal(m(x), want)
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
@@ -590,3 +771,102 @@ class TestHostilePread:
         assert torch.equal(s, src["small"].float())
         assert float(e) == 1.0 and tuple(z) == (4, 0)
 
+
+
+# ---------------------------------------------------------------------------------------------- a model dir, as stock
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _drop_dtype(doc: dict) -> None:
+    for k in ("dtype", "torch_dtype"):
+        doc.pop(k, None)
+
+
+@pytest.mark.parametrize("case", ["absent", "null", "sub_config", "index_metadata"])
+def test_default_dtype_is_from_pretrained_default(case: str, ckpts: Checkpoints, tmp_path: Path) -> None:
+    """No ``dtype`` argument: tiered runs at the dtype stock ``from_pretrained`` picks by default (``"auto"``, 5.17
+    ``_get_dtype``: the config's, else the index's metadata, else the checkpoint's first floating tensor), not
+    float32: config.json without a dtype, with ``dtype: null``, with one only in a sub-config (multimodal), and an
+    index whose metadata names one."""
+    if case == "sub_config":
+        d, auto = models.llava(tmp_path / "m"), transformers.AutoModelForImageTextToText
+
+        def edit(doc: dict) -> None:
+            _drop_dtype(doc)
+            _drop_dtype(doc["vision_config"])
+            doc["text_config"]["dtype"] = "bfloat16"
+    else:
+        d, auto = ckpts.copy("llama", tmp_path / "m"), transformers.AutoModelForCausalLM
+
+        def edit(doc: dict) -> None:
+            _drop_dtype(doc)
+            if case == "null":
+                doc["dtype"] = None
+    _edit_json(d / "config.json", edit)
+    if case == "index_metadata":
+        _edit_json(d / "model.safetensors.index.json", lambda doc: doc["metadata"].update(dtype="float16"))
+    ref = auto.from_pretrained(d).eval()
+    assert ref.dtype != torch.float32, "stock runs in float32: the test would prove nothing"
+    ids = make_ids(0, (2, 10))
+    want = logits_of(ref, ids)
+    with tiered.load(d, device="cpu", ring_gb=RESIDENT_GB) as m:
+        assert m.dtype == ref.dtype
+        got = logits_of(m, ids)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert torch.equal(greedy(m, ids), greedy(ref, ids))
+
+
+@pytest.mark.parametrize("case", ["legacy_only", "both", "malformed"])
+def test_generation_config_is_from_pretrained_s(case: str, ckpts: Checkpoints, tmp_path: Path) -> None:
+    """``model.generation_config`` is the one stock ``from_pretrained`` sets (5.17 ``adjust_generation_fn``):
+    legacy generation parameters of config.json (``max_length``, ``repetition_penalty``, ``no_repeat_ngram_size``)
+    when there is no generation_config.json or an unreadable one (warned about), generation_config.json alone when
+    there is one. Greedy tokens with the model's defaults equal stock's."""
+    d = ckpts.copy("llama", tmp_path / "m")
+    _edit_json(d / "config.json", lambda doc: doc.update(max_length=14, repetition_penalty=1.5, no_repeat_ngram_size=2))
+    gen = d / "generation_config.json"
+    assert gen.is_file()
+    if case == "legacy_only":
+        gen.unlink()
+    elif case == "malformed":
+        gen.write_text("{not json")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = make_ids(3, (2, 6))
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False)
+        if case != "both":  # guard: the legacy parameters change the tokens
+            plain = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_length=20,
+                                 repetition_penalty=1.0, no_repeat_ngram_size=0)
+            assert plain.shape != want.shape or not torch.equal(plain, want)
+    warns = pytest.warns(UserWarning, match="generation_config.json") if case == "malformed" else nullcontext()
+    with warns:
+        m = tiered.load(d, device="cpu", ring_gb=RESIDENT_GB)
+    with m, torch.no_grad():
+        assert m.generation_config.to_dict() == ref.generation_config.to_dict()
+        got = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_custom_code_with_trust_remote_code_matches_from_pretrained(ckpts: Checkpoints, tmp_path: Path) -> None:
+    """A directory with its own model code (``auto_map``): refused without ``trust_remote_code=True``, with advice
+    that works; with it, the class ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`` builds
+    (``get_class_from_dynamic_module``), and its outputs bit for bit, resident and streamed."""
+    d = models.custom_code(ckpts["llama"], tmp_path / "toy")
+    with pytest.raises(tiered.ConfigError, match=r"tiered\.load\(.*trust_remote_code=True\)") as e:
+        tiered.load(d, device="cpu", ring_gb=RESIDENT_GB)
+    assert "modeling_toy.py" in str(e.value) and "config.json" in str(e.value)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+    ids = make_ids(0, (2, 10))
+    want = logits_of(ref, ids)
+    assert torch.equal(want, -logits_of(STOCK(ckpts["llama"]), ids))  # stock ran the directory's code
+    for m in (tiered.load(d, device="cpu", ring_gb=RESIDENT_GB, trust_remote_code=True),
+              stream(d, trust_remote_code=True)):
+        with m:
+            assert type(ref).__name__ in [c.__name__ for c in type(m).__mro__]
+            assert torch.equal(logits_of(m, ids), want)
+            assert torch.equal(greedy(m, ids), greedy(ref, ids))
