@@ -12,7 +12,9 @@ explicit ``gpu_gb``), both at commit 80d9cd1, before the redesign::
     python tests/placement_golden.py --device cpu --out tests/golden/placement-cpu.json
     python tests/placement_golden.py --device cuda --out tests/golden/placement-cuda.json
 
-``tests/test_placement.py`` replays every case and compares.
+``tests/test_placement.py`` replays every case and compares. A case whose decisions changed on purpose says so in its
+``"changed"`` field (why, and the decisions before): issue 22 item 11 (the CPU ring bounds mapped units) turned 32
+CPU cases with a ring below the largest mapped unit into RingTooSmallError; the CPU file was re-recorded then.
 """
 
 from __future__ import annotations

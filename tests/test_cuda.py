@@ -543,3 +543,27 @@ def test_an_integer_device_is_that_gpu(ckpts: Checkpoints) -> None:
     with tiered.load(d, device=0, ring_gb=0.01, gpu_gb=0) as m, tiered.load(d, device="cuda:0", ring_gb=0.01, gpu_gb=0) as r:
         assert m.device == torch.device("cuda", 0)
         assert torch.equal(m(_ids()).logits, r(_ids()).logits)
+
+
+def test_placeholders_look_like_stock_on_cuda(ckpts: Checkpoints) -> None:
+    """Between passes a streamed parameter reports stock's device (cuda:N, not meta), dtype, shape and requires_grad;
+    an inner model's ``device`` is the GPU; in grad mode the logits require grad and equal stock's; moving the model
+    to the CPU is refused before anything changes; backward through refilled device buffers raises."""
+    d = ckpts["llama"]
+    ref = _ref(d)
+    with tiered.load(d, device=DEV, ring_gb=0.0005, gpu_gb=0) as m:
+        assert tiered.stats(m).resident_units == 0
+        mine = dict(m.named_parameters())
+        for name, p in ref.named_parameters():
+            q = mine[name]
+            assert (q.device, q.dtype, q.shape, q.requires_grad) == (p.device, p.dtype, p.shape, p.requires_grad), name
+        assert m.model.device == ref.model.device and m.model.dtype == ref.model.dtype
+        a, b = m(_ids(3)).logits, ref(_ids(3)).logits
+        assert a.requires_grad and b.requires_grad and torch.equal(a, b)
+        with pytest.raises(tiered.TieredError, match="load it again"):
+            m.to("cpu")
+        assert m.to(DEV) is m and m.cuda() is m
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            m(_ids(4)).logits.float().sum().backward()
+        with torch.no_grad():
+            assert torch.equal(m(_ids(3)).logits, ref(_ids(3)).logits)
