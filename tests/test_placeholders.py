@@ -85,6 +85,18 @@ def test_reading_a_streamed_weight_outside_its_forward_is_an_error(llama_bf16):
             float(w[0, 0])
 
 
+def test_new_tensors_from_a_streamed_weights_metadata_are_stock_s(llama_bf16):
+    """``weight.new_zeros(...)`` / ``torch.zeros_like(weight)`` read no value: real tensors of stock's dtype, device
+    and shape (on ``meta`` they were meta tensors, failing later)."""
+    ref = _stock(llama_bf16)
+    with stream(llama_bf16) as m:
+        w, r = m.model.layers[2].mlp.down_proj.weight, ref.model.layers[2].mlp.down_proj.weight
+        for make in (lambda t: t.new_zeros(3, 5), lambda t: torch.zeros_like(t), lambda t: t.new_full((4,), 1.5),
+                     lambda t: torch.ones_like(t, dtype=torch.float32)):
+            got, want = make(w), make(r)
+            assert type(got) is torch.Tensor and got.device == want.device and torch.equal(got, want)
+
+
 def test_in_place_edit_of_a_streamed_weight_is_refused(llama_bf16):
     """A LoRA merge (``w.add_(delta)`` under ``no_grad``) had no effect and raised nothing."""
     ref = _stock(llama_bf16)

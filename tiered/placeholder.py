@@ -9,7 +9,8 @@ A ``meta`` tensor answers those with ``meta`` and makes the next copy fail — o
 So each streamed tensor is replaced, at load, by a :class:`Placeholder`: a tensor subclass without storage
 (``torch.Tensor._make_wrapper_subclass``) whose ``device``, ``dtype``, ``shape``, ``requires_grad`` and
 ``isinstance(p, nn.Parameter)`` are what stock's tensor has. Metadata and view operations work (a view of a
-placeholder is a placeholder); an operation that reads or writes its values raises :class:`StreamedTensorError`
+placeholder is a placeholder), and so do ``weight.new_zeros(...)`` / ``torch.zeros_like(weight)``, which read no
+value (a real tensor, as stock's); an operation that reads or writes its values raises :class:`StreamedTensorError`
 naming the tensor, the module whose forward binds it, and what to do — never garbage, never a silent no-op
 (an in-place edit such as a LoRA merge's ``w.add_(delta)`` would be lost at the next pass).
 
@@ -82,6 +83,18 @@ class Placeholder(torch.Tensor):
         kwargs = kwargs or {}
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Placeholder)), None)
         assert first is not None
+        op = func.name().split("::")[-1].split(".")[0]
+        if op in _NEW or op in _LIKE:
+            # a new tensor shaped, typed and placed like it (weight.new_zeros(...), torch.zeros_like(weight)): reads
+            # no value, so it is made as stock makes it, from a real stand-in of the placeholder's metadata
+            def real(x: Any) -> Any:
+                if not isinstance(x, Placeholder):
+                    return x
+                if op in _NEW:
+                    return torch.empty(0, dtype=x.dtype, device=x.device)
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+            return func(*tree_map(real, args), **tree_map(real, kwargs))
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or _is_view(func):
             # metadata only: compute the result's shape on meta and hand back a placeholder of it
             out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -90,6 +103,11 @@ class Placeholder(torch.Tensor):
         raise StreamedTensorError(
             f"tiered: {func} on {first.tiered_key!r}, a streamed tensor, outside the forward of {first.tiered_unit!r}, "
             f"which binds it; {_advice(func)}")
+
+
+#: Operations that make a new tensor from another's metadata only (``Tensor.new_*``, ``torch.*_like``).
+_NEW = {"new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"}
+_LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like"}
 
 
 def _is_view(func: Any) -> bool:
