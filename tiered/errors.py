@@ -20,6 +20,7 @@ __all__ = [
     "ShardChangedError",
     "HostMemoryError",
     "UnsupportedDtypeError",
+    "StreamedTensorError",
 ]
 
 
@@ -79,3 +80,9 @@ class HostMemoryError(TieredError, MemoryError):
 class UnsupportedDtypeError(TieredError, TypeError):
     """The model needs a checkpoint tensor whose dtype torch cannot compute with here (``F4``, ``F6_*``, or
     complex data for a real parameter)."""
+
+
+class StreamedTensorError(TieredError, RuntimeError):
+    """Model code read or changed the values of a streamed tensor outside the forward that binds it, or asked for what
+    a streamed model cannot do as stock does (``.half()``, ``.to(another device)``, ``save_pretrained``): raised
+    before anything changes (:mod:`tiered.placeholder`)."""

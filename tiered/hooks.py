@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import StreamedTensorError
 from .lifecycle import Handle  # noqa: TC001 - the mixin's annotation is evaluated at run time (get_type_hints)
-from .placeholder import StreamedTensorError, is_placeholder
+from .placeholder import is_placeholder
 from .streamer import Streamer
 
 __all__ = ["TieredMixin", "wrap_class", "unit_hooks", "allow_one_compile_per_unit"]

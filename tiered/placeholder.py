@@ -27,13 +27,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .errors import TieredError
+from .errors import StreamedTensorError
 
 __all__ = ["Placeholder", "StreamedTensorError", "make_placeholder", "is_placeholder", "install_placeholders"]
-
-
-class StreamedTensorError(TieredError, RuntimeError):
-    """Model code read or changed the values of a streamed tensor outside the forward that binds it."""
 
 
 def _advice(func: Any) -> str:
