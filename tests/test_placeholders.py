@@ -189,3 +189,22 @@ def test_t5_in_grad_mode_equals_stock(ckpts, streamed):
         a = m(input_ids=ids, decoder_input_ids=dec).logits
         b = ref(input_ids=ids, decoder_input_ids=dec).logits
         assert b.abs().sum() > 0 and a.requires_grad and torch.equal(a, b)
+
+
+def test_idefics3_text_only_forward_equals_stock(tmp_path):
+    """Idefics3's inner model moves its embeddings ``.to(self.device)``: its ``device`` (``PreTrainedModel.device``:
+    its first parameter's) was ``meta`` (only the top-level class was overridden) and a text-only forward crashed."""
+    tc = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=8)
+    cfg = transformers.Idefics3Config(text_config=tc, vision_config=vc, image_token_id=255, scale_factor=2)
+    torch.manual_seed(0)
+    m = transformers.Idefics3ForConditionalGeneration(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=23)
+    m.save_pretrained(tmp_path / "idefics3")
+    ref = transformers.Idefics3ForConditionalGeneration.from_pretrained(tmp_path / "idefics3").eval()
+    ids = make_ids(7, (1, 9))
+    with stream(tmp_path / "idefics3") as t, torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert want.abs().sum() > 0 and torch.equal(t(input_ids=ids).logits, want)
