@@ -64,26 +64,35 @@ def test_bert_encoder(ckpts: Checkpoints) -> None:
         assert torch.equal(m(ids).last_hidden_state, ref(ids).last_hidden_state)
 
 
-def test_a_unit_larger_than_the_ring(tmp_path: Path) -> None:
-    """An untied lm_head of 8192 x 64 fp32 (2 MiB) with a 0.5 MiB ring: refused before loading, naming the unit and
-    the ring it needs, by the ring path and by zero copy alike — on the mapping its 2 MiB would be resident while it
-    runs, over the ring ``load`` promises as the bound (issue 22, item 11: it ran, 4x over the ring). With a ring of
-    the head, zero copy runs it on the mapping, equal to stock."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_larger_than_the_ring_is_computed_in_pieces(tmp_path: Path, dtype, monkeypatch) -> None:
+    """An untied lm_head of 8192 x 64 (2 MiB in fp32) with a 0.5 MiB ring. The ring path refuses it, naming the unit.
+    Zero copy computes it in pieces of output rows on the mapping (tiered/linear_pieces.py: one piece's pages in RSS
+    at a time, issue 22 item 11; before, it ran on the mapping whole, 4x over the ring), equal to stock for a prompt,
+    one token and greedy generate. A layer (not one linear module) larger than the ring is refused; and where the
+    pieces do not give the whole product's bits (the check at load, forced here), the head is refused too."""
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
-                      max_shard_size=None)
+    models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=3, dtype=dtype, max_shard_size=None)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     ring_gb = 0.5 / 1024
     with pytest.raises(tiered.RingTooSmallError, match="lm_head"):
         tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb, zero_copy=False)
-    with pytest.raises(tiered.RingTooSmallError, match=r"'lm_head' needs 0\.002 GiB .*file mapping"):
-        tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb)
     ids = torch.tensor([[7, 8191, 0, 4000, 7]])
-    with tiered.load(tmp_path / "m", device="cpu", ring_gb=unit_ring(tmp_path / "m")) as m, torch.no_grad():
-        assert torch.equal(m(ids).logits, ref(ids).logits)
+    with tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb) as m, torch.no_grad():
         s = tiered.stats(m)
-        assert s.ring_high_water == 0 and s.streamed_bytes >= 8192 * 64 * 4
+        head = [i for i, u in enumerate(m._tiered.plan.units) if u.name == "lm_head"]
+        assert list(s.placement.linear_pieces) == head and s.placement.linear_pieces[head[0]] < 8192
+        for x in (ids, ids[:, :1]):
+            assert torch.equal(m(x).logits, ref(x).logits)
+        assert torch.equal(m.generate(ids, max_new_tokens=5, do_sample=False),
+                           ref.generate(ids, max_new_tokens=5, do_sample=False))
+        assert s.ring_high_water == 0 and s.streamed_bytes >= 8192 * 64 * dtype.itemsize
+    with pytest.raises(tiered.RingTooSmallError, match=r"'model\.layers\.0' needs .*file mapping"):
+        tiered.load(tmp_path / "m", device="cpu", ring_gb=0.02 / 1024)  # 20 KiB: below a layer
+    monkeypatch.setattr(tiered.api, "pieces_exact", lambda *a: False)
+    with pytest.raises(tiered.RingTooSmallError, match="'lm_head' needs .*checked at load"):
+        tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb)
 
 
 def test_converted_units_still_use_the_ring(ckpts: Checkpoints) -> None:

@@ -22,13 +22,15 @@ from torch import nn
 from . import dist as _dist
 from . import expert_cache as _expert_cache_mod
 from . import experts as _experts_mod
-from .errors import ConfigError
+from .errors import ConfigError, RingTooSmallError
 from .expert_cache import ExpertCache
 from .experts import ExpertGather, HostExperts
 from .format import Checkpoint, open_checkpoint
 from .guard import CallGuard
 from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
+from .hostmem import page_up
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
+from .linear_pieces import LinearPieces, pieces_exact
 from .machine import gather
 from .meta import build_meta_model, load_generation_config, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
@@ -207,6 +209,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     h.reader = Reader(h.ckpt, threads=opts.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
                       io=p.io, adapt=p.io_probe)
     h.reader.on_choice = h.stats.set_io_choice
+    _check_linear_pieces(h, p)
     specs = p.specs
     if p.host_ring_bytes or p.host_experts:
         what = f"a {(p.host_ring_bytes + p.host_expert_bytes) / GiB:.3f} GiB host tier"
@@ -216,8 +219,8 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
             h.host_experts = _allocate(lambda: HostExperts([specs[i] for i in p.host_experts], dev), what, "lower host_gb")
     host = set(p.host)
     h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=opts.prefetch, resident=set(p.resident), stats=h.stats,
-                          rows=set(p.rows), dist=dist, host=host, host_ring=h.host_ring, mapped=set(p.mapped),
-                          pieces=p.pieces, host_pieces=p.host_pieces)
+                          rows=set(p.rows) | set(p.linear_pieces), dist=dist, host=host, host_ring=h.host_ring,
+                          mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces)
     if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
         progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in p.resident) >= GiB
     h.streamer.load_resident(progress=progress)
@@ -234,6 +237,20 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
                                    f"an expert cache of {n} experts ({n * slot / GiB:.3f} GiB) on {dev}",
                                    "pass a smaller expert_cache_gb (0: none) or gpu_gb", errors=(RuntimeError, MemoryError))
         h.stats.expert_cache_slots, h.stats.expert_cache_bytes = h.expert_cache.slots, h.expert_cache.nbytes
+
+
+def _check_linear_pieces(h: Handle, p: Placement) -> None:
+    """Each linear unit the placement computes in pieces (CPU, larger than the ring) gives the whole product's bits in
+    pieces on this machine (:func:`~tiered.linear_pieces.pieces_exact`), or the load is refused with the ring that
+    runs it whole."""
+    assert h.reader is not None
+    for i, rows in p.linear_pieces.items():
+        u = h.plan.units[i]
+        if not pieces_exact(u, h.reader.maps, rows):
+            raise RingTooSmallError(
+                f"unit {u.name!r} needs {gib_up(page_up(u.nbytes))} GiB but ring_gb={h.opts.ring_gb}: it is larger than "
+                "the ring, and computing it in pieces of rows does not give the whole product's bits on this machine "
+                f"(checked at load); pass ring_gb >= {gib_up(page_up(u.nbytes))}")
 
 
 def _allocate(make: Any, what: str, fix: str, verb: str = "allocate",
@@ -267,6 +284,11 @@ def _install_hooks(h: Handle, p: Placement) -> None:
     resident, rows = set(p.resident), set(p.rows)
     for u in plan.units:
         if u.index in resident:
+            continue
+        if u.index in p.linear_pieces:  # computed in pieces of rows on the mapping: no ring, no streamer
+            lp = LinearPieces(u, h.reader.maps, p.linear_pieces[u.index], h.stats)
+            h.linear.append(lp)
+            h.hooks.append(CallGuard(u.module, lp.bind, lp.restore, u.name, run=lp.forward))
             continue
         if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
             rg = RowGather(u, dev, h.stats)

@@ -39,13 +39,15 @@ def foreign_forward(m: nn.Module) -> bool:
 class CallGuard:
     """Wraps ``module.forward``: lock, ``bind(args, kwargs) -> (args, kwargs)``, forward, ``restore()``, unlock.
 
-    ``lock``: the one that serialises the module's calls (default: a new one). ``bind`` raises to refuse the
+    ``lock``: the one that serialises the module's calls (default: a new one). ``run``: what computes the call instead
+    of the module's own forward (:class:`~tiered.linear_pieces.LinearPieces`). ``bind`` raises to refuse the
     call (``restore`` undoes whatever it did: it is called in every case once the lock is held).
     :meth:`remove` puts the original ``forward`` back (a handle like the one ``register_forward_hook`` returns).
     """
 
     def __init__(self, module: nn.Module, bind: Callable[[tuple, dict], tuple[tuple, dict]],
-                 restore: Callable[[], None], name: str, lock: threading.Lock | None = None) -> None:
+                 restore: Callable[[], None], name: str, lock: threading.Lock | None = None,
+                 run: Callable[..., Any] | None = None) -> None:
         self.module = module
         self.name = name
         self.lock = lock if lock is not None else threading.Lock()
@@ -54,6 +56,7 @@ class CallGuard:
         self._restore = restore
         self._had = "forward" in module.__dict__  # an instance forward already there (another library's wrapper)
         self._orig = module.forward
+        self._run = run if run is not None else self._orig  # what computes the call (default: the module's forward)
 
         @torch.compiler.disable
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -72,7 +75,7 @@ class CallGuard:
             self._owner = me
             try:
                 args, kwargs = self._bind(args, kwargs)
-                return self._orig(*args, **kwargs)
+                return self._run(*args, **kwargs)
             finally:
                 self._owner = None
                 self._restore()

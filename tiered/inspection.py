@@ -58,7 +58,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
                   # resident: on the GPU on CUDA; on the CPU in the ring, which then holds the whole model
                   "units": {u.name: (("gpu" if device.startswith("cuda") else "ring") if u.index in pl.resident
                                      else "host" if u.index in pl.host
-                                     else "rows" if u.index in pl.rows else "streamed") for u in fresh.units},
+                                     else "rows" if u.index in pl.rows
+                                     else "pieces of rows" if u.index in pl.linear_pieces else "streamed")
+                            for u in fresh.units},
                   "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
     contiguous, aligned, ordered = _disk_layout(plan, ckpt)
@@ -315,6 +317,10 @@ def _print_placement(info: dict, placement: dict | None) -> None:
                   f"no ring copy), {k - n} are copied into the ring{why}"
                   + (f"; {len(pl['page_cache'])} of them are io=auto's page-cache tier (kept in the page cache "
                      f"between passes, the rest read O_DIRECT)" if pl["page_cache"] else ""))
+            if pl["linear_pieces"]:
+                print(f"  {len(pl['linear_pieces'])} linear unit(s) larger than the ring are computed in pieces of "
+                      f"{', '.join(str(r) for r in pl['linear_pieces'].values())} output rows on the mapping (one "
+                      "piece in RSS at a time; tiered.load checks at load that the pieces give the whole product's bits)")
         if pl["ring_need_bytes"] > pl["ring_bytes"]:
             print(f"  note: tiered.load refuses this ring: the largest unit (copied into it, or run on the mapping) needs "
                   f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "

@@ -53,6 +53,7 @@ class Handle:
         self.streamer: Streamer | None = None
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
         self.experts: list[Any] = []  # ExpertGather per routed experts module
+        self.linear: list[Any] = []  # LinearPieces per linear unit computed in pieces (CPU)
         self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
         self.expert_cache: ExpertCache | None = None  # routed experts kept on the device
         self.closed = False
@@ -91,7 +92,7 @@ class Handle:
                 self.hooks.pop().remove()
             if self.streamer is not None:
                 self.streamer.close()
-            for part in [*self.rows, *self.experts]:  # later calls of their modules raise StreamerError
+            for part in [*self.rows, *self.experts, *self.linear]:  # later calls of their modules raise StreamerError
                 part.close()
             _release_all(self.parts)
             self.closed = True

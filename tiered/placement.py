@@ -40,6 +40,7 @@ from . import policy
 from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .experts import ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import page_up
+from .linear_pieces import linear_piece_eligible, piece_rows_for
 from .machine import Machine
 from .options import Options
 from .plan import Plan
@@ -85,6 +86,7 @@ class Placement:
     io: str = "mmap"  # the reader backend ("auto" resolved)
     io_probe: bool = False  # io="auto" picked O_DIRECT: the reader times it against buffered reads (tiered/reader.py)
     mapped: list[int] = field(default_factory=list)  # CPU: streamed units on views of the file mapping (no ring copy)
+    linear_pieces: dict[int, int] = field(default_factory=dict)  # CPU: linear units larger than the ring -> rows/piece
     page_cache: list[int] = field(default_factory=list)  # of mapped: io="auto" picked O_DIRECT, the page-cache tier
     page_cache_bytes: int = 0
     ring_bytes: int = 0  # the ring as allocated (never more than the whole model)
@@ -196,6 +198,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p.resident, p.rows, p.host, p.mapped = sorted(resident), sorted(rows), sorted(host), sorted(mapped)
     p.streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
     p.pieces = {i: n for i, n in pieces.items() if i not in host}
+    p.linear_pieces = {i: n for i, n in p.linear_pieces.items() if i in mapped}
     _host_tier(plan, opts, machine, p, need, cpu, strict)
     _device_memory(plan, opts, p, config, dist, cpu)
     _per_token(plan, p, config)
@@ -268,6 +271,11 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
     # CPU zero copy: a mapped unit's pages are in RSS while it runs (faulted in from the page cache, dropped after), so
     # it counts against the ring as a copied one does: the bound load() promises is the ring, not the largest unit
     on_map = [u for u in plan.units if u.index in mappable and u.index not in host_first] if cpu else []
+    # ... except a linear layer larger than the ring, computed in pieces of output rows (tiered/linear_pieces.py;
+    # their exactness is checked at load, on this machine)
+    p.linear_pieces = {u.index: piece_rows_for(u, p.ring_bytes) for u in on_map
+                       if page_up(need[u.index]) > p.ring_bytes and linear_piece_eligible(u)}
+    on_map = [u for u in on_map if u.index not in p.linear_pieces]
     if cpu:
         p.ring_need_bytes = max((page_up(need[u.index]) for u in ring_units + on_map), default=0)
     whole_units = [u for u in ring_units if u.index not in pieces] + on_map

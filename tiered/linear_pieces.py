@@ -1,0 +1,152 @@
+"""A linear layer larger than the ring, computed on the CPU in pieces of output rows, each on the file mapping.
+
+On the CPU a streamed unit computes on views of the file mapping (zero copy), and the pages of the unit running are
+in RSS: they count against the ring (the bound ``tiered.load`` promises). An untied head (``nn.Linear``, vocabulary
+x hidden: 1.05 GB for Llama-3-8B in bf16) is often the one unit larger than a small ring. Such a unit is computed
+here in pieces instead of refused: for rows ``[a, b)`` of the weight (at most ``piece_rows`` of them, at most half
+the ring), ``out[..., a:b] = F.linear(x, W[a:b], bias[a:b])`` on views of the mapping, whose pages are then dropped
+(``MADV_DONTNEED``) before the next piece: one piece's pages in RSS at a time.
+
+Exactness. Output row ``n`` of a linear layer is one dot product of ``x`` with ``W[n]``; a piece is the same product
+on the same bytes at the same addresses (views of the one mapping stock also computes on). Whether the CPU kernel
+sums those products in the same order for a piece as for the whole matrix is the kernel's business (its blocking and
+threading may depend on the output width), so it is **verified at load on this machine** (:func:`pieces_exact`):
+with random inputs of 1 and 7 rows, the first two pieces computed apart must equal the same rows computed as one
+product, bit for bit, or the unit is refused as before (``RingTooSmallError`` naming the ring it needs). The check
+reads two pieces of the real weight (at most the ring), and drops them.
+
+Eligible (:func:`linear_piece_eligible`): the unit is one ``nn.Linear`` (its class's ``forward`` is
+``nn.Linear.forward``; no other library's instance ``forward``), its ``weight`` (and ``bias``) each one checkpoint
+tensor mapped as is (:func:`~tiered.reader.zero_copy_eligible`). Threads: the call runs on the caller's thread
+inside the module's :class:`~tiered.guard.CallGuard` (one call at a time per module).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from .errors import StreamerError
+from .guard import foreign_forward
+from .plan import Unit
+from .reader import zero_copy_eligible
+
+__all__ = ["linear_piece_eligible", "piece_rows_for", "pieces_exact", "LinearPieces"]
+
+
+def linear_piece_eligible(unit: Unit) -> bool:
+    """Whether ``unit`` is one ``nn.Linear`` whose weight (and bias) map as they are (see the module docstring)."""
+    m = unit.module
+    if type(m).forward is not nn.Linear.forward or not isinstance(m, nn.Linear) or foreign_forward(m):
+        return False
+    attrs = {t.attr for t in unit.targets}
+    if attrs not in ({"weight"}, {"weight", "bias"}) or any(t.module is not m for t in unit.targets):
+        return False
+    return zero_copy_eligible(unit) and len(_weight(unit).shape) == 2
+
+
+def _weight(unit: Unit) -> Any:
+    return next(t for t in unit.targets if t.attr == "weight")
+
+
+def piece_rows_for(unit: Unit, ring_bytes: int) -> int:
+    """Rows of the weight per piece: as many as half the ring holds with the bias's share (at least 1)."""
+    w = _weight(unit)
+    row = w.shape[1] * w.dtype.itemsize + sum(t.dtype.itemsize for t in unit.targets if t.attr == "bias")
+    return max(1, (ring_bytes // 2) // max(1, row))
+
+
+class LinearPieces:
+    """Computes one eligible linear unit in pieces on the file mapping (module docstring).
+
+    Args:
+        unit: a :func:`linear_piece_eligible` unit.
+        maps: the reader's ``ShardMap`` per file (views, checks, page drops).
+        piece_rows: rows per piece (:func:`piece_rows_for`).
+        stats: the model's ``Stats`` (the weight's bytes are counted as read and streamed per call).
+    """
+
+    def __init__(self, unit: Unit, maps: dict, piece_rows: int, stats: Any) -> None:
+        self.unit = unit
+        self.maps = maps
+        self.piece_rows = piece_rows
+        self.stats = stats
+        self.w = _weight(unit).copies[0].src
+        b = [t for t in unit.targets if t.attr == "bias"]
+        self.b = b[0].copies[0].src if b else None
+        self.rows = self.w.shape[0]
+        self.closed = False
+
+    def _views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``[a, b)`` of the weight and bias as views of the mapping (after the shards' checks)."""
+        k = self.w.shape[1]
+        wm = self.maps[self.w.file]
+        wm.check()
+        w = wm.elements(self.w, a * k, b * k).view(b - a, k)
+        bias = None
+        if self.b is not None:
+            bm = self.maps[self.b.file]
+            bm.check()
+            bias = bm.elements(self.b, a, b)
+        return w, bias
+
+    def _drop(self, a: int, b: int) -> None:
+        isz = self.w.dtype.itemsize
+        k = self.w.shape[1]
+        self.maps[self.w.file].drop(self.w.offset + a * k * isz, (b - a) * k * isz)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` in pieces of output rows: ``(..., in) -> (..., out)`` in ``x``'s dtype."""
+        if self.closed:
+            raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
+        t0 = time.perf_counter()
+        out = torch.empty((*x.shape[:-1], self.rows), dtype=x.dtype, device=x.device)
+        for a in range(0, self.rows, self.piece_rows):
+            b = min(self.rows, a + self.piece_rows)
+            w, bias = self._views(a, b)
+            try:
+                out[..., a:b] = F.linear(x, w, bias)
+            finally:
+                del w, bias
+                self._drop(a, b)
+        n = self.w.nbytes + (self.b.nbytes if self.b is not None else 0)
+        self.stats.add_read(n, time.perf_counter() - t0)
+        self.stats.add_streamed(n)
+        return out
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def restore(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def pieces_exact(unit: Unit, maps: dict, piece_rows: int) -> bool:
+    """Whether computing ``unit`` in pieces of ``piece_rows`` gives the whole product's bits on this machine: the
+    first two pieces apart against those rows as one product, for inputs of 1 and 7 rows (random, the weight's
+    dtype). Reads at most two pieces of the real weight (the ring's worth), and drops their pages."""
+    lp = LinearPieces(unit, maps, piece_rows, None)
+    k = lp.w.shape[1]
+    two = min(lp.rows, 2 * piece_rows)
+    g = torch.Generator().manual_seed(0)
+    try:
+        w, bias = lp._views(0, two)
+        for m in (1, 7):
+            x = torch.randn(m, k, generator=g).to(lp.w.dtype)
+            whole = F.linear(x, w, bias)
+            parts = torch.cat([F.linear(x, w[a:min(two, a + piece_rows)],
+                                        None if bias is None else bias[a:min(two, a + piece_rows)])
+                               for a in range(0, two, piece_rows)], dim=-1)
+            if not torch.equal(whole, parts):
+                return False
+        return True
+    finally:
+        w = bias = None
+        lp._drop(0, two)
