@@ -36,6 +36,8 @@ SHARED_BUILDERS = {
     "zamba": (models.zamba, {}),
     "mllama": (models.mllama, {}),
     "falcon_h1_one_layer": (models.falcon_h1, {"layers": 1}),
+    # experts on a child module, flat (E * F, H) rows per expert (tests/test_experts.py; not in the placement golden)
+    "dbrx": (models.dbrx, {}),
 }
 
 
@@ -206,15 +208,21 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int = 4) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------- rings
 
 
+def decoder_layers(ref: torch.nn.Module) -> torch.nn.ModuleList:
+    """A causal LM's decoder layers: ``model.layers``, or DBRX's ``transformer.blocks``."""
+    return ref.transformer.blocks if hasattr(getattr(ref, "transformer", None), "blocks") else ref.model.layers
+
+
 def ring_below_layer(ref_or_path, scale: float = 1.0) -> float:
     """A ring (GiB) smaller than the largest MoE layer (so its experts cannot stream whole) that holds every layer
     without its routed experts (64-byte aligned tensors, a page-rounded slot, as the ring allocates it), times
     ``scale`` (2 for a checkpoint run in a dtype twice as wide). ``ref_or_path``: a stock model, or a checkpoint
     (its stock model from :data:`STOCK`, ``experts_implementation="grouped_mm"``)."""
     ref = ref_or_path if isinstance(ref_or_path, torch.nn.Module) else STOCK(ref_or_path, impl="grouped_mm")
-    layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in ref.model.layers)
+    layers = decoder_layers(ref)
+    layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in layers)
     dense = max(sum(-(-p.numel() * p.element_size() // 64) * 64 for n, p in lay.named_parameters()
-                    if ".experts." not in f".{n}" or "shared" in n) for lay in ref.model.layers)
+                    if ".experts." not in f".{n}" or "shared" in n) for lay in layers)
     ring = max(layer * 0.6, -(-dense // 4096) * 4096 + 4096)
     assert ring < layer
     return ring * scale / GiB

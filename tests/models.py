@@ -27,6 +27,7 @@ __all__ = [
     "bert",
     "mixtral",
     "qwen2_moe",
+    "dbrx",
     "llava",
     "custom_code",
     "BUILDERS",
@@ -325,6 +326,19 @@ def deepseek_v2(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_si
     )
     return save_model(transformers.DeepseekV2ForCausalLM(cfg), path, seed=seed, dtype=dtype,
                       max_shard_size=max_shard_size)
+
+
+def dbrx(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB", seed: int = 15) -> Path:
+    """DBRX: the experts' parameters live on a child (``experts.mlp``) as flat ``(E * F, H)`` matrices (``w1``,
+    ``v1``, ``w2``), not the stacked ``(E, ...)`` tensors of the ``use_experts_implementation`` classes; decoder
+    blocks are ``transformer.blocks``. ``rope_theta`` and ``clip_qkv`` (8, as the published DBRX) are set: transformers
+    5.17's DbrxAttention reads the first from ``attn_config`` and cannot run with ``clip_qkv=None``."""
+    cfg = transformers.DbrxConfig(
+        vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    )
+    return save_model(transformers.DbrxForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def llava(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = None, seed: int = 13) -> Path:

@@ -609,3 +609,126 @@ class TestHostile:
             got = m(ids).logits  # grad mode on: nothing requires grad, same bits
             assert torch.equal(got, ref(ids).logits)
 
+
+
+# ---------------------------------------------------------------------------------------------- DBRX
+# transformers' DbrxExperts: no ``use_experts_implementation``; its parameters live on the child ``mlp``
+# (DbrxExpertGLU) as flat ``(E * F, H)`` matrices, expert j the rows [jF, (j+1)F); its forward loops over the hit
+# experts in ascending order and reads the expert count from ``self.num_experts``.
+
+
+def _dbrx(ckpts):
+    path = ckpts["dbrx"]
+    ref = STOCK(path)
+    return path, ref, ring_below_layer(ref)
+
+
+def _dbrx_check(m, ref, passes: int = 3) -> None:
+    """Logits and 4 greedy tokens bit for bit stock's, ``passes`` times; the experts routed and left unbound."""
+    s = tiered.stats(m)
+    assert s.expert_modules >= 2
+    for k in range(passes):
+        ids = make_ids(40 + k, (2, 6))
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
+                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+    for blk in m.transformer.blocks:
+        ex = blk.ffn.experts
+        assert ex.num_experts == 4
+        assert all(is_placeholder(getattr(ex.mlp, a)) for a in ("w1", "v1", "w2"))
+
+
+def test_dbrx_routed_equal_to_stock(ckpts):
+    path, ref, ring = _dbrx(ckpts)
+    layer = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in ref.transformer.blocks)
+    assert ring * 2**30 < layer  # a MoE block does not fit the ring
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        specs = tiered.stats(m).placement.specs
+        assert [sp.owner for sp in specs] == [b.ffn.experts.mlp for b in m.transformer.blocks]
+        assert all(sp.module is b.ffn.experts for sp, b in zip(specs, m.transformer.blocks, strict=True))
+        assert {p.target.attr for sp in specs for p in sp.parts} == {"w1", "v1", "w2"}
+        assert all(p.slab_shape == (32, 64) for sp in specs for p in sp.parts)
+        _dbrx_check(m, ref)
+        s = tiered.stats(m).snapshot()
+        assert s["experts_read"] > 0 and s["expert_bytes"] > 0
+        assert s["dense_bytes"] == s["streamed_bytes"] - s["expert_bytes"] - s["embedding_bytes"]
+    with tiered.load(path, ring_gb=1, device="cpu") as m:  # fits: read whole, not routed
+        assert tiered.stats(m).expert_modules == 0
+        ids = make_ids(4)
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+
+
+def test_dbrx_one_token_reads_only_routed_experts(ckpts):
+    """A decode step of one token reads top-2 of 4 experts per block: each expert is F contiguous rows of each
+    flat matrix."""
+    path, ref, ring = _dbrx(ckpts)
+    ids = make_ids(3, (1, 6))
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        sp = tiered.stats(m).placement.specs[0]
+        got = m(ids[:, :5], use_cache=True)
+        want = ref(ids[:, :5], use_cache=True)
+        assert torch.equal(got.logits, want.logits)
+        before = tiered.stats(m).snapshot()
+        step = m(ids[:, 5:], past_key_values=got.past_key_values, use_cache=True)
+        after = tiered.stats(m).snapshot()
+        assert torch.equal(step.logits, ref(ids[:, 5:], past_key_values=want.past_key_values, use_cache=True).logits)
+        assert after["experts_read"] - before["experts_read"] == 2 * 2  # top-2, 2 blocks
+        assert after["expert_bytes"] - before["expert_bytes"] == 4 * sp.expert_src_bytes == 4 * 3 * 32 * 64 * 2
+
+
+def test_dbrx_direct_call_equal_to_stock(ckpts):
+    """The experts module called alone (int32 and repeated ids, one distinct expert, no token): stock's module's
+    result or the same exception (an id == E: one_hot raises in both)."""
+    path, ref, ring = _dbrx(ckpts)
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        E, R = m.transformer.blocks[1].ffn.experts, ref.transformer.blocks[1].ffn.experts
+        h, idx, w = experts_case(1, 5, 4)
+        _same(lambda: R(h[None], idx, w), lambda: E(h[None], idx, w))
+        _same(lambda: R(h[None], idx.int(), w), lambda: E(h[None], idx.int(), w))
+        one = torch.full_like(idx, 3)
+        _same(lambda: R(h[None], one, w), lambda: E(h[None], one, w))
+        h0, i0, w0 = experts_case(2, 0, 4)
+        _same(lambda: R(h0[None], i0, w0), lambda: E(h0[None], i0, w0))
+        sent = idx.clone()
+        sent[0, 0] = 4
+        _same(lambda: R(h[None], sent, w), lambda: E(h[None], sent, w))
+        with pytest.raises(IndexError, match="out of range"):
+            E(h[None], idx + 5, w)
+        assert E.num_experts == 4 and is_placeholder(E.mlp.w1)
+        assert not any(eg.lock.locked() for eg in m._tiered.experts)
+
+
+def test_dbrx_expert_cache(ckpts):
+    """``expert_cache_gb`` (host memory on the CPU): cached experts are served with stock's bits, pass after pass."""
+    path, ref, ring = _dbrx(ckpts)
+    with tiered.load(path, ring_gb=ring, device="cpu", expert_cache_gb=1.0) as m:
+        assert tiered.stats(m).expert_cache_slots == 8  # every expert of both blocks
+        _dbrx_check(m, ref)
+        s = tiered.stats(m)
+        assert s.expert_cache_hits > 0 and s.expert_cache_misses <= 8
+
+
+def test_dbrx_host_tier_experts(ckpts):
+    """``host_gb``: the host tier holds every expert of both blocks (``HostExperts``: ``(E, F, H)`` per flat part),
+    read once; calls copy the routed ones from there, read nothing more, and match stock."""
+    path, ref, ring = _dbrx(ckpts)
+    with tiered.load(path, ring_gb=ring, device="cpu", host_gb=1.0) as m:
+        h = m._tiered
+        assert tiered.stats(m).host_expert_modules == 2
+        for eg in h.experts:
+            for p, t in zip(eg.spec.parts, eg.host, strict=True):
+                want = ref.get_parameter(f"{eg.spec.name}.mlp.{p.target.attr}")
+                assert t.shape == (4, 32, 64) and torch.equal(t.reshape(want.shape), want)
+        before = tiered.stats(m).snapshot()
+        _dbrx_check(m, ref)
+        after = tiered.stats(m).snapshot()
+        assert after["experts_read"] == before["experts_read"] and after["experts_from_host"] > 0
+
+
+def test_dbrx_inspect(ckpts):
+    from tiered.cli import inspect_dir
+
+    info = inspect_dir(ckpts["dbrx"])["experts"]
+    assert info["blocks"] == 2 and info["experts_per_block"] == 4
+    assert info["expert_bytes"] == 3 * 32 * 64 * 2 and info["layout"] == "stacked"
+    assert info["spans_per_expert"] == 3 and info["reads_per_expert"] == 3  # w1, v1, w2: F rows of each

@@ -1,7 +1,18 @@
 """Which experts modules of a unit can be routed, and where each expert's bytes lie in the checkpoint.
 
-:func:`find_experts` finds a unit's experts modules whose stacked ``(E, ...)`` parameters can be read one expert at
-a time (:class:`ExpertSpec`: per part, the checkpoint sources of each expert's slab); :func:`route_out` lays out what
+:func:`find_experts` finds a unit's experts modules whose parameters can be read one expert at a time
+(:class:`ExpertSpec`: per part, the checkpoint sources of each expert's slab). Two kinds are recognized:
+
+* the ``transformers`` classes decorated with ``use_experts_implementation`` (``MixtralExperts``, ...): stacked
+  ``(E, ...)`` parameters on the experts module itself, expert ``j`` at ``[j]``;
+* DBRX's ``DbrxExperts`` (``transformers.models.dbrx.modeling_dbrx``, that class exactly): its parameters live on
+  its child ``mlp`` (``DbrxExpertGLU``), flat ``(E * F, H)`` matrices ``w1``, ``v1``, ``w2`` (``F`` =
+  ``ffn_hidden_size``); expert ``j`` is rows ``[jF, (j + 1)F)`` — its forward views each as ``(-1, F, H)`` and
+  takes ``[expert_idx]``, loops over the hit experts in ascending order and reads the expert count from
+  ``self.num_experts`` (``one_hot(top_k_index, num_classes=self.num_experts)``), so a compact ``(U * F, H)``
+  matrix with ``num_experts = U`` and monotone renumbered ids computes the same products in the same order.
+
+:func:`route_out` lays out what
 the unit keeps once they leave it; :func:`expert_pairs` gives the (source, destination) reads of some experts,
 merged by :func:`merge_adjacent`; :func:`slot_layout` places one expert's parts in an expert-cache slot. The reading
 itself is :mod:`tiered.experts`' (its module docstring tells the whole routing).
@@ -27,14 +38,24 @@ Dest = Callable[[torch.Tensor], torch.Tensor] | None  # where a source lands ins
 
 @dataclass(eq=False)
 class ExpertPart:
-    """One stacked parameter (or buffer) of an experts module: ``per[j]`` = what fills expert ``j``'s slab."""
+    """One parameter (or buffer) of an experts module holding all its experts: ``per[j]`` = what fills expert ``j``'s
+    slab. Its expert axis: ``rows=None``, stacked ``(E, ...)`` (expert ``j`` is ``[j]``); ``rows=F``, flat
+    ``(E * F, ...)`` (expert ``j`` is rows ``[jF, (j + 1)F)``: DBRX's, see the module docstring)."""
 
     target: Target
     per: list[list[tuple[TensorInfo, Dest]]]
+    rows: int | None = None
 
     @property
     def slab_shape(self) -> tuple[int, ...]:
-        return tuple(self.target.shape[1:])
+        """One expert's shape: ``shape[1:]`` (stacked) or ``(F, *shape[1:])`` (flat)."""
+        rest = tuple(self.target.shape[1:])
+        return rest if self.rows is None else (self.rows, *rest)
+
+    def bound(self, t: torch.Tensor) -> torch.Tensor:
+        """A compact ``(U, *slab_shape)`` tensor (contiguous) as the module binds it: itself (stacked) or its
+        ``(U * F, ...)`` view (flat, the layout the module's forward views as ``(-1, F, ...)``)."""
+        return t if self.rows is None else t.view(-1, *self.target.shape[1:])
 
     @property
     def slab_bytes(self) -> int:
@@ -43,13 +64,20 @@ class ExpertPart:
 
 @dataclass(eq=False)
 class ExpertSpec:
-    """An experts module inside ``unit`` whose parameters can be read one expert at a time."""
+    """An experts module inside ``unit`` whose parameters can be read one expert at a time. ``module`` is the one
+    whose call is guarded and whose ``num_experts`` is set per call; ``owner`` holds the parameters (``module``
+    itself, or DBRX's ``module.mlp``: the module docstring)."""
 
     unit: Unit
     module: nn.Module
     name: str
     num_experts: int
     parts: list[ExpertPart] = field(default_factory=list)
+    owner: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.owner is None:
+            self.owner = self.module
 
     @property
     def expert_bytes(self) -> int:
@@ -69,14 +97,43 @@ def _is_experts_module(m: nn.Module) -> bool:
             and not foreign_forward(m))
 
 
-def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorInfo, Dest]]] | None:
-    """Per expert, the sources that fill its slab of ``tgt`` (shape ``(E, ...)``); None if not expert-separable."""
-    if tgt.key in converted or not tgt.shape or tgt.shape[0] != E or not tgt.copies:
+_DBRX = "transformers.models.dbrx.modeling_dbrx"
+
+
+def _dbrx_owner(m: nn.Module) -> tuple[nn.Module, int] | None:
+    """(``m.mlp``, ``F``) when ``m`` is exactly transformers' ``DbrxExperts`` (the forward read for the module
+    docstring) with all its parameters on ``mlp`` (``w1``, ``v1``, ``w2``), else None."""
+    if type(m).__module__ != _DBRX or type(m).__name__ != "DbrxExperts" or foreign_forward(m) or m._parameters:
         return None
-    per_el = math.prod(tgt.shape[1:])
+    mlp = m._modules.get("mlp")
+    E, F = getattr(m, "num_experts", None), getattr(m, "ffn_hidden_size", None)
+    if (mlp is None or type(mlp).__module__ != _DBRX or type(mlp).__name__ != "DbrxExpertGLU" or foreign_forward(mlp)
+            or not isinstance(E, int) or not isinstance(F, int) or E <= 0 or F <= 0
+            or set(mlp._parameters) != {"w1", "v1", "w2"}
+            or any(sub._parameters for sub in m.modules() if sub is not m and sub is not mlp)):
+        return None
+    return mlp, F
+
+
+def _experts_owner(m: nn.Module) -> tuple[nn.Module, int | None] | None:
+    """Where ``m``'s experts lie if it is an experts module tiered can route: (the module holding the parameters,
+    ``rows``: None for stacked ``(E, ...)``, ``F`` for flat ``(E * F, ...)``); None otherwise."""
+    if _is_experts_module(m):
+        return m, None
+    return _dbrx_owner(m)
+
+
+def _slices(tgt: Target, E: int, converted: set[str],
+            rows: int | None = None) -> list[list[tuple[TensorInfo, Dest]]] | None:
+    """Per expert, the sources that fill its slab of ``tgt`` (shape ``(E, ...)``; ``rows=F``: ``(E * F, ...)``, one
+    whole source tensor); None if not expert-separable."""
+    if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
+        return None
+    slab_shape = tuple(tgt.shape[1:]) if rows is None else (rows, *tgt.shape[1:])
+    per_el = math.prod(slab_shape)
     out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]
     full = torch.empty(tgt.shape, dtype=tgt.dtype, device="meta")
-    slab = torch.empty(tgt.shape[1:], dtype=tgt.dtype, device="meta")
+    slab = torch.empty(slab_shape, dtype=tgt.dtype, device="meta")
     for c in tgt.copies:
         s = c.src
         if c.place is None:
@@ -84,9 +141,10 @@ def _slices(tgt: Target, E: int, converted: set[str]) -> list[list[tuple[TensorI
                 return None
             pb = per_el * s.dtype.itemsize
             for j in range(E):
-                out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, tuple(s.shape[1:]), s.file, s.offset + j * pb, pb),
-                               None))
+                out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, slab_shape, s.file, s.offset + j * pb, pb), None))
             continue
+        if rows is not None:
+            return None  # a flat part is taken from one whole checkpoint tensor only
         try:
             v = c.place(full)
         except (RuntimeError, IndexError, TypeError):
@@ -124,19 +182,22 @@ def find_experts(unit: Unit) -> list[ExpertSpec]:
         by_module.setdefault(id(t.module), []).append(t)
     specs = []
     for name, m in unit.module.named_modules():
-        if not _is_experts_module(m) or id(m) not in by_module:
+        found = _experts_owner(m)
+        if found is None or id(found[0]) not in by_module:
             continue
-        tgts = by_module[id(m)]
-        if {t.attr for t in tgts if t.is_param} != set(m._parameters) or len(tgts) == len(unit.targets):
+        owner, rows = found
+        tgts = by_module[id(owner)]
+        if {t.attr for t in tgts if t.is_param} != set(owner._parameters) or len(tgts) == len(unit.targets):
             continue  # every parameter must be a target here, and the unit must keep something
         parts = []
         for t in tgts:
-            per = _slices(t, m.num_experts, converted)
+            per = _slices(t, m.num_experts, converted, rows)
             if per is None:
                 break
-            parts.append(ExpertPart(t, per))
+            parts.append(ExpertPart(t, per, rows))
         else:
-            specs.append(ExpertSpec(unit, m, f"{unit.name}.{name}" if name else unit.name, m.num_experts, parts))
+            specs.append(ExpertSpec(unit, m, f"{unit.name}.{name}" if name else unit.name, m.num_experts, parts,
+                                    owner))
     return specs
 
 

@@ -18,7 +18,8 @@ layer's ring unit, and on each call of the experts module (its ``forward`` is wr
    ``(U, ...)``: on the CPU straight into them; on CUDA through a fixed pinned staging buffer
    (:data:`STAGING_BYTES` at most, two halves: one is read into while the other's H2D runs on the compute
    stream) into device tensors;
-3. binds the compact tensors as the module's parameters, sets ``num_experts = U`` for the call, and
+3. binds the compact tensors as the module's parameters (DBRX's ``DbrxExperts``: as its child ``mlp``'s, flat
+   ``(U * F, H)``: :mod:`tiered.expert_spec`), sets ``num_experts = U`` for the call, and
    replaces ``top_k_index`` by each id's rank among the ``U`` (``searchsorted``).
 
 The experts module's own forward (``eager``, ``grouped_mm`` or ``batched_mm``) then runs the same
@@ -41,7 +42,8 @@ after the router.
 
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
-``use_experts_implementation`` attributes.
+``use_experts_implementation`` attributes that is not transformers' ``DbrxExperts`` either (Llama 4's
+``Llama4TextExperts``, called with no router ids, is read whole).
 
 Threads: the experts are read and bound on the calling thread, inside the module's call; concurrent calls
 of one experts module are serialised by its lock, released however the call ends (``KeyboardInterrupt``
@@ -179,8 +181,9 @@ class ExpertGather:
         self.stats = stats
         self.staging = staging
         self.lock = threading.Lock()  # held for each call by its CallGuard
-        self.placeholders = {p.target.attr: spec.module._parameters.get(p.target.attr) if p.target.is_param
-                             else spec.module._buffers.get(p.target.attr) for p in spec.parts}
+        owner = spec.owner  # where the parameters are bound (DBRX: the experts module's ``mlp``)
+        self.placeholders = {p.target.attr: owner._parameters.get(p.target.attr) if p.target.is_param
+                             else owner._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
         self.host: list[torch.Tensor] | None = None  # the host tier's copy of every expert (HostExperts.parts)
         self.files = sorted({info.file for p in spec.parts for per in p.per for info, _ in per})
@@ -285,9 +288,10 @@ class ExpertGather:
     # ----------------------------------------------------------------------------------- the call
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Read the routed experts, bind them and renumber ``top_k_index`` (``CallGuard``: the module's lock is
-        held and :meth:`restore` follows whatever happens)."""
-        module = self.spec.module
+        """Read the routed experts, bind them (on ``spec.owner``, each part in its layout: ``ExpertPart.bound``), set
+        ``spec.module.num_experts`` and renumber ``top_k_index`` (``CallGuard``: the module's lock is held and
+        :meth:`restore` follows whatever happens)."""
+        module, owner = self.spec.module, self.spec.owner
         if self.closed:
             raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
         if len(args) >= 2:
@@ -318,12 +322,13 @@ class ExpertGather:
         new_idx = torch.searchsorted(u_dev, idx.contiguous().to(torch.int64)).to(idx.dtype)
         tensors = self.read(uniq.tolist())
         for p, t in zip(self.spec.parts, tensors, strict=True):
+            t = p.bound(t)
             if p.target.is_param:
-                module._parameters[p.target.attr] = follow_requires_grad(
+                owner._parameters[p.target.attr] = follow_requires_grad(
                     nn.Parameter(t, requires_grad=False), self.placeholders[p.target.attr]) \
                     if t.is_floating_point() else t
             else:
-                module._buffers[p.target.attr] = t
+                owner._buffers[p.target.attr] = t
         module.num_experts = n or 1
         if where[0] == "args":
             args = (*args[:1], new_idx, *args[2:])
@@ -333,10 +338,10 @@ class ExpertGather:
 
     def restore(self) -> None:
         """Put the placeholders and ``num_experts`` back (idempotent; ``CallGuard`` calls it after every call)."""
-        m = self.spec.module
+        owner = self.spec.owner
         for p in self.spec.parts:
-            (m._parameters if p.target.is_param else m._buffers)[p.target.attr] = self.placeholders[p.target.attr]
-        m.num_experts = self.spec.num_experts
+            (owner._parameters if p.target.is_param else owner._buffers)[p.target.attr] = self.placeholders[p.target.attr]
+        self.spec.module.num_experts = self.spec.num_experts
 
     def close(self) -> None:
         """Idempotent: later calls of the module raise StreamerError."""
