@@ -563,7 +563,7 @@ def test_placeholders_look_like_stock_on_cuda(ckpts: Checkpoints) -> None:
         with pytest.raises(tiered.TieredError, match="load it again"):
             m.to("cpu")
         assert m.to(DEV) is m and m.cuda() is m
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with pytest.raises(RuntimeError, match=r"backward\(\) reached|modified by an inplace operation"):
             m(_ids(4)).logits.float().sum().backward()
         with torch.no_grad():
             assert torch.equal(m(_ids(3)).logits, ref(_ids(3)).logits)

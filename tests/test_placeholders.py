@@ -81,8 +81,9 @@ def test_reading_a_streamed_weight_outside_its_forward_is_an_error(llama_bf16):
         assert w.T.shape == w.shape[::-1]  # metadata and views work
         with pytest.raises(StreamedTensorError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.1"):
             w.sum()
-        with pytest.raises(StreamedTensorError):
-            float(w[0, 0])
+        for read in (lambda: float(w[0, 0]), w.tolist, w.numpy, lambda: __import__("numpy").asarray(w)):
+            with pytest.raises(StreamedTensorError, match="streamed"):
+                read()
 
 
 def test_new_tensors_from_a_streamed_weights_metadata_are_stock_s(llama_bf16):
@@ -121,6 +122,8 @@ def test_dtype_change_is_refused_before_anything_changes(llama_bf16, convert):
                 "to_dtype_kw": lambda: m.to(dtype=torch.float32)}[convert]
         with pytest.raises(StreamedTensorError, match="load it again"):
             call()
+        with pytest.raises(StreamedTensorError, match="runs on cpu or cuda"):
+            m.to("meta")
         assert {n: (b.dtype, b.device) for n, b in m.named_buffers()} == before  # nothing was changed
         assert _equal_logits(m, ref, make_ids(2))
 
@@ -163,18 +166,35 @@ def test_grad_mode_outputs_require_grad_as_stock(llama_bf16):
         assert m(ids).logits.requires_grad
 
 
-def test_backward_through_refilled_ring_memory_raises(llama_bf16):
-    """Backward is not supported through streamed weights whose ring slot was refilled: it must raise (the slot's
-    version counter is bumped at release), never differentiate through another unit's bytes."""
+@pytest.mark.parametrize("how", ["mmap", "ring"])
+def test_backward_through_a_streamed_weight_raises(llama_bf16, how):
+    """The default CPU path (zero copy) ran backward without a word and left every ``.grad`` None: the gradients landed
+    on the tensors bound for the call. Now it raises at the first streamed weight backward reaches, naming it."""
+    kw = {"zero_copy": False, "io": "pread"} if how == "ring" else {}
+    # through the ring, torch's own check may fire first: the saved weight's memory was refilled (version bumped)
+    err = (StreamedTensorError, RuntimeError) if how == "ring" else StreamedTensorError
+    with stream(llama_bf16, **kw) as m:
+        loss = m(make_ids(8)).logits.float().sum()
+        with pytest.raises(err, match=r"backward\(\) reached 'lm_head\.weight'|modified by an inplace operation"):
+            loss.backward()
+        m.requires_grad_(False)  # inference in grad mode: no graph through the weights, nothing to refuse
+        assert not m(make_ids(8)).logits.requires_grad
+
+
+def test_input_gradients_through_refilled_ring_memory_raise(llama_bf16):
+    """Gradients of the inputs only (no weight's gradient hook runs) through streamed weights whose ring slot was
+    refilled must raise (the slot's version counter is bumped at release), never differentiate through another unit's
+    bytes."""
     with tiered.load(llama_bf16, device="cpu", ring_gb=1.0) as probe:
         from conftest import streaming_ring_gb
 
         ring = streaming_ring_gb(probe)
     with tiered.load(llama_bf16, device="cpu", ring_gb=ring, zero_copy=False, io="pread") as m:
         assert tiered.stats(m).resident_units == 0
-        loss = m(make_ids(6)).logits.float().sum()
+        emb = m.get_input_embeddings()(make_ids(6)).detach().requires_grad_(True)
+        loss = m(inputs_embeds=emb).logits.float().sum()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            loss.backward()
+            torch.autograd.grad(loss, emb)
 
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "resident"])

@@ -34,25 +34,42 @@ def remember_placeholders(unit: Unit) -> None:
             t.__dict__.setdefault(_PLACEHOLDER, cur)
 
 
-def bind(unit: Unit, params: dict[str, torch.Tensor]) -> None:
+def bind(unit: Unit, params: dict[str, torch.Tensor], *, streamed: bool = True) -> None:
     """Point ``unit``'s module attributes at ``params`` (target key -> tensor); a floating parameter takes its
-    placeholder's ``requires_grad``."""
+    placeholder's ``requires_grad`` (``streamed``: and refuses a gradient, see :func:`follow_requires_grad`)."""
     for t in unit.targets:
         v = params[t.key]
         if t.is_param:
             ph = t.__dict__.get(_PLACEHOLDER)
-            follow_requires_grad(v, ph)
+            follow_requires_grad(v, ph, streamed=streamed, key=t.key)
             t.module._parameters[t.attr] = v
         else:
             t.module._buffers[t.attr] = v
 
 
-def follow_requires_grad(v: torch.Tensor, ph: torch.Tensor | None) -> torch.Tensor:
+def follow_requires_grad(v: torch.Tensor, ph: torch.Tensor | None, *, streamed: bool = True,
+                         key: str | None = None) -> torch.Tensor:
     """Give ``v`` (a bound floating parameter, a leaf) the ``requires_grad`` of ``ph`` (its placeholder; stock's
-    flag, True unless the user turned it off). Returns ``v``."""
+    flag, True unless the user turned it off). Returns ``v``.
+
+    ``streamed`` (bound for one call, then unbound): in grad mode ``v`` also gets a gradient hook that raises
+    :class:`~tiered.errors.StreamedTensorError` when ``backward()`` reaches it — the gradient would land on a tensor
+    that is gone after the call (stock's parameter would hold it), so a silent nothing is refused."""
     if ph is not None and v.is_floating_point() and v.requires_grad != ph.requires_grad:
         v.requires_grad_(ph.requires_grad)
+    if streamed and v.requires_grad and torch.is_grad_enabled():
+        name = key or getattr(ph, "tiered_key", "a streamed weight")
+        v.register_hook(lambda g: _no_backward(name))
     return v
+
+
+def _no_backward(key: str) -> None:
+    from .errors import StreamedTensorError
+
+    raise StreamedTensorError(
+        f"tiered: backward() reached {key!r}, a streamed weight: tiered runs inference only (its weights are bound for "
+        "one call, so no gradient can be kept); for gradients, load the model with stock transformers, or call "
+        "model.requires_grad_(False) / run under torch.no_grad() for inference")
 
 
 def unbind(unit: Unit) -> None:

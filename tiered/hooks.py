@@ -61,11 +61,18 @@ class _TieredMixin:
         for dtype, dev in kinds:
             probe = fn(torch.empty(0, dtype=dtype, device=dev))
             if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (dtype, dev):
+                runs = probe.device.type in ("cpu", "cuda") and probe.dtype.is_floating_point
+                fix = (f"load it again with tiered.load(..., dtype={probe.dtype}, device={str(probe.device)!r})" if runs
+                       else f"tiered runs on cpu or cuda in a floating-point dtype, not {probe.dtype} on {probe.device}")
                 raise StreamedTensorError(
                     f"tiered: this would turn {dtype} on {dev} into {probe.dtype} on {probe.device}; a tiered model runs at "
-                    "the dtype and on the device it was loaded with: load it again with "
-                    f"tiered.load(..., dtype={probe.dtype}, device={str(probe.device)!r}). Nothing was changed.")
+                    f"the dtype and on the device it was loaded with: {fix}. Nothing was changed.")
         return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Refused: the copy would share this model's ring, threads and placeholders."""
+        raise StreamedTensorError("tiered: a tiered model cannot be copied (copy.deepcopy): it streams its weights "
+                                  "through this model's ring; load the directory again for a second model")
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         """Refused before anything is written: a tiered model's weights are its checkpoint's files."""

@@ -70,6 +70,19 @@ class Placeholder(torch.Tensor):
         return (f"Placeholder({self.tiered_key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
                 f"streamed by tiered: bound while {self.tiered_unit!r} runs)")
 
+    def _refuse(self, what: str) -> StreamedTensorError:
+        return StreamedTensorError(f"tiered: {what} of {self.tiered_key!r}, a streamed tensor, outside the forward of "
+                                   f"{self.tiered_unit!r}, which binds it; {_advice('read')}")
+
+    def tolist(self) -> Any:
+        raise self._refuse(".tolist()")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse(".numpy()")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse("numpy.asarray()")
+
     def __reduce_ex__(self, proto: Any) -> Any:
         raise StreamedTensorError(f"tiered: {self.tiered_key!r} is streamed and cannot be pickled or saved; "
                                   + _advice("save"))

@@ -275,7 +275,7 @@ class Streamer:
                 self.loader.forget(fut)
                 self._gather(ld)
                 self.stage.before_compute(ld)
-                bind(self.units[i], ld.params)
+                bind(self.units[i], ld.params, streamed=False)  # resident: stock's parameter, gradients and all
                 if bar is not None:
                     bar.update(self.units[i].src_bytes)
         finally:
