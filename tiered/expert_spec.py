@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,8 @@ from .format import TensorInfo
 from .guard import foreign_forward
 from .plan import Target, Unit
 
-__all__ = ["ExpertPart", "ExpertSpec", "find_experts", "route_out", "merge_adjacent", "expert_pairs", "slot_layout"]
+__all__ = ["ExpertPart", "ExpertSpec", "find_experts", "route_out", "merge_adjacent", "expert_pairs", "slot_layout",
+           "top_k_of"]
 
 Dest = Callable[[torch.Tensor], torch.Tensor] | None  # where a source lands inside one expert's slab (None: all of it)
 
@@ -170,6 +172,14 @@ def _slices(tgt: Target, E: int, converted: set[str],
     if any(not o for o in out):
         return None
     return out
+
+
+def top_k_of(config: Any) -> int:
+    """Experts per token from a ``transformers`` config: ``num_experts_per_tok`` (Mixtral, Qwen-MoE...), ``moe_topk``,
+    or DBRX's ``ffn_config.moe_top_k``; 1 when none is set (for per-token byte figures, never for outputs)."""
+    ffn = getattr(config, "ffn_config", None)
+    return (getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)
+            or getattr(ffn, "moe_top_k", None) or 1)
 
 
 def find_experts(unit: Unit) -> list[ExpertSpec]:

@@ -171,12 +171,13 @@ def _experts_info(config, plan) -> dict | None:
     as Mixtral's ``experts.j.w1``), ``"stacked"`` (``(E, ...)`` tensors: one range per stacked tensor, which
     ``tiered reshard`` keeps) or ``"mixed"``.
     """
+    from .expert_spec import top_k_of
     from .experts import find_experts
 
     specs = [s for u in plan.units for s in find_experts(u)]
     if not specs:
         return None
-    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+    k = top_k_of(config)
     spans = reads = 0
     for s in specs:
         a, b = _expert_layout(s)

@@ -38,6 +38,7 @@ from typing import Any
 from . import dist as _dist
 from . import policy
 from .errors import ConfigError, HostMemoryError, RingTooSmallError
+from .expert_spec import top_k_of
 from .experts import ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import page_up
 from .linear_pieces import linear_piece_eligible, piece_rows_for
@@ -361,7 +362,7 @@ def _per_token(plan: Plan, p: Placement, config: Any) -> None:
         p.host_bytes += min(u.nbytes, n_held * held[0][1])  # type: ignore[index]
     specs = p.specs
     if specs:
-        k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1
+        k = top_k_of(config)
         in_host = [specs[i] for i in p.host_experts]
         p.expert_modules = len(specs)
         p.experts_total = sum(sp.num_experts for sp in specs)
