@@ -228,3 +228,29 @@ def test_idefics3_text_only_forward_equals_stock(tmp_path):
     with stream(tmp_path / "idefics3") as t, torch.no_grad():
         want = ref(input_ids=ids).logits
         assert want.abs().sum() > 0 and torch.equal(t(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("rescale_every", [6, 1])
+def test_rwkv_rescales_in_place_only_where_tiered_can(tmp_path, rescale_every):
+    """RWKV divides blocks i >= rescale_every by 2 ** (i // rescale_every) in place at its first forward. With three
+    blocks and rescale_every=6 every division is by 1: streamed, equal to stock (it raised StreamedTensorError at
+    the in-place op). With rescale_every=1 a streamed block cannot be divided: refused before any weight is read;
+    resident, equal to stock (the division runs on the resident weights as on stock's)."""
+    cfg = transformers.RwkvConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, attention_hidden_size=64,
+                                  intermediate_size=128, context_length=64, rescale_every=rescale_every)
+    torch.manual_seed(0)
+    m = transformers.RwkvForCausalLM(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=24)
+    d = tmp_path / "rwkv"
+    m.save_pretrained(d)
+    ref = transformers.RwkvForCausalLM.from_pretrained(d).eval()
+    ids = make_ids(9, (2, 7))
+    if rescale_every == 1:
+        with pytest.raises(tiered.ConfigError, match="in place"):
+            stream(d)
+        with tiered.load(d, device="cpu", ring_gb=1.0) as t:
+            assert tiered.stats(t).resident_units == tiered.stats(t).units
+            assert _equal_logits(t, ref, ids)
+    else:
+        with stream(d) as t:
+            assert _equal_logits(t, ref, ids) and _equal_logits(t, ref, ids)

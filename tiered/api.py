@@ -177,6 +177,7 @@ def attach(
     opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None), job=job)
     opts = dataclasses.replace(opts, io=p.io)
+    _refuse_inplace_rescale(module, plan, p)
     ensure_atexit()
     materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets}
                              | {q.target.key for sp in p.specs for q in sp.parts})
@@ -195,6 +196,27 @@ def attach(
     module._tiered = h  # type: ignore[attr-defined]
     wrap_class(module)
     return module
+
+
+def _refuse_inplace_rescale(module: nn.Module, plan: Plan, p: Placement) -> None:
+    """RWKV divides the weights of blocks ``i >= rescale_every`` in place by ``2 ** (i // rescale_every)`` at its first
+    eval forward (transformers 5.17 ``RwkvModel._rescale_layers``): a streamed weight cannot be changed, so such a
+    block must be resident, or the load is refused before any weight is read. Where every division is by 1 (no block
+    that far), the rescale is marked done (the same numbers, no in-place op on a placeholder)."""
+    for m in module.modules():
+        every = getattr(getattr(m, "config", None), "rescale_every", 0) or 0
+        if not hasattr(m, "layers_are_rescaled") or not hasattr(m, "blocks") or every <= 0:
+            continue
+        prefix = next(n for n, x in module.named_modules() if x is m)
+        names = {f"{prefix}.blocks.{i}" if prefix else f"blocks.{i}" for i in range(every, len(m.blocks))}
+        streamed = [u.name for u in plan.units if u.index not in set(p.resident) and u.name in names]
+        if streamed:
+            raise ConfigError(
+                f"{type(m).__name__} (rescale_every={every}) divides the weights of blocks {every}.. in place at its "
+                f"first forward; tiered cannot change streamed weights (e.g. {streamed[0]!r}): pass a ring_gb (CPU) or "
+                f"gpu_gb (CUDA) that keeps the whole model resident, or load it with stock transformers")
+        if not names:
+            m.layers_are_rescaled = not m.training  # every division would be by 1: the same weights
 
 
 def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
