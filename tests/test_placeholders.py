@@ -254,3 +254,60 @@ def test_rwkv_rescales_in_place_only_where_tiered_can(tmp_path, rescale_every):
     else:
         with stream(d) as t:
             assert _equal_logits(t, ref, ids) and _equal_logits(t, ref, ids)
+
+
+class _ReadsAWeight(torch.nn.Module):
+    """A parent that reads a streamed unit's weight as a value (Gemma-4's pad embedding) and one only as metadata."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids.to(self.head.weight.device))  # metadata: not a reader
+        x = x + self.emb.weight[0]  # a value, outside emb's call: the emb unit is bound for this call too
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_parent_reading_a_units_weight_binds_it_for_its_call(tmp_path):
+    """Model code that reads another unit's weight as a value outside that unit's call (Gemma-4:
+    ``embed_tokens.weight[pad_token_id]``; ProphetNet: ``position_embeddings._forward``) raised StreamedTensorError;
+    the plan now finds such readers in the forward source and binds the unit for the reader's call too (not by rows);
+    a metadata read (``.weight.device``) binds nothing."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(3)
+    ref = _ReadsAWeight().eval()
+    save_model(ref, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        mod = _ReadsAWeight()
+    with tiered.attach(mod, tmp_path, device="cpu", ring_gb=12 * 1024 / 2**30) as m, torch.no_grad():
+        units = {u.name: u for u in m._tiered.plan.units}
+        assert units["emb"].readers == [m] and units["head"].readers == []
+        s = tiered.stats(m)
+        assert s.resident_units == 0 and s.row_units == 0
+        ids = torch.tensor([[1, 5, 63, 2]])
+        for _ in range(2):
+            want = ref(ids)
+            assert want.abs().sum() > 0 and torch.equal(m(ids), want)
+
+
+def test_prophetnet_causal_lm_equals_stock(tmp_path):
+    """ProphetNet's decoder calls ``self.position_embeddings._forward(...)`` (past the hooks) and reads
+    ``self.ngram_embeddings.weight``: both units are bound for the decoder's call (it raised StreamedTensorError)."""
+    cfg = transformers.ProphetNetConfig(vocab_size=256, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                        num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                                        num_decoder_attention_heads=4, max_position_embeddings=64, ngram=2,
+                                        is_encoder_decoder=False, add_cross_attention=False)
+    torch.manual_seed(0)
+    m = transformers.ProphetNetForCausalLM(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=25)
+    m.save_pretrained(tmp_path / "pn")
+    ref = transformers.ProphetNetForCausalLM.from_pretrained(tmp_path / "pn").eval()
+    with stream(tmp_path / "pn") as t:
+        assert any(u.readers for u in t._tiered.plan.units)
+        assert _equal_logits(t, ref, make_ids(10, (2, 7)))

@@ -324,6 +324,10 @@ def _install_hooks(h: Handle, p: Placement) -> None:
             pre, post = unit_hooks(s, u.index, root=mod is u.module)
             h.hooks.append(mod.register_forward_pre_hook(pre))
             h.hooks.append(mod.register_forward_hook(post, always_call=True))
+        for mod in u.readers:  # reads the unit's weights past its call: bound for the reader's call too
+            pre, post = unit_hooks(s, u.index, root=True)
+            h.hooks.append(mod.register_forward_pre_hook(pre))
+            h.hooks.append(mod.register_forward_hook(post, always_call=True))
     if p.specs:
         staging = (h.expert_staging.buf, threading.Lock(), [None, None]) if h.expert_staging is not None else None
         cache_lock = threading.Lock()

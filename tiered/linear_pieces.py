@@ -41,7 +41,8 @@ __all__ = ["linear_piece_eligible", "piece_rows_for", "pieces_exact", "LinearPie
 def linear_piece_eligible(unit: Unit) -> bool:
     """Whether ``unit`` is one ``nn.Linear`` whose weight (and bias) map as they are (see the module docstring)."""
     m = unit.module
-    if type(m).forward is not nn.Linear.forward or not isinstance(m, nn.Linear) or foreign_forward(m):
+    if type(m).forward is not nn.Linear.forward or not isinstance(m, nn.Linear) or foreign_forward(m) \
+            or getattr(unit, "readers", None):  # read as a whole outside its call (tiered/units.py weight_readers)
         return False
     attrs = {t.attr for t in unit.targets}
     if attrs not in ({"weight"}, {"weight", "bias"}) or any(t.module is not m for t in unit.targets):

@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
-from .units import find_unit_roots
+from .units import find_unit_roots, weight_readers
 
 __all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots"]
 
@@ -91,6 +91,7 @@ class Unit:
     converts: list[Convert] = field(default_factory=list)
     nbytes: int = 0
     src_bytes: int = 0
+    readers: list[nn.Module] = field(default_factory=list)  # modules that read its weights past its call (units.py)
 
 
 def same_bytes_key(u: Unit) -> tuple | None:
@@ -486,8 +487,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd)
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable)
     units = _group_units(model, targets, converts, align)
-    return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped,
-                unused_index_missing=unused_missing)
+    weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
+    return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing)
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")

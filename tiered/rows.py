@@ -82,7 +82,7 @@ def _calls_embedding_forward(cls: type) -> bool:
 def row_eligible(unit: Unit) -> bool:
     """True when ``unit`` is one embedding table read from one checkpoint tensor of the same shape."""
     m = unit.module
-    if not isinstance(m, nn.Embedding) or len(unit.targets) != 1 or unit.converts:
+    if not isinstance(m, nn.Embedding) or len(unit.targets) != 1 or unit.converts or getattr(unit, "readers", None):
         return False
     t = unit.targets[0]
     if t.module is not m or t.attr != "weight" or len(t.copies) != 1 or t.copies[0].place is not None:

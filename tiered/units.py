@@ -28,9 +28,12 @@ vision tower) are descended into: their direct parameters are a unit hooked on t
 
 from __future__ import annotations
 
+import inspect
+import re
+
 from torch import nn
 
-__all__ = ["block_lists", "find_unit_roots"]
+__all__ = ["block_lists", "find_unit_roots", "weight_readers"]
 
 
 def _holds_params(m: nn.Module) -> bool:
@@ -98,3 +101,48 @@ def find_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 
     visit("", model)
     return roots
+
+
+#: ``self.<path>.weight`` / ``.bias`` used as a value, or ``self.<path>._forward(`` (a call past the module's hooks),
+#: in a module's ``forward`` source; metadata reads (``.weight.device``, ``.dtype``, ``.shape``...) do not count.
+_READ = re.compile(r"self\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\.(?:(?:weight|bias)\b(?!\s*\.\s*(?:device|dtype|shape|size|"
+                   r"ndim|dim|numel|new_\w+|requires_grad|is_\w+)\b)|_forward\s*\()")
+
+
+def _forward_reads(cls: type, cache: dict[type, list[str]]) -> list[str]:
+    """Submodule paths whose weights ``cls.forward`` reads as values or calls past their hooks (see :data:`_READ`)."""
+    if cls not in cache:
+        fn = getattr(cls, "forward", None)
+        try:
+            src = inspect.getsource(fn) if fn is not None and not cls.__module__.startswith("torch.") else ""
+        except (OSError, TypeError):
+            src = ""
+        cache[cls] = sorted(set(_READ.findall(src)))
+    return cache[cls]
+
+
+def weight_readers(model: nn.Module, units: list) -> None:
+    """Set ``unit.readers`` (a list, for every unit): the modules outside ``unit`` whose ``forward`` reads its
+    weights as values without calling it (Gemma-4's model takes ``self.language_model.embed_tokens.weight[pad]``;
+    ProphetNet's decoder calls ``self.position_embeddings._forward(...)``, past the hooks). The unit is then bound for
+    the length of each reader's call too, and is not read by rows or in pieces (those bind only inside its own call).
+    The scan reads each class's ``forward`` source once; a read it cannot see raises
+    :class:`~tiered.errors.StreamedTensorError` at run time, never a wrong number. Memory: such a unit is held for
+    the reader's whole call, beside the unit running; the placement does not count that yet (the ring bound can be
+    exceeded by the readers' units, which are small in the models found: embeddings of position and pad rows)."""
+    owner: dict[int, int] = {}
+    for k, u in enumerate(units):
+        u.readers = []
+        for t in u.targets:
+            owner.setdefault(id(t.module), k)
+    inside: dict[int, set[int]] = {k: {id(m) for m in u.module.modules()} for k, u in enumerate(units)}
+    cache: dict[type, list[str]] = {}
+    for a in model.modules():
+        for path in _forward_reads(type(a), cache):
+            try:
+                m = a.get_submodule(path)
+            except AttributeError:
+                continue
+            k = owner.get(id(m))
+            if k is not None and id(a) not in inside[k] and a not in units[k].readers:
+                units[k].readers.append(a)
