@@ -793,3 +793,29 @@ def test_pytorch_bin_comes_before_other_safetensors(tmp_path: Path) -> None:
     save_file(sample_tensors(), tmp_path / "adapter.safetensors")
     with pytest.raises(ShardNotFoundError, match="pytorch_model.bin.*tiered reshard"):
         open_checkpoint(tmp_path)
+
+
+def test_a_fused_tensor_chunked_into_parameters_loads_as_stock(tmp_path):
+    """NomicBert's checkpoint holds one fused ``attn.Wqkv`` that transformers splits into q/k/v with ``Chunk(dim=0)``:
+    it was refused with a MissingTensorError about config.json for k_proj/v_proj. Each parameter is now a run of the
+    fused tensor's rows (tiered/chunks.py), mapped or copied like any tensor: streamed, equal to stock bit for bit."""
+    from conftest import make_ids, stream
+
+    import tiered
+
+    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=26)
+    m.save_pretrained(tmp_path / "nomic")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "nomic" / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("attn.Wqkv.weight") for k in f.keys())  # the fused name is what is on disk
+    ref = transformers.AutoModel.from_pretrained(tmp_path / "nomic").eval()
+    ids = make_ids(11, (2, 7))
+    with stream(tmp_path / "nomic") as t, torch.no_grad():
+        want = ref(ids).last_hidden_state
+        assert want.abs().sum() > 0 and torch.equal(t(ids).last_hidden_state, want)
+        assert tiered.stats(t).mapped_units > 0

@@ -18,7 +18,6 @@ copied straight into its slice of the fused tensor inside the ring slot; any oth
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .chunks import chunk_sources
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
-from .units import find_unit_roots, weight_readers
+from .units import find_unit_roots, layer_index, weight_readers
 
-__all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots"]
+__all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots", "layer_index"]
 
 
 def _align(n: int, a: int) -> int:
@@ -322,6 +322,8 @@ def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor])
                 unused.append(k)
             elif pat is None:
                 direct[new] = ckpt.tensors[k]
+            elif (rows := chunk_sources(by_pattern[pat], new, ckpt.tensors[k], sd)) is not None:
+                direct.update(rows)  # Chunk(dim=0): each target is a run of the source's rows (tiered/chunks.py)
             else:
                 c, srcs = conv.setdefault(new, (deepcopy(by_pattern[pat]), {}))
                 srcs.setdefault(pat, []).append(ckpt.tensors[k])
@@ -490,11 +492,3 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing)
 
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
-
-
-def layer_index(name: str) -> int | None:
-    """The layer number in a tensor name (``model.layers.12.mlp`` -> 12), or None."""
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None

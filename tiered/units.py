@@ -33,7 +33,7 @@ import re
 
 from torch import nn
 
-__all__ = ["block_lists", "find_unit_roots", "weight_readers"]
+__all__ = ["block_lists", "find_unit_roots", "weight_readers", "layer_index"]
 
 
 def _holds_params(m: nn.Module) -> bool:
@@ -146,3 +146,12 @@ def weight_readers(model: nn.Module, units: list) -> None:
             k = owner.get(id(m))
             if k is not None and id(a) not in inside[k] and a not in units[k].readers:
                 units[k].readers.append(a)
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The layer number in a tensor name (``model.layers.12.mlp`` -> 12), or None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
