@@ -246,7 +246,11 @@ def test_model_dropped_without_close_is_collected_and_its_threads_end(llama_ref)
     d, _ = llama_ref
     gc.collect()
     tiered.lifecycle._start_reaper()  # process-wide, started by the first load: not one of the model's threads
-    base = threading.active_count()
+    base = set(threading.enumerate())  # threads of earlier tests may end meanwhile: only new ones count
+
+    def new() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in base]
+
     for _ in range(3):
         m = stream(d)
         with torch.no_grad():
@@ -254,9 +258,9 @@ def test_model_dropped_without_close_is_collected_and_its_threads_end(llama_ref)
         del m
         gc.collect()
     deadline = time.time() + 30
-    while threading.active_count() > base and time.time() < deadline:
+    while new() and time.time() < deadline:
         time.sleep(0.1)
-    assert threading.active_count() == base, [t.name for t in threading.enumerate()]
+    assert not new(), new()
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C during a pass
