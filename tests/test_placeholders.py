@@ -311,3 +311,27 @@ def test_prophetnet_causal_lm_equals_stock(tmp_path):
     with stream(tmp_path / "pn") as t:
         assert any(u.readers for u in t._tiered.plan.units)
         assert _equal_logits(t, ref, make_ids(10, (2, 7)))
+
+
+def test_a_replaced_placeholder_is_refused_not_dropped(llama_bf16):
+    """``load_state_dict(sd, assign=True)`` or ``mod.weight = nn.Parameter(new)`` replaces a streamed weight's
+    placeholder: the next pass bound the checkpoint's bytes over it and ran them, silently (review of 2026-12-01)."""
+    with stream(llama_bf16) as m:
+        q = m.model.layers[0].self_attn.q_proj
+        q.weight = torch.nn.Parameter(torch.zeros(q.weight.shape, dtype=q.weight.dtype))
+        with pytest.raises(StreamedTensorError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' .* replaced"), \
+                torch.no_grad():
+            m(make_ids(12))
+
+
+def test_metadata_reads_make_no_reader():
+    """``self.head.bias is not None``, ``self.head.weight.T.shape``, ``.stride(0)`` read no value: no reader (the
+    head stays eligible for rows or pieces); ``self.emb.weight[0]`` and ``._forward(`` are readers."""
+    from tiered.units import _READ
+
+    for src in ("self.head.bias is not None", "self.head.weight.T.shape", "self.head.weight.stride(0)",
+                "self.head.weight.device", "self.head.weight.dtype"):
+        assert _READ.findall(src) == [], src
+    assert _READ.findall("x + self.emb.weight[0]") == ["emb"]
+    assert _READ.findall("self.pe._forward(ids)") == ["pe"]
+    assert _READ.findall("self.a.b.weight.T @ x") == ["a.b"]

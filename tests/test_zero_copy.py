@@ -88,11 +88,46 @@ def test_a_head_larger_than_the_ring_is_computed_in_pieces(tmp_path: Path, dtype
         assert torch.equal(m.generate(ids, max_new_tokens=5, do_sample=False),
                            ref.generate(ids, max_new_tokens=5, do_sample=False))
         assert s.ring_high_water == 0 and s.streamed_bytes >= 8192 * 64 * dtype.itemsize
+        with torch.enable_grad():  # as stock's, the logits require grad; backward is refused, not silent
+            out = m(ids).logits
+            assert out.requires_grad and torch.equal(out, ref(ids).logits)
+            with pytest.raises(tiered.StreamedTensorError, match="backward"):
+                out.float().sum().backward()
     with pytest.raises(tiered.RingTooSmallError, match=r"'model\.layers\.0' needs .*file mapping"):
         tiered.load(tmp_path / "m", device="cpu", ring_gb=0.02 / 1024)  # 20 KiB: below a layer
     monkeypatch.setattr(tiered.api, "pieces_exact", lambda *a: False)
     with pytest.raises(tiered.RingTooSmallError, match="'lm_head' needs .*checked at load"):
         tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_head_with_a_tail_piece_is_exact_or_refused(tmp_path: Path, grad: bool) -> None:
+    """An fp32 head of 8195 rows: its last piece is 3 rows wide, and on the 2-core machine an fp32 product that narrow
+    changed the low bits of those columns (review of 2026-12-01: silently wrong logits). The check at load now tries
+    the last piece too, and several batch sizes: the head is refused there, or — where the kernel agrees — equal to
+    stock for every input tried. In grad mode the logits require grad as stock's, and backward is refused."""
+    cfg = transformers.LlamaConfig(vocab_size=8195, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=4, dtype=torch.float32,
+                      max_shard_size=None)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    try:
+        m = tiered.load(tmp_path / "m", device="cpu", ring_gb=0.5 / 1024)
+    except tiered.RingTooSmallError as e:
+        assert "checked at load" in str(e)
+        return
+    with m:
+        assert m._tiered.placement.linear_pieces
+        for shape in ((1, 1), (2, 5), (3, 9), (8, 1)):
+            ids = torch.randint(0, 8195, shape, generator=torch.Generator().manual_seed(sum(shape)))
+            if grad:
+                out = m(ids).logits
+                assert out.requires_grad and torch.equal(out, ref(ids).logits)
+                with pytest.raises(tiered.StreamedTensorError, match="backward"):
+                    out.sum().backward()
+            else:
+                with torch.no_grad():
+                    assert torch.equal(m(ids).logits, ref(ids).logits), shape
 
 
 def test_converted_units_still_use_the_ring(ckpts: Checkpoints) -> None:

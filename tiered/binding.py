@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from .errors import StreamedTensorError
 from .placeholder import is_placeholder
 from .plan import Unit
 
@@ -39,8 +40,14 @@ def bind(unit: Unit, params: dict[str, torch.Tensor], *, streamed: bool = True) 
     placeholder's ``requires_grad`` (``streamed``: and refuses a gradient, see :func:`follow_requires_grad`)."""
     for t in unit.targets:
         v = params[t.key]
+        ph = t.__dict__.get(_PLACEHOLDER)
+        store = t.module._parameters if t.is_param else t.module._buffers
+        if ph is not None and store.get(t.attr) is not ph:
+            raise StreamedTensorError(
+                f"tiered: {t.key!r} is streamed, and its placeholder was replaced (load_state_dict(assign=True), or "
+                "an attribute assigned): tiered binds the checkpoint's bytes here, so the new tensor would be dropped "
+                "silently; write the weights into a checkpoint and load that, or use stock transformers")
         if t.is_param:
-            ph = t.__dict__.get(_PLACEHOLDER)
             follow_requires_grad(v, ph, streamed=streamed, key=t.key)
             t.module._parameters[t.attr] = v
         else:

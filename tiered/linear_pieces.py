@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from .binding import follow_requires_grad
 from .errors import StreamerError
 from .guard import foreign_forward
 from .plan import Unit
@@ -54,11 +55,17 @@ def _weight(unit: Unit) -> Any:
     return next(t for t in unit.targets if t.attr == "weight")
 
 
+#: Pieces are whole multiples of this many rows (CPU GEMM kernels block output columns; a piece of an odd width took
+#: another path in fp32 on the 2-core machine and changed the low bits: the review of 2026-12-01).
+PIECE_ALIGN = 64
+
+
 def piece_rows_for(unit: Unit, ring_bytes: int) -> int:
-    """Rows of the weight per piece: as many as half the ring holds with the bias's share (at least 1)."""
+    """Rows of the weight per piece: as many as half the ring holds with the bias's share, rounded down to a multiple
+    of :data:`PIECE_ALIGN` (at least that)."""
     w = _weight(unit)
     row = w.shape[1] * w.dtype.itemsize + sum(t.dtype.itemsize for t in unit.targets if t.attr == "bias")
-    return max(1, (ring_bytes // 2) // max(1, row))
+    return max(PIECE_ALIGN, (ring_bytes // 2) // max(1, row) // PIECE_ALIGN * PIECE_ALIGN)
 
 
 class LinearPieces:
@@ -81,6 +88,7 @@ class LinearPieces:
         self.b = b[0].copies[0].src if b else None
         self.rows = self.w.shape[0]
         self.closed = False
+        self.placeholder = next((t.module._parameters.get(t.attr) for t in unit.targets if t.attr == "weight"), None)
 
     def _views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``[a, b)`` of the weight and bias as views of the mapping (after the shards' checks)."""
@@ -109,6 +117,9 @@ class LinearPieces:
         for a in range(0, self.rows, self.piece_rows):
             b = min(self.rows, a + self.piece_rows)
             w, bias = self._views(a, b)
+            if self.placeholder is not None and torch.is_grad_enabled():  # stock's flags; backward refused
+                w = follow_requires_grad(nn.Parameter(w, requires_grad=False), self.placeholder,
+                                        key=f"{self.unit.name}.weight")
             try:
                 out[..., a:b] = F.linear(x, w, bias)
             finally:
@@ -129,25 +140,34 @@ class LinearPieces:
         self.closed = True
 
 
+#: Input rows (tokens x batch) the exactness check tries: decode steps of batch 1-9 and a prompt.
+CHECK_ROWS = (1, 2, 3, 7, 8, 9, 33)
+
+
 def pieces_exact(unit: Unit, maps: dict, piece_rows: int) -> bool:
-    """Whether computing ``unit`` in pieces of ``piece_rows`` gives the whole product's bits on this machine: the
-    first two pieces apart against those rows as one product, for inputs of 1 and 7 rows (random, the weight's
-    dtype). Reads at most two pieces of the real weight (the ring's worth), and drops their pages."""
+    """Whether computing ``unit`` in pieces of ``piece_rows`` gives the whole product's bits on this machine, checked on
+    the real weight in two windows: the first two pieces, and the last full piece with the tail after it (the one
+    piece of another width) — each computed apart against those rows as one product, for inputs of
+    :data:`CHECK_ROWS` rows (random, the weight's dtype). Reads at most two pieces at a time (the ring's worth) and
+    drops their pages. A window is not the whole width stock computes: what it checks is that the kernel's result for
+    a row does not depend on which piece it is in."""
     lp = LinearPieces(unit, maps, piece_rows, None)
-    k = lp.w.shape[1]
-    two = min(lp.rows, 2 * piece_rows)
+    k, n = lp.w.shape[1], lp.rows
+    last = (n - 1) // piece_rows * piece_rows  # the last piece's first row
+    windows = {(0, min(n, 2 * piece_rows)), (max(0, last - piece_rows), n)}
     g = torch.Generator().manual_seed(0)
-    try:
-        w, bias = lp._views(0, two)
-        for m in (1, 7):
-            x = torch.randn(m, k, generator=g).to(lp.w.dtype)
-            whole = F.linear(x, w, bias)
-            parts = torch.cat([F.linear(x, w[a:min(two, a + piece_rows)],
-                                        None if bias is None else bias[a:min(two, a + piece_rows)])
-                               for a in range(0, two, piece_rows)], dim=-1)
-            if not torch.equal(whole, parts):
-                return False
-        return True
-    finally:
-        w = bias = None
-        lp._drop(0, two)
+    for lo, hi in sorted(windows):
+        try:
+            w, bias = lp._views(lo, hi)
+            for m in CHECK_ROWS:
+                x = torch.randn(m, k, generator=g).to(lp.w.dtype)
+                whole = F.linear(x, w, bias)
+                parts = torch.cat([F.linear(x, w[a - lo:min(hi, a + piece_rows) - lo],
+                                            None if bias is None else bias[a - lo:min(hi, a + piece_rows) - lo])
+                                   for a in range(lo, hi, piece_rows)], dim=-1)
+                if not torch.equal(whole, parts):
+                    return False
+        finally:
+            w = bias = None
+            lp._drop(lo, hi)
+    return True

@@ -105,8 +105,9 @@ def find_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 
 #: ``self.<path>.weight`` / ``.bias`` used as a value, or ``self.<path>._forward(`` (a call past the module's hooks),
 #: in a module's ``forward`` source; metadata reads (``.weight.device``, ``.dtype``, ``.shape``...) do not count.
-_READ = re.compile(r"self\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\.(?:(?:weight|bias)\b(?!\s*\.\s*(?:device|dtype|shape|size|"
-                   r"ndim|dim|numel|new_\w+|requires_grad|is_\w+)\b)|_forward\s*\()")
+_META = r"(?:device|dtype|shape|size|ndim|dim|numel|stride|new_\w+|requires_grad|is_\w+)\b"
+_READ = re.compile(r"self\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\.(?:(?:weight|bias)\b(?!\s*\.\s*" + _META
+                   + r")(?!\s*\.\s*T\s*\.\s*" + _META + r")(?!\s+is\b)|_forward\s*\()")
 
 
 def _forward_reads(cls: type, cache: dict[type, list[str]]) -> list[str]:
