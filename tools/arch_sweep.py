@@ -241,19 +241,11 @@ def _page(n: int) -> int:
 
 def streaming_ring_gb(model) -> float:
     """``tests/conftest.py`` ``streaming_ring_gb``: holds the biggest unit (MoE units without their routed
-    experts), up to ~3 of them, but not the whole model."""
-    import dataclasses
+    experts, ``conftest.routed_unit_sizes``), up to ~3 of them, but not the whole model; RuntimeError, not an
+    assertion, when there is none."""
+    from conftest import routed_unit_sizes
 
-    from tiered.experts import find_experts, route_out
-
-    plan = model._tiered.plan
-    sizes = []
-    for u in plan.units:
-        specs = find_experts(u)
-        if specs:
-            u = dataclasses.replace(u, targets=list(u.targets))
-            route_out(u, specs, plan.align)
-        sizes.append(u.nbytes)
+    sizes = routed_unit_sizes(model._tiered.plan)
     big = _page(max(sizes))
     whole = sum(_page(n) for n in sizes)
     ring = max(big, min(3 * big, whole - PAGE))
