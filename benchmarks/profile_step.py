@@ -1,0 +1,127 @@
+"""Where a decode step's time goes: tiered against stock ``transformers``, both loaded in one process.
+
+Usage::
+
+    python benchmarks/profile_step.py MODEL_DIR [--ring-gb G] [--tokens N] [--rounds R] [--out FILE]
+
+Loads MODEL_DIR with ``AutoModelForCausalLM.from_pretrained(dtype="auto")`` and with ``tiered.load`` (``--ring-gb``
+defaults to the checkpoint's size + 64 MiB: every unit resident on the CPU), checks their greedy tokens are equal,
+then times ``--rounds`` rounds of one ``generate`` of ``--tokens`` tokens each, alternating which model goes first, and
+prints the median decode s/token (min-max) of each. Last, one ``torch.profiler`` trace of a ``generate`` per model:
+the top ops by self CPU time, and the per-step Python cost outside torch ops (``cProfile``'s top functions by total
+time), so that a gap shows as ops one side runs and the other does not, or as Python time. Results as JSON lines on
+stdout and in ``--out``. Used for issue 22's bf16 resident gap (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _decode(model: Any, ids: Any, tokens: int) -> tuple[float, list[int]]:
+    import torch
+
+    clock = _Clock()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, streamer=clock, pad_token_id=0)
+    steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:], strict=False)]
+    return statistics.median(steps), out[0, ids.shape[1]:].tolist()
+
+
+def _profile(model: Any, ids: Any, tokens: int, top: int) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _decode(model, ids, tokens)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    pr = cProfile.Profile()
+    pr.enable()
+    _decode(model, ids, tokens)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    ev = prof.key_averages()
+    return {"ops": table, "python": s.getvalue(), "op_count": sum(e.count for e in ev),
+            "self_cpu_ms": sum(e.self_cpu_time_total for e in ev) / 1e3, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--ring-gb", type=float, default=None)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--copy", action="store_true", help="also a third model: tiered with zero_copy=False (ring copies)")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tiered
+
+    size = sum(f.stat().st_size for f in a.model_dir.glob("*.safetensors"))
+    ring = a.ring_gb if a.ring_gb is not None else (size * 1.02 + (64 << 20)) / 2**30
+    models = {"stock": AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="auto").eval(),
+              "tiered": tiered.load(a.model_dir, ring_gb=ring, device="cpu")}
+    if a.copy:
+        models["tiered-copy"] = tiered.load(a.model_dir, ring_gb=ring, device="cpu", zero_copy=False)
+    ids = torch.tensor([[1, 450, 7483, 310, 3444, 338, 263, 4086]], dtype=torch.long)
+    toks = {k: _decode(m, ids, a.tokens)[1] for k, m in models.items()}  # also the warm-up
+    rows: list[dict[str, Any]] = [{"kind": "setup", "ring_gb": ring, "threads": torch.get_num_threads(),
+                                   "tokens_equal": toks["stock"] == toks["tiered"], "torch": torch.__version__}]
+    rows[0]["smaps_rollup"] = Path("/proc/self/smaps_rollup").read_text().split("\n", 1)[1]
+    rows[0]["tokens_equal_copy"] = toks.get("tiered-copy", toks["stock"]) == toks["stock"]
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for r in range(a.rounds):
+        order = list(models) if r % 2 == 0 else list(models)[::-1]
+        for k in order:
+            times[k].append(_decode(models[k], ids, a.tokens)[0])
+    for k, v in times.items():
+        rows.append({"kind": "decode", "model": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)})
+    if not a.no_profile:
+        for k, m in models.items():
+            rows.append({"kind": "profile", "model": k, **_profile(m, ids, a.tokens, a.top)})
+    for row in rows:
+        if row["kind"] == "profile":
+            print(f"== {row['model']}: {row['op_count']} ops, {row['self_cpu_ms']:.1f} ms self CPU\n{row['ops']}\n"
+                  f"{row['python']}")
+        else:
+            print(json.dumps(row))
+    if a.out:
+        a.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for k in models:
+        if k != "stock":
+            models[k].close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
