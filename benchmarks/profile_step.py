@@ -70,6 +70,57 @@ def _profile(model: Any, ids: Any, tokens: int, top: int) -> dict[str, Any]:
             "self_cpu_ms": sum(e.self_cpu_time_total for e in ev) / 1e3, "threads": torch.get_num_threads()}
 
 
+def _linear_weights(model: Any, ids: Any) -> list[Any]:
+    """The weight each ``nn.Linear`` computes with, in call order (read in a forward pre-hook: bound there)."""
+    import torch
+
+    seen: list[Any] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(ids[:, :1])
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _weights_bench(models: dict[str, Any], ids: Any, reps: int) -> list[dict[str, Any]]:
+    """Each model's linear weights alone: one-row ``F.linear`` over all of them, ``reps`` rounds, alternating models.
+    Equal times here and unequal decode times put the gap outside the weights' memory."""
+    import torch
+    import torch.nn.functional as F
+
+    ws = {k: _linear_weights(m, ids) for k, m in models.items()}
+    x = torch.randn(1, 1, ws["stock"][0].shape[1], dtype=ws["stock"][0].dtype)
+    t: dict[str, list[float]] = {k: [] for k in models}
+    with torch.no_grad():
+        for r in range(reps):
+            for k in (list(models) if r % 2 == 0 else list(models)[::-1]):
+                t0 = time.perf_counter()
+                for w in ws[k]:
+                    F.linear(x if w.shape[1] == x.shape[-1] else x.new_ones(1, 1, w.shape[1]), w)
+                t[k].append(time.perf_counter() - t0)
+    return [{"kind": "weights", "model": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
+             "ptr_mod_4096": sorted({w.data_ptr() % 4096 for w in ws[k]})[:4]} for k, v in t.items()]
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread name (/proc/self/task/*/stat)."""
+    import os
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc/self/task").iterdir():
+        try:
+            st = (d / "stat").read_text()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        f = st[st.rindex(")") + 2:].split()
+        out[f"{name}:{d.name}"] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
@@ -106,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             times[k].append(_decode(models[k], ids, a.tokens)[0])
     for k, v in times.items():
         rows.append({"kind": "decode", "model": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)})
+    rows += _weights_bench(models, ids, max(5, a.rounds))
+    before = _thread_cpu()
+    _decode(models["tiered"], ids, a.tokens)
+    after = _thread_cpu()
+    rows.append({"kind": "thread_cpu_tiered_generate", **{k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
+                                                          if v - before.get(k, 0.0) > 0}})
     if not a.no_profile:
         for k, m in models.items():
             rows.append({"kind": "profile", "model": k, **_profile(m, ids, a.tokens, a.top)})
