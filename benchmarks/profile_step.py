@@ -91,7 +91,8 @@ def _weights_bench(models: dict[str, Any], ids: Any, reps: int) -> list[dict[str
     import torch.nn.functional as F
 
     ws = {k: _linear_weights(m, ids) for k, m in models.items()}
-    x = torch.randn(1, 1, ws["stock"][0].shape[1], dtype=ws["stock"][0].dtype)
+    w0 = next(iter(ws.values()))[0]
+    x = torch.randn(1, 1, w0.shape[1], dtype=w0.dtype)
     t: dict[str, list[float]] = {k: [] for k in models}
     with torch.no_grad():
         for r in range(reps):
@@ -129,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--copy", action="store_true", help="also a third model: tiered with zero_copy=False (ring copies)")
+    p.add_argument("--no-rewarm", action="store_true",
+                   help="skip evicting and re-reading the shards first (benchmarks/run.py warm_page_cache)")
+    p.add_argument("--weights", action="store_true", help="also time each model's linear weights alone (resident models)")
+    p.add_argument("--models", default="stock,tiered",
+                   help="comma list of: stock, tiered, tiered-copy (zero_copy=False), accelerate (disk offload with "
+                        "max_memory={'cpu': --cpu-gb}); the first is the reference for tokens_equal")
+    p.add_argument("--cpu-gb", type=float, default=None, help="accelerate's max_memory['cpu'] (default: the ring)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -137,19 +144,28 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import tiered
+    from benchmarks.run import warm_page_cache
+
+    if not a.no_rewarm:
+        warm_page_cache(a.model_dir)
 
     size = sum(f.stat().st_size for f in a.model_dir.glob("*.safetensors"))
     ring = a.ring_gb if a.ring_gb is not None else (size * 1.02 + (64 << 20)) / 2**30
-    models = {"stock": AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="auto").eval(),
-              "tiered": tiered.load(a.model_dir, ring_gb=ring, device="cpu")}
-    if a.copy:
-        models["tiered-copy"] = tiered.load(a.model_dir, ring_gb=ring, device="cpu", zero_copy=False)
+    makers = {
+        "stock": lambda: AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="auto").eval(),
+        "tiered": lambda: tiered.load(a.model_dir, ring_gb=ring, device="cpu"),
+        "tiered-copy": lambda: tiered.load(a.model_dir, ring_gb=ring, device="cpu", zero_copy=False),
+        "accelerate": lambda: AutoModelForCausalLM.from_pretrained(
+            a.model_dir, dtype="auto", device_map="auto", offload_folder=str(a.model_dir / "offload-profile"),
+            max_memory={"cpu": f"{a.cpu_gb if a.cpu_gb is not None else ring}GiB"}).eval(),
+    }
+    models = {k: makers[k]() for k in a.models.split(",")}
     ids = torch.tensor([[1, 450, 7483, 310, 3444, 338, 263, 4086]], dtype=torch.long)
     toks = {k: _decode(m, ids, a.tokens)[1] for k, m in models.items()}  # also the warm-up
     rows: list[dict[str, Any]] = [{"kind": "setup", "ring_gb": ring, "threads": torch.get_num_threads(),
-                                   "tokens_equal": toks["stock"] == toks["tiered"], "torch": torch.__version__}]
+                                   "tokens_equal": all(t == next(iter(toks.values())) for t in toks.values()),
+                                   "torch": torch.__version__}]
     rows[0]["smaps_rollup"] = Path("/proc/self/smaps_rollup").read_text().split("\n", 1)[1]
-    rows[0]["tokens_equal_copy"] = toks.get("tiered-copy", toks["stock"]) == toks["stock"]
     times: dict[str, list[float]] = {k: [] for k in models}
     for r in range(a.rounds):
         order = list(models) if r % 2 == 0 else list(models)[::-1]
@@ -157,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             times[k].append(_decode(models[k], ids, a.tokens)[0])
     for k, v in times.items():
         rows.append({"kind": "decode", "model": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)})
-    rows += _weights_bench(models, ids, max(5, a.rounds))
+    if a.weights:
+        rows += _weights_bench(models, ids, max(5, a.rounds))
     before = _thread_cpu()
-    _decode(models["tiered"], ids, a.tokens)
+    _decode(models.get("tiered", next(iter(models.values()))), ids, a.tokens)
     after = _thread_cpu()
     rows.append({"kind": "thread_cpu_tiered_generate", **{k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
                                                           if v - before.get(k, 0.0) > 0}})
@@ -175,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for k in models:
-        if k != "stock":
+        if k.startswith("tiered"):
             models[k].close()
     return 0
 

@@ -38,6 +38,9 @@ SHARED_BUILDERS = {
     "falcon_h1_one_layer": (models.falcon_h1, {"layers": 1}),
     # experts on a child module, flat (E * F, H) rows per expert (tests/test_experts.py; not in the placement golden)
     "dbrx": (models.dbrx, {}),
+    # experts called with no router ids, every expert run on score-scaled input (tests/test_experts.py)
+    "llama4": (models.llama4, {}),
+    "llama4_top2": (models.llama4, {"top_k": 2}),
 }
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "mixtral",
     "qwen2_moe",
     "dbrx",
+    "llama4",
     "llava",
     "custom_code",
     "BUILDERS",
@@ -339,6 +340,18 @@ def dbrx(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
     )
     return save_model(transformers.DbrxForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def llama4(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "60KB", seed: int = 16,
+           top_k: int = 1) -> Path:
+    """Llama 4's text model: its experts module (``Llama4TextExperts``, stacked ``gate_up_proj`` ``(E, H, 2F)`` and
+    ``down_proj`` ``(E, F, H)``) is called with no router ids and runs all ``E`` experts on score-scaled copies of the
+    tokens (zero for the experts not picked). Two MoE layers of 4 experts, ``top_k`` picked per token."""
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=top_k,
+        interleave_moe_layer_step=1, max_position_embeddings=128, attention_chunk_size=64, tie_word_embeddings=False)
+    return save_model(transformers.Llama4ForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def llava(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = None, seed: int = 13) -> Path:

@@ -367,6 +367,29 @@ def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> Non
             assert all(is_placeholder(p) for p in eg.spec.module.parameters(recurse=False))
 
 
+@pytest.mark.parametrize("name", ["llama4", "llama4_top2", "dbrx"])
+@pytest.mark.parametrize("cache", [None, 1.0])
+def test_routed_experts_of_their_own_kind_on_cuda(name: str, cache: float | None, ckpts: Checkpoints) -> None:
+    """Experts modules tiered routes by their own rules (tiered/expert_spec.py): Llama 4's, which run every expert
+    on score-scaled input (the picked ones read into full ``(E, ...)`` device tensors, the rest zero), and DBRX's
+    flat ``(E * F, H)`` rows: stock's bits on the GPU for prefill and generate, with and without an expert cache."""
+    d = ckpts[name]
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0, expert_cache_gb=cache) as m, torch.no_grad():
+        s = tiered.stats(m)
+        assert s.expert_modules == 2 and s.resident_units == 0
+        assert all(eg.spec.dense == name.startswith("llama4") for eg in m._tiered.experts)
+        for _ in range(2):
+            assert torch.equal(m(_ids()).logits, want)
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
+        assert tiered.stats(m).snapshot()["experts_read"] > 0
+        for eg in m._tiered.experts:
+            assert all(is_placeholder(p) for p in eg.spec.owner.parameters(recurse=False))
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("policy", ["layer", "lru"])
 def test_expert_cache_on_cuda(name: str, policy: str, ckpts: Checkpoints, monkeypatch) -> None:

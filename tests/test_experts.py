@@ -732,3 +732,99 @@ def test_dbrx_inspect(ckpts):
     assert info["blocks"] == 2 and info["experts_per_block"] == 4
     assert info["expert_bytes"] == 3 * 32 * 64 * 2 and info["layout"] == "stacked"
     assert info["spans_per_expert"] == 3 and info["reads_per_expert"] == 3  # w1, v1, w2: F rows of each
+
+
+# ---------------------------------------------------------------------------------------------- Llama 4
+# transformers' Llama4TextExperts: called as experts(routed_in) with no router ids; its block (Llama4TextMoe) scales
+# a copy of every token by each expert's router score (sigmoid(-inf) = 0 for the experts not picked) and the module
+# runs all E experts (bmm over E). tiered reads only the experts with a nonzero input row, into full (E, ...) tensors
+# whose other slabs are zero (a ``dense`` spec).
+
+
+def _llama4(ckpts, name: str = "llama4"):
+    path = ckpts[name]
+    ref = STOCK(path)
+    return path, ref, ring_below_layer(ref)
+
+
+@pytest.mark.parametrize("name", ["llama4", "llama4_top2"])
+def test_llama4_routed_equal_to_stock(ckpts, name):
+    """Logits and greedy tokens bit for bit stock's, with top-1 and top-2 routing, the experts read per call (a
+    prompt of 12 tokens in 2 rows picks most experts; decode steps one or two per block) and left unbound."""
+    path, ref, ring = _llama4(ckpts, name)
+    layer = max(sum(p.numel() * p.element_size() for p in lay.parameters()) for lay in ref.model.layers)
+    assert ring * 2**30 < layer  # a MoE layer does not fit the ring
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        specs = tiered.stats(m).placement.specs
+        assert [sp.module for sp in specs] == [lay.feed_forward.experts for lay in m.model.layers]
+        assert all(sp.dense and sp.num_experts == 4 for sp in specs)
+        for k in range(3):
+            ids = make_ids(60 + k, (2, 6))
+            assert torch.equal(m(ids).logits, ref(ids).logits)
+            assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
+                               ref.generate(ids, max_new_tokens=4, do_sample=False))
+        for lay in m.model.layers:
+            ex = lay.feed_forward.experts
+            assert is_placeholder(ex.gate_up_proj) and is_placeholder(ex.down_proj) and ex.num_experts == 4
+        s = tiered.stats(m).snapshot()
+        assert s["experts_read"] > 0 and s["expert_bytes"] > 0
+
+
+def test_llama4_one_token_reads_only_picked_experts(ckpts):
+    """A decode step of one token reads top-2 of 4 experts per block (their input rows are the nonzero ones)."""
+    path, ref, ring = _llama4(ckpts, "llama4_top2")
+    ids = make_ids(61, (1, 6))
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        sp = tiered.stats(m).placement.specs[0]
+        got = m(ids[:, :5], use_cache=True)
+        want = ref(ids[:, :5], use_cache=True)
+        assert torch.equal(got.logits, want.logits)
+        before = tiered.stats(m).snapshot()
+        step = m(ids[:, 5:], past_key_values=got.past_key_values, use_cache=True)
+        after = tiered.stats(m).snapshot()
+        assert torch.equal(step.logits, ref(ids[:, 5:], past_key_values=want.past_key_values, use_cache=True).logits)
+        assert after["experts_read"] - before["experts_read"] == 2 * 2  # top-2, 2 blocks
+        assert after["expert_bytes"] - before["expert_bytes"] == 4 * sp.expert_src_bytes == 4 * (64 * 64 + 32 * 64) * 2
+
+
+def test_llama4_direct_call_equal_to_stock(ckpts):
+    """The experts module called alone: blocks of zero rows (some, all, none), -0.0, NaN and inf rows, and an input
+    that is not E equal blocks: stock's module's result (NaN where stock's is) or the same exception."""
+    path, ref, ring = _llama4(ckpts)
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        E, R = m.model.layers[1].feed_forward.experts, ref.model.layers[1].feed_forward.experts
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(4 * 3, 64, generator=g).to(torch.bfloat16)
+        cases = {"all": x}
+        for name, zero in (("one", [0, 2, 3]), ("two", [1, 3]), ("none", [0, 1, 2, 3])):
+            c = x.clone().view(4, 3, 64)
+            c[zero] = 0
+            cases[name] = c.view(12, 64)
+        c = cases["one"].clone()
+        c[:3] = -0.0  # expert 0's rows: negative zeros, as x * 0 gives for x < 0
+        cases["neg_zero"] = c
+        for bad in (float("nan"), float("inf")):
+            c = cases["one"].clone()
+            c[4, 5] = bad  # expert 1's block gets one non-finite element
+            cases[str(bad)] = c
+        for name, c in cases.items():
+            want, got = R(c), E(c)
+            assert torch.equal(want.isnan(), got.isnan()), name
+            assert torch.equal(want.nan_to_num(), got.nan_to_num()), name
+        _same(lambda: R(x[:10]), lambda: E(x[:10]))  # 10 rows: not 4 equal blocks, stock's view raises
+        assert is_placeholder(E.gate_up_proj) and not any(eg.lock.locked() for eg in m._tiered.experts)
+
+
+def test_llama4_expert_cache_and_host_tier(ckpts):
+    """``expert_cache_gb`` and ``host_gb``: experts served from the cache or the host tier land in their own slab of
+    the full tensors, with stock's bits."""
+    path, ref, ring = _llama4(ckpts, "llama4_top2")
+    for kw in ({"expert_cache_gb": 1.0}, {"host_gb": 1.0}):
+        with tiered.load(path, ring_gb=ring, device="cpu", **kw) as m:
+            for k in range(2):
+                ids = make_ids(70 + k, (2, 5))
+                assert torch.equal(m(ids).logits, ref(ids).logits)
+                assert torch.equal(m.generate(ids, max_new_tokens=3, do_sample=False),
+                                   ref.generate(ids, max_new_tokens=3, do_sample=False))
+            s = tiered.stats(m)
+            assert (s.expert_cache_hits > 0) if "expert_cache_gb" in kw else (s.host_expert_modules == 2)

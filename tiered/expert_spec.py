@@ -5,6 +5,13 @@
 
 * the ``transformers`` classes decorated with ``use_experts_implementation`` (``MixtralExperts``, ...): stacked
   ``(E, ...)`` parameters on the experts module itself, expert ``j`` at ``[j]``;
+* Llama 4's ``Llama4TextExperts`` (``transformers.models.llama4.modeling_llama4``, that class exactly): stacked
+  ``gate_up_proj`` ``(E, H, 2F)`` and ``down_proj`` ``(E, F, H)``, called with no router ids: its block
+  (``Llama4TextMoe``) scales a copy of every token by each expert's router score — ``sigmoid(-inf) = 0`` for the
+  experts not picked — and the module runs *every* expert on its ``(E * T, H)`` input (``bmm`` over ``E``). Routed
+  as a ``dense`` spec: an expert whose ``T`` input rows are all zero computes zeros whatever its (finite) weights,
+  so only the experts with a nonzero input row are read, into a full ``(E, ...)`` tensor whose other slabs are zero;
+  the module's own forward then runs the same ``bmm`` on the same shapes (:mod:`tiered.experts`);
 * DBRX's ``DbrxExperts`` (``transformers.models.dbrx.modeling_dbrx``, that class exactly): its parameters live on
   its child ``mlp`` (``DbrxExpertGLU``), flat ``(E * F, H)`` matrices ``w1``, ``v1``, ``w2`` (``F`` =
   ``ffn_hidden_size``); expert ``j`` is rows ``[jF, (j + 1)F)`` — its forward views each as ``(-1, F, H)`` and
@@ -76,6 +83,7 @@ class ExpertSpec:
     num_experts: int
     parts: list[ExpertPart] = field(default_factory=list)
     owner: nn.Module | None = None
+    dense: bool = False  # Llama 4: every expert runs on zero-scaled input, the picked ones read (module docstring)
 
     def __post_init__(self) -> None:
         if self.owner is None:
@@ -117,12 +125,31 @@ def _dbrx_owner(m: nn.Module) -> tuple[nn.Module, int] | None:
     return mlp, F
 
 
-def _experts_owner(m: nn.Module) -> tuple[nn.Module, int | None] | None:
+_LLAMA4 = "transformers.models.llama4.modeling_llama4"
+
+
+def _llama4_dense(m: nn.Module) -> bool:
+    """``m`` is exactly transformers' ``Llama4TextExperts`` (the forward read for the module docstring): stacked
+    ``gate_up_proj`` ``(E, H, 2F)`` and ``down_proj`` ``(E, F, H)`` on itself, no child holding parameters."""
+    if type(m).__module__ != _LLAMA4 or type(m).__name__ != "Llama4TextExperts" or foreign_forward(m):
+        return False
+    E, H = getattr(m, "num_experts", None), getattr(m, "hidden_size", None)
+    gu, dn = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    return (isinstance(E, int) and E > 0 and isinstance(H, int) and set(m._parameters) == {"gate_up_proj", "down_proj"}
+            and gu is not None and dn is not None and gu.dim() == 3 and dn.dim() == 3 and gu.shape[0] == E
+            and dn.shape[0] == E and gu.shape[1] == H and dn.shape[2] == H
+            and not any(sub._parameters or sub._buffers for sub in m.modules() if sub is not m))
+
+
+def _experts_owner(m: nn.Module) -> tuple[nn.Module, int | None, bool] | None:
     """Where ``m``'s experts lie if it is an experts module tiered can route: (the module holding the parameters,
-    ``rows``: None for stacked ``(E, ...)``, ``F`` for flat ``(E * F, ...)``); None otherwise."""
+    ``rows``: None for stacked ``(E, ...)``, ``F`` for flat ``(E * F, ...)``, ``dense``: Llama 4's); None otherwise."""
     if _is_experts_module(m):
-        return m, None
-    return _dbrx_owner(m)
+        return m, None, False
+    if _llama4_dense(m):
+        return m, None, True
+    found = _dbrx_owner(m)
+    return None if found is None else (*found, False)
 
 
 def _slices(tgt: Target, E: int, converted: set[str],
@@ -195,7 +222,7 @@ def find_experts(unit: Unit) -> list[ExpertSpec]:
         found = _experts_owner(m)
         if found is None or id(found[0]) not in by_module:
             continue
-        owner, rows = found
+        owner, rows, dense = found
         tgts = by_module[id(owner)]
         if {t.attr for t in tgts if t.is_param} != set(owner._parameters) or len(tgts) == len(unit.targets):
             continue  # every parameter must be a target here, and the unit must keep something
@@ -207,7 +234,7 @@ def find_experts(unit: Unit) -> list[ExpertSpec]:
             parts.append(ExpertPart(t, per, rows))
         else:
             specs.append(ExpertSpec(unit, m, f"{unit.name}.{name}" if name else unit.name, m.num_experts, parts,
-                                    owner))
+                                    owner, dense))
     return specs
 
 

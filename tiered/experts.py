@@ -40,10 +40,18 @@ host memory (pinned on CUDA), read once at load; step 2 is then a copy of the ro
 compute stream on CUDA, a memcpy on the CPU; ``Stats.experts_from_host``, ``host_expert_bytes``), with no read
 after the router.
 
+Llama 4 (``Llama4TextExperts``, a ``dense`` spec: :mod:`tiered.expert_spec`) is called with no router ids: its block
+has scaled a copy of every token by each expert's score, zero for the experts not picked, and the module runs all
+``E``. Step 1 is then the experts whose input rows are not all zero (one sync); step 2 reads them into full
+``(E, ...)`` tensors whose other slabs are zero; step 3 binds those, ``num_experts`` and the input unchanged. The
+module runs stock's ``bmm`` on stock's shapes; an expert not picked multiplies zero input by zero weights instead of
+its own, which gives the same zeros for any finite weights (a checkpoint with an inf or NaN weight in an expert not
+picked gives NaN in stock and not here: the one difference). Memory per call: every expert's bytes, as when the unit
+is read whole; the reads: only the picked experts'.
+
 Not routed (the experts stay in their unit, read whole): a parameter assembled by a conversion that is not
 a stack/concatenate placed per expert, a per-expert piece that is not contiguous, or a module without the
-``use_experts_implementation`` attributes that is not transformers' ``DbrxExperts`` either (Llama 4's
-``Llama4TextExperts``, called with no router ids, is read whole).
+``use_experts_implementation`` attributes that is not transformers' ``DbrxExperts`` or ``Llama4TextExperts``.
 
 Threads: the experts are read and bound on the calling thread, inside the module's call; concurrent calls
 of one experts module are serialised by its lock, released however the call ends (``KeyboardInterrupt``
@@ -193,8 +201,9 @@ class ExpertGather:
     def _pairs(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> list[tuple[TensorInfo, torch.Tensor]]:
         return expert_pairs(self.spec, todo, out)
 
-    def read(self, ids: list[int]) -> list[torch.Tensor]:
-        """Experts ``ids`` (sorted, distinct, in range) of every part, as ``(len(ids), ...)`` tensors on the device.
+    def read(self, ids: list[int], *, full: bool = False) -> list[torch.Tensor]:
+        """Experts ``ids`` (sorted, distinct, in range) of every part, as ``(len(ids), ...)`` tensors on the device;
+        ``full``: as ``(E, ...)`` tensors, expert ``j`` at ``[j]`` and every other slab zero (a ``dense`` spec).
 
         Raises:
             ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
@@ -204,19 +213,22 @@ class ExpertGather:
                 self.reader.maps[f].check()
         parts = self.spec.parts
         U = len(ids)
-        out = [torch.empty((U, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
+        rows = list(ids) if full else list(range(U))  # where expert ids[u] lands
+        shape0 = self.spec.num_experts if full else U
+        alloc = torch.zeros if full else torch.empty
+        out = [alloc((shape0, *p.slab_shape), dtype=p.target.dtype, device=self.device) for p in parts]
         cache = self.cache
-        todo = list(enumerate(ids))
+        todo = list(zip(rows, ids, strict=True))
         if cache is None:
             self._read_into(todo, out)
         else:
             with self.cache_lock:  # one call at a time across the model's experts modules (they share the slots)
                 slots = cache.lookup(self.block, ids)
-                for u, s in enumerate(slots):  # hits: device to device, on the current stream
+                for u, s in zip(rows, slots, strict=True):  # hits: device to device, on the current stream
                     if s is not None:
                         for p, off, t in zip(parts, self.slot_offsets, out, strict=True):
                             t[u].copy_(cache.view(s, off, p.slab_shape, p.target.dtype))
-                todo = [(u, j) for u, (j, s) in enumerate(zip(ids, slots, strict=True)) if s is None]
+                todo = [(u, j) for u, j, s in zip(rows, ids, slots, strict=True) if s is None]
                 self.stats.add_expert_cache(U - len(todo), len(todo))
                 self._read_into(todo, out)
                 keep = {s for s in slots if s is not None}
@@ -291,9 +303,12 @@ class ExpertGather:
         """Read the routed experts, bind them (on ``spec.owner``, each part in its layout: ``ExpertPart.bound``), set
         ``spec.module.num_experts`` and renumber ``top_k_index`` (``CallGuard``: the module's lock is held and
         :meth:`restore` follows whatever happens)."""
-        module, owner = self.spec.module, self.spec.owner
+        module = self.spec.module
         if self.closed:
             raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
+        if self.spec.dense:
+            self._bind_parts(self.read(self._dense_ids(args, kwargs), full=True))
+            return args, kwargs
         if len(args) >= 2:
             idx, where = args[1], ("args", 1)
         else:
@@ -320,7 +335,17 @@ class ExpertGather:
             uniq = torch.zeros(1, dtype=torch.int64)
             u_dev = torch.zeros(1, dtype=torch.int64, device=idx.device)
         new_idx = torch.searchsorted(u_dev, idx.contiguous().to(torch.int64)).to(idx.dtype)
-        tensors = self.read(uniq.tolist())
+        self._bind_parts(self.read(uniq.tolist()))
+        module.num_experts = n or 1
+        if where[0] == "args":
+            args = (*args[:1], new_idx, *args[2:])
+        else:
+            kwargs = {**kwargs, where[1]: new_idx}
+        return args, kwargs
+
+    def _bind_parts(self, tensors: list[torch.Tensor]) -> None:
+        """Bind each part's tensor on ``spec.owner`` in its layout (``ExpertPart.bound``), with stock's flags."""
+        owner = self.spec.owner
         for p, t in zip(self.spec.parts, tensors, strict=True):
             t = p.bound(t)
             if p.target.is_param:
@@ -329,12 +354,19 @@ class ExpertGather:
                     if t.is_floating_point() else t
             else:
                 owner._buffers[p.target.attr] = t
-        module.num_experts = n or 1
-        if where[0] == "args":
-            args = (*args[:1], new_idx, *args[2:])
-        else:
-            kwargs = {**kwargs, where[1]: new_idx}
-        return args, kwargs
+
+    def _dense_ids(self, args: tuple, kwargs: dict) -> list[int]:
+        """A ``dense`` spec (Llama 4's ``Llama4TextExperts``, called as ``experts(hidden_states)`` with the
+        ``(E * T, H)`` input its block scaled by each expert's router score): the experts ``j`` whose ``T`` input rows
+        are not all zero (NaN counts as nonzero), sorted — the one sync. The others compute zeros from zero input with
+        any finite weights, so their slabs stay zero (:mod:`tiered.expert_spec`). An input that is no tensor or not
+        ``E`` equal blocks reads every expert (the module's own forward then raises as stock's does)."""
+        x = args[0] if args else kwargs.get("hidden_states")
+        E = self.spec.num_experts
+        if not isinstance(x, torch.Tensor) or x.numel() % E:
+            return list(range(E))
+        hit = x.detach().reshape(E, -1).ne(0).any(dim=1)
+        return torch.nonzero(hit).reshape(-1).tolist()
 
     def restore(self) -> None:
         """Put the placeholders and ``num_experts`` back (idempotent; ``CallGuard`` calls it after every call)."""
