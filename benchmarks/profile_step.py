@@ -122,6 +122,20 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _cloned(model: Any) -> Any:
+    """A probe, not a mode of tiered: every bound (resident) parameter replaced by a ``torch`` allocation holding the
+    same bytes (as stock's ``from_pretrained`` leaves them), so that a gap that stays is not where the weights live."""
+    import torch
+
+    from tiered.placeholder import is_placeholder
+
+    for mod in model.modules():
+        for k, p in list(mod._parameters.items()):
+            if p is not None and not is_placeholder(p):
+                mod._parameters[k] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
@@ -134,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip evicting and re-reading the shards first (benchmarks/run.py warm_page_cache)")
     p.add_argument("--weights", action="store_true", help="also time each model's linear weights alone (resident models)")
     p.add_argument("--models", default="stock,tiered",
-                   help="comma list of: stock, tiered, tiered-copy (zero_copy=False), accelerate (disk offload with "
+                   help="comma list of: stock, tiered, tiered-copy (zero_copy=False), tiered-clone (resident weights cloned into "
+                        "torch allocations: a probe), accelerate (disk offload with "
                         "max_memory={'cpu': --cpu-gb}); the first is the reference for tokens_equal")
     p.add_argument("--cpu-gb", type=float, default=None, help="accelerate's max_memory['cpu'] (default: the ring)")
     p.add_argument("--out", type=Path, default=None)
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "stock": lambda: AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="auto").eval(),
         "tiered": lambda: tiered.load(a.model_dir, ring_gb=ring, device="cpu"),
         "tiered-copy": lambda: tiered.load(a.model_dir, ring_gb=ring, device="cpu", zero_copy=False),
+        "tiered-clone": lambda: _cloned(tiered.load(a.model_dir, ring_gb=ring, device="cpu")),
         "accelerate": lambda: AutoModelForCausalLM.from_pretrained(
             a.model_dir, dtype="auto", device_map="auto", offload_folder=str(a.model_dir / "offload-profile"),
             max_memory={"cpu": f"{a.cpu_gb if a.cpu_gb is not None else ring}GiB"}).eval(),
