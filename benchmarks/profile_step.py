@@ -52,6 +52,30 @@ def _decode(model: Any, ids: Any, tokens: int) -> tuple[float, list[int]]:
     return statistics.median(steps), out[0, ids.shape[1]:].tolist()
 
 
+def _steps(models: dict[str, Any], ids: Any, n: int) -> list[dict[str, Any]]:
+    """One-token decode steps after the prompt, ``n`` per model, alternating models step by step (so a noisy
+    neighbour slows both alike): each model's KV cache is cropped back to the prompt after every step."""
+    import torch
+
+    state = {}
+    with torch.no_grad():
+        for k, m in models.items():
+            out = m(ids, use_cache=True)
+            state[k] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+        t: dict[str, list[float]] = {k: [] for k in models}
+        for r in range(n):
+            for k in (list(models) if r % 2 == 0 else list(models)[::-1]):
+                pkv, tok = state[k]
+                t0 = time.perf_counter()
+                models[k](tok, past_key_values=pkv, use_cache=True)
+                t[k].append(time.perf_counter() - t0)
+                pkv.crop(ids.shape[1])
+    first = next(iter(models))
+    return [{"kind": "steps", "model": k, "n": n, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
+             "p25_s": statistics.quantiles(v, n=4)[0], "p75_s": statistics.quantiles(v, n=4)[2],
+             "ratio_to_first": statistics.median(v) / statistics.median(t[first])} for k, v in t.items()]
+
+
 def _profile(model: Any, ids: Any, tokens: int, top: int) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -144,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--steps", type=int, default=0, help="also this many one-token decode steps per model, alternating")
     p.add_argument("--no-rewarm", action="store_true",
                    help="skip evicting and re-reading the shards first (benchmarks/run.py warm_page_cache)")
     p.add_argument("--weights", action="store_true", help="also time each model's linear weights alone (resident models)")
@@ -189,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             times[k].append(_decode(models[k], ids, a.tokens)[0])
     for k, v in times.items():
         rows.append({"kind": "decode", "model": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)})
+    if a.steps:
+        rows += _steps(models, ids, a.steps)
     if a.weights:
         rows += _weights_bench(models, ids, max(5, a.rounds))
     before = _thread_cpu()

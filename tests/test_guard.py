@@ -362,3 +362,19 @@ def test_guard_deepcopy_refuses_cleanly(mix, stock, ring_rows):
             assert isinstance(out["err"], tiered.StreamedTensorError) and "load the directory again" in str(out["err"])
         assert_clean(m)
         assert torch.equal(m(ids).logits, want)
+
+
+def test_pickle_is_refused_with_advice(mix, ring_rows):
+    """``pickle.dumps`` and ``torch.save`` of a loaded model raise StreamedTensorError with advice that works (before
+    the fix: pickle's "not the same object" error about the class tiered derives), and leave it usable."""
+    import io
+    import pickle
+
+    ids = make_ids(14)
+    with load_mix(mix, ring_rows) as m, torch.no_grad():
+        want = m(ids).logits
+        for dump in (pickle.dumps, lambda obj: torch.save(obj, io.BytesIO())):
+            with pytest.raises(tiered.StreamedTensorError, match="pass the checkpoint directory"):
+                dump(m)
+        assert_clean(m)
+        assert torch.equal(m(ids).logits, want)

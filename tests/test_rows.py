@@ -106,6 +106,23 @@ def test_out_of_range_id_raises_like_stock(ckpts):
             assert torch.equal(model(ids).logits, ref(ids).logits)  # the next call is fine
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.bool])
+def test_ids_of_another_integer_dtype_raise_like_stock(ckpts, dtype):
+    """int8, uint8, int16 and bool ids: stock's ``F.embedding`` raises its RuntimeError naming the dtypes it takes;
+    a row embedding raises the same (before the fix: a TypeError of tiered's own)."""
+    path = ckpts["llama_fp32"]
+    ref = _ref(path)
+    ids = torch.tensor([[1, 0, 1]]).to(dtype)
+    with pytest.raises(Exception) as want:
+        ref(ids)
+    with tiered.load(path, ring_gb=_ring_without_embedding(path), device="cpu") as model:
+        assert tiered.stats(model).row_units == 1
+        with pytest.raises(Exception) as got:
+            model(ids)
+        assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+        assert is_placeholder(model.model.embed_tokens.weight)
+
+
 def test_direct_calls_from_threads_and_after_close(ckpts):
     path = ckpts["llama_fp32"]
     ref = _ref(path)

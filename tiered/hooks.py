@@ -74,6 +74,14 @@ class _TieredMixin:
         raise StreamedTensorError("tiered: a tiered model cannot be copied (copy.deepcopy): it streams its weights "
                                   "through this model's ring; load the directory again for a second model")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused (``pickle``, ``torch.save(model)``, ``multiprocessing``): the weights are this model's files and
+        ring, not part of the object; without this, pickle fails on the class tiered derives for the model."""
+        raise StreamedTensorError(
+            "tiered: a tiered model cannot be pickled (pickle, torch.save(model), multiprocessing): its weights stream "
+            "from its checkpoint through this process's ring; pass the checkpoint directory instead and tiered.load "
+            "it where it is needed")
+
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         """Refused before anything is written: a tiered model's weights are its checkpoint's files."""
         raise StreamedTensorError(

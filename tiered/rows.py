@@ -47,6 +47,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .binding import follow_requires_grad
@@ -200,6 +201,9 @@ class RowGather:
                                                                 self.placeholder)
             return args, kwargs
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            # stock's own error for these ids (F.embedding's: a RuntimeError naming the dtypes it takes, or a
+            # TypeError for a non-tensor), raised by the same check on a one-element table
+            F.embedding(ids, torch.zeros((1, 1), dtype=self.target.dtype))
             raise TypeError(f"{type(module).__name__}: expected integer ids (LongTensor/IntTensor), got "
                             f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
         flat = ids.reshape(-1).to("cpu", torch.int64)
