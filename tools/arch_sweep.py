@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Architecture sweep: every transformers (5.17) model class with a tiny config, stock vs ``tiered`` streamed.
 
-For each model class (``*ForCausalLM`` from transformers' causal-LM auto mapping; optionally encoders ``*Model``):
+For each model class (``*ForCausalLM`` from transformers' causal-LM auto mapping; optionally encoders ``*Model`` and
+encoder-decoders ``*ForConditionalGeneration`` from the seq2seq mapping, run with ``decoder_input_ids``):
 build a tiny config from the config class defaults (sizes shrunk, sub-configs too), create the model with a fixed
 seed, randomize every parameter (``tests/models.py`` ``randomize_``), cast to bf16, ``save_pretrained`` it, load
 stock ``from_pretrained`` and ``tiered.load(..., device="cpu")`` streamed (a ring that holds the largest unit but
-not the whole model; for MoE models also a ring below one MoE layer, so the experts are routed), run a forward on
-fixed ids (and ``generate`` 4 greedy tokens for causal LMs) and compare every output tensor with ``torch.equal``.
+not the whole model; for MoE models also a ring below one MoE layer, so the experts are routed; for the others a
+ring of 0.6 x the largest unit, where a ``RingTooSmallError`` at load — the placement's, before any weight is read —
+is the run's accepted outcome ``refused``), run a forward on fixed ids (and ``generate`` 4 greedy tokens for causal
+LMs) and compare every output tensor with ``torch.equal``.
 
 Each model runs in a worker process with a timeout (a crash or hang of one model kills only its worker, which is
 started again for the remaining models); ``--fresh`` starts one process per model. One JSON line per class:
@@ -353,15 +356,17 @@ def run_one(model_type: str, class_name: str, kind: str, workdir: Path) -> dict:
     except Exception as e:
         rec.update(status="skipped", reason=f"could not build tiny config ({_err(e)})")
         return rec
-    is_lm = kind == "causal"
+    is_lm = kind in ("causal", "seq2seq")
     vocab = getattr(cfg.get_text_config(), "vocab_size", None) or VOCAB
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, max(4, min(VOCAB, vocab) - 3), (2, 7), generator=g)
     mask = torch.ones_like(ids)
 
+    extra = {"decoder_input_ids": ids[:, :4]} if kind == "seq2seq" else {}
+
     def forward(m):
         with torch.no_grad():
-            return {k: v.detach().clone() for k, v in _tensors(m(input_ids=ids, attention_mask=mask)).items()}
+            return {k: v.detach().clone() for k, v in _tensors(m(input_ids=ids, attention_mask=mask, **extra)).items()}
 
     def gen(m):
         with torch.no_grad():
@@ -422,6 +427,8 @@ def run_one(model_type: str, class_name: str, kind: str, workdir: Path) -> dict:
             if below is not None:
                 rings.append(("below_moe_layer", below))
             rec["largest_unit_bytes"] = probe._tiered.plan.max_unit.nbytes
+            if below is None:  # the done-when of issue 22: below the largest unit it streams equal or is refused
+                rings.append(("below_largest_unit", _page(int(0.6 * rec["largest_unit_bytes"])) / GiB))
             rec["model_bytes"] = sum(u.nbytes for u in probe._tiered.plan.units)
         finally:
             probe.close()
@@ -440,6 +447,9 @@ def run_one(model_type: str, class_name: str, kind: str, workdir: Path) -> dict:
         try:
             m = tiered.load(d, device="cpu", ring_gb=ring)
         except Exception as e:
+            if label == "below_largest_unit" and isinstance(e, tiered.RingTooSmallError):
+                run.update(status="refused", reason=_err(e))  # at placement, before any weight is read
+                continue
             run.update(status="tiered_error", phase="load", reason=_err(e), traceback=traceback.format_exc()[-2500:])
             status = "tiered_error" if status == "equal" else status
             continue
@@ -541,6 +551,13 @@ def enumerate_jobs(kinds: list[str]) -> list[tuple[str, str, str]]:
             if name not in seen:
                 seen.add(name)
                 jobs.append((mt, name, "causal"))
+    if "seq2seq" in kinds:
+        for mt, name in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items():
+            if isinstance(name, (list, tuple)):
+                name = name[0]
+            if name not in seen:
+                seen.add(name)
+                jobs.append((mt, name, "seq2seq"))
     if "encoder" in kinds:
         enc = set()
         for mapping in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",):
@@ -658,7 +675,10 @@ def summarize(results: list[dict]) -> str:
     from collections import Counter
 
     c = Counter(r["status"] for r in results)
-    lines = ["", "counts: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())), "",
+    below = Counter(run.get("status") for r in results for run in r.get("runs", []) or []
+                    if run.get("ring") in ("below_moe_layer", "below_largest_unit"))
+    lines = ["", "counts: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())),
+             "below the largest unit: " + ", ".join(f"{k} {v}" for k, v in sorted(below.items(), key=str)), "",
              f"| {'class':<40} | {'status':<12} | units | streamed | ring GiB | routed | note",
              f"|{'-' * 42}|{'-' * 14}|-------|----------|----------|--------|------"]
     for r in results:
@@ -666,6 +686,8 @@ def summarize(results: list[dict]) -> str:
         for run in r.get("runs", []) or []:
             if run.get("ring") == "below_moe_layer":
                 routed = f"{run.get('expert_modules')} ({run.get('status')})"
+            elif run.get("ring") == "below_largest_unit":
+                routed = f"below: {run.get('status')}"
         ring = r.get("ring_gb")
         note = "" if r["status"] == "equal" else str(r.get("reason", ""))[:110]
         lines.append(f"| {r['class']:<40} | {r['status']:<12} | {str(r.get('units', '')):>5} | "
@@ -678,7 +700,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated model types or class names")
     ap.add_argument("--skip", help="comma-separated model types or class names to leave out")
     ap.add_argument("--limit", type=int, help="at most this many classes (after ordering)")
-    ap.add_argument("--kinds", default="causal", help="causal, encoder, or both (comma-separated)")
+    ap.add_argument("--kinds", default="causal", help="causal, encoder, seq2seq (comma-separated)")
     ap.add_argument("--priority-first", action="store_true", help="popular decoder architectures first")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
     ap.add_argument("--budget-min", type=float, default=60.0, help="wall-time budget of the whole sweep (minutes)")
