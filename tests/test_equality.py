@@ -870,3 +870,49 @@ def test_custom_code_with_trust_remote_code_matches_from_pretrained(ckpts: Check
             assert type(ref).__name__ in [c.__name__ for c in type(m).__mro__]
             assert torch.equal(logits_of(m, ids), want)
             assert torch.equal(greedy(m, ids), greedy(ref, ids))
+
+
+def test_parameters_the_checkpoint_never_holds_are_computed_as_stock(tmp_path: Path) -> None:
+    """Marian never saves its sinusoidal position tables (``_keys_to_ignore_on_save``); ``from_pretrained`` computes
+    them with ``_init_weights``. tiered computes them the same way (deterministic: checked by two runs), resident on
+    the model's device, with stock's ``requires_grad``; logits and greedy tokens bit for bit stock's, streamed.
+    Before the fix: MissingTensorError."""
+    cfg = transformers.MarianConfig(vocab_size=models.VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                    decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+                                    decoder_start_token_id=0, eos_token_id=1)
+    d = models.save_model(transformers.MarianMTModel(cfg), tmp_path / "marian", seed=5, dtype=torch.bfloat16,
+                          max_shard_size="20KB")
+    assert not any("embed_positions" in k for k in models.checkpoint_keys(d))
+    ref = STOCK(d, auto=transformers.MarianMTModel)
+    ids = make_ids(3, (2, 9))
+    dec = ids[:, :4]
+    with stream(d) as m, torch.no_grad():
+        for side in ("encoder", "decoder"):
+            got, want = (getattr(x.model, side).embed_positions.weight for x in (m, ref))
+            assert not is_placeholder(got) and torch.equal(got, want) and got.requires_grad == want.requires_grad
+            assert got.abs().sum() > 0
+        assert torch.equal(m(input_ids=ids, decoder_input_ids=dec).logits, ref(input_ids=ids, decoder_input_ids=dec).logits)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
+                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_a_random_init_of_a_missing_parameter_is_still_refused() -> None:
+    """A key the model lists as never saved but initializes at random cannot be computed as stock would compute it
+    (stock's own value is random): not regenerated, so the load reports it missing."""
+    from tiered.meta import regenerate_param
+
+    class _Random(nn.Module):
+        _keys_to_ignore_on_save = [r"table\.weight"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(8, 4, device="meta")
+
+        def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight)
+
+    m = _Random()
+    assert not regenerate_param(m, "table.weight", m.table, "weight")
+    assert m.table.weight.device.type == "meta"

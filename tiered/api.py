@@ -63,10 +63,15 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers computed at build, and parameters computed because the checkpoint never holds them
+    (:func:`tiered.meta.regenerate_param`), to ``device``; streamed tensors are still on ``meta`` here."""
     for m in module.modules():
         for name, b in m._buffers.items():
             if b is not None and b.device.type != "meta" and b.device != device:
                 m._buffers[name] = b.to(device)
+        for name, p in m._parameters.items():
+            if p is not None and p.device.type != "meta" and p.device != device:
+                m._parameters[name] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
 
 
 def _warn_unused(module: nn.Module, plan: Plan, ckpt: Checkpoint) -> None:

@@ -34,7 +34,8 @@ from torch import nn
 from .errors import ConfigError
 from .format import check_model_dir, checkpoint_dtype
 
-__all__ = ["build_meta_model", "meta_model_from_dir", "materialize_meta_buffers", "parse_dtype", "apply_dtype_plan",
+__all__ = ["build_meta_model", "meta_model_from_dir", "materialize_meta_buffers", "regenerate_param", "parse_dtype",
+           "apply_dtype_plan",
            "DTYPE_NAMES", "read_config", "model_class_for", "default_dtype", "load_generation_config"]
 
 _BUILD_LOCK = threading.Lock()
@@ -119,6 +120,44 @@ def materialize_meta_buffers(module: nn.Module, skip: set[str] = frozenset()) ->
         m._buffers[b] = torch.empty_like(m._buffers[b], device="cpu")
         m._is_hf_initialized = False  # post_init marked it done; from_pretrained redoes it
     init()
+
+
+def regenerate_param(model: nn.Module, key: str, owner: nn.Module, attr: str) -> bool:
+    """A parameter the checkpoint does not hold, computed as ``from_pretrained`` computes it, when that is exact.
+
+    ``from_pretrained`` initializes missing keys with the model's ``_init_weights``; a model lists the ones it never
+    saves and always recomputes in ``_keys_to_ignore_on_save`` / ``_keys_to_ignore_on_load_missing`` (regexes, as
+    transformers matches them): Marian's sinusoidal position tables, for example. For such a ``key`` (the parameter
+    ``attr`` of ``owner``, on ``meta``), ``model._init_weights(owner)`` runs twice into real CPU memory of the
+    parameter's dtype; when both runs give the same bits it is deterministic, and the parameter keeps that value
+    (``requires_grad`` as ``from_pretrained`` sets it on a missing key: floating point; moved to the device with the
+    buffers). Returns False, leaving it on ``meta``, for any
+    other key, for a model without ``_init_weights``, or for a random init (the caller then reports it missing).
+    """
+    import re
+
+    pats = [*(getattr(model, "_keys_to_ignore_on_save", None) or []),
+            *(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    init = getattr(model, "_init_weights", None)
+    ph = owner._parameters.get(attr)
+    if ph is None or not callable(init) or not any(re.search(p, key) for p in pats):
+        return False
+    runs = []
+    for fill in (0.0, 1.0):  # two runs from two different starting contents: the init must write every element
+        # requires_grad as from_pretrained gives a missing key (_load_parameter_into_model: floating point -> True)
+        owner._parameters[attr] = nn.Parameter(torch.full(ph.shape, fill, dtype=ph.dtype),
+                                               requires_grad=ph.dtype.is_floating_point)
+        try:
+            with torch.no_grad():
+                init(owner)
+        except Exception:  # noqa: BLE001 - an init that cannot run here: reported missing, as before
+            owner._parameters[attr] = ph
+            return False
+        runs.append(owner._parameters[attr].detach().clone())
+    if not torch.equal(runs[0], runs[1]):
+        owner._parameters[attr] = ph
+        return False
+    return True
 
 
 def build_meta_model(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:

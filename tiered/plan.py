@@ -28,6 +28,7 @@ from torch import nn
 from .chunks import chunk_sources
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
+from .meta import regenerate_param
 from .units import find_unit_roots, layer_index, weight_readers
 
 __all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots", "layer_index"]
@@ -420,7 +421,8 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
         if key in unavailable and key not in direct:
             raise unavailable[key]
         if src_key is None:
-            missing.append(key)
+            if not (is_param and regenerate_param(model, key, mod, attr)):  # Marian's sinusoidal positions
+                missing.append(key)
             continue
         tgt = Target(key, mod, attr, is_param, tuple(ref.shape), ref.dtype)
         if src_key in direct:
