@@ -29,6 +29,7 @@ __all__ = [
     "qwen2_moe",
     "dbrx",
     "llama4",
+    "marian",
     "llava",
     "custom_code",
     "BUILDERS",
@@ -352,6 +353,16 @@ def llama4(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: s
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=top_k,
         interleave_moe_layer_step=1, max_position_embeddings=128, attention_chunk_size=64, tie_word_embeddings=False)
     return save_model(transformers.Llama4ForCausalLM(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def marian(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = "20KB", seed: int = 5) -> Path:
+    """Marian (an encoder-decoder): its sinusoidal position tables are parameters it never saves
+    (``_keys_to_ignore_on_save``) and ``from_pretrained`` computes with ``_init_weights``."""
+    cfg = transformers.MarianConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                    decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+                                    decoder_start_token_id=0, eos_token_id=1)
+    return save_model(transformers.MarianMTModel(cfg), path, seed=seed, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def llava(path: Path, *, dtype: torch.dtype = torch.bfloat16, max_shard_size: str | None = None, seed: int = 13) -> Path:

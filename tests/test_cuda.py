@@ -367,6 +367,22 @@ def test_routed_experts_on_cuda(name: str, impl: str, ckpts: Checkpoints) -> Non
             assert all(is_placeholder(p) for p in eg.spec.module.parameters(recurse=False))
 
 
+def test_parameters_the_checkpoint_never_holds_on_cuda(ckpts: Checkpoints) -> None:
+    """Marian's sinusoidal position tables, computed at load (tiered.meta.regenerate_param), are moved to the GPU with
+    the buffers: stock's logits and tokens on CUDA, streamed."""
+    d = ckpts["marian"]
+    ref = _ref(d, auto=transformers.MarianMTModel)
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
+        want_gen = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    with tiered.load(d, device=DEV, ring_gb=0.002, gpu_gb=0) as m, torch.no_grad():
+        assert tiered.stats(m).resident_units == 0
+        assert m.model.encoder.embed_positions.weight.device.type == "cuda"
+        assert torch.equal(m(input_ids=ids, decoder_input_ids=ids[:, :4]).logits, want)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False), want_gen)
+
+
 @pytest.mark.parametrize("name", ["llama4", "llama4_top2", "dbrx"])
 @pytest.mark.parametrize("cache", [None, 1.0])
 def test_routed_experts_of_their_own_kind_on_cuda(name: str, cache: float | None, ckpts: Checkpoints) -> None:

@@ -872,17 +872,12 @@ def test_custom_code_with_trust_remote_code_matches_from_pretrained(ckpts: Check
             assert torch.equal(greedy(m, ids), greedy(ref, ids))
 
 
-def test_parameters_the_checkpoint_never_holds_are_computed_as_stock(tmp_path: Path) -> None:
+def test_parameters_the_checkpoint_never_holds_are_computed_as_stock(ckpts: Checkpoints) -> None:
     """Marian never saves its sinusoidal position tables (``_keys_to_ignore_on_save``); ``from_pretrained`` computes
     them with ``_init_weights``. tiered computes them the same way (deterministic: checked by two runs), resident on
     the model's device, with stock's ``requires_grad``; logits and greedy tokens bit for bit stock's, streamed.
     Before the fix: MissingTensorError."""
-    cfg = transformers.MarianConfig(vocab_size=models.VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-                                    decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
-                                    decoder_start_token_id=0, eos_token_id=1)
-    d = models.save_model(transformers.MarianMTModel(cfg), tmp_path / "marian", seed=5, dtype=torch.bfloat16,
-                          max_shard_size="20KB")
+    d = ckpts["marian"]
     assert not any("embed_positions" in k for k in models.checkpoint_keys(d))
     ref = STOCK(d, auto=transformers.MarianMTModel)
     ids = make_ids(3, (2, 9))
