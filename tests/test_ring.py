@@ -142,6 +142,108 @@ def test_ring_larger_than_available_memory_is_refused_before_allocation(tmp_path
     assert r.stdout.startswith("HostMemoryError") and "ring_gb <=" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
+def _machine_with(monkeypatch, avail: int):
+    """``tiered.load`` sees a host that has ``avail`` bytes available (a cgroup ``memory.max``), as
+    :func:`tiered.machine.gather` reports it."""
+    import tiered.api
+    from tiered.machine import Machine
+
+    fake = Machine(host_available=avail, host_where="cgroup /test memory.max")
+    monkeypatch.setattr(tiered.api, "gather", lambda dev=None, **kw: fake)
+    return fake
+
+
+def test_default_ring_fits_what_the_host_leaves(llama_ref, monkeypatch) -> None:
+    """``ring_gb`` not given: 4 GiB where the host can give it, else what the limit leaves after the headroom (here
+    0.7 GiB of a 1.2 GiB limit); the model loads and matches stock. A ring_gb given is taken as is (a hard limit:
+    more than the host has is refused, test_ring_larger_than_available_memory_is_refused_before_allocation). Before
+    the change: the default 4 GiB raised HostMemoryError on such a host."""
+    import tiered
+    from tiered import policy
+
+    d, want = llama_ref
+    avail = int(1.2 * GiB)
+    _machine_with(monkeypatch, avail)
+    with tiered.load(d, device="cpu") as m:
+        p = tiered.stats(m).placement
+        left = (avail - policy.headroom(False)) // PAGE_SIZE * PAGE_SIZE
+        assert p.ring_gb == left / GiB and p.ring_why.startswith("automatic") and "cgroup /test" in p.ring_why
+        assert m._tiered.opts.ring_gb == p.ring_gb
+        with torch.no_grad():
+            assert torch.equal(m(make_ids(0, (2, 10))).logits, want)
+    with tiered.load(d, device="cpu", ring_gb=0.5) as m:  # given: taken as is
+        assert tiered.stats(m).placement.ring_gb == 0.5 and tiered.stats(m).placement.ring_why.startswith("given")
+    _machine_with(monkeypatch, 64 * GiB)
+    with tiered.load(d, device="cpu") as m:
+        assert tiered.stats(m).placement.ring_gb == 4.0  # the default where the host has room
+
+
+def test_default_ring_loads_a_model_larger_than_the_host_leaves(tmp_path: Path, monkeypatch) -> None:
+    """A 2 GiB model of 256 MiB blocks on a host with 1.5 GiB available: the default ring (1 GiB: what is left after
+    the headroom) holds a block, so it loads and streams. Before the change: the default 4 GiB ring (capped at the
+    model's 2 GiB) raised HostMemoryError although ring_gb=1 runs."""
+    from torch import nn
+
+    import tiered
+
+    n, rows = 8, 8192  # 8 blocks of 8192 x 8192 fp32 = 256 MiB each, in a sparse file
+    block = rows * 8192 * 4
+    head = encode_header([(f"blocks.{i}.weight", torch.float32, (rows, 8192), block) for i in range(n)],
+                         {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + n * block)
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8192, rows, bias=False) for _ in range(n))
+
+    with torch.device("meta"):
+        mod = Blocks()
+    _machine_with(monkeypatch, int(1.5 * GiB))
+    m = tiered.attach(mod, tmp_path, device="cpu")
+    try:
+        p = tiered.stats(m).placement
+        assert p.ring_gb == 1.0 and len(p.streamed) == n and not p.resident
+    finally:
+        m.close()
+
+
+def test_default_ring_refusals_say_why(tmp_path: Path, monkeypatch) -> None:
+    """Where no ring would run, the default refuses before reading, and says the ring was chosen from the host's
+    memory: a 4 GiB layer with 2 GiB available (RingTooSmallError), and a host with no room left for any ring
+    (HostMemoryError)."""
+    from torch import nn
+
+    import tiered
+
+    half = 32768 * 16384 * 4  # blocks of two 2 GiB fp32 linears (not one linear: that would run in pieces)
+    tensors = [(f"blocks.{i}.{j}.weight", torch.float32, (16384, 32768) if j == 0 else (32768, 16384), half)
+               for i in range(2) for j in range(2)]
+    head = encode_header(tensors, {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
+        f.write(head)
+        f.truncate(len(head) + 4 * half)
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32768, 16384, bias=False),
+                                                      nn.Linear(16384, 32768, bias=False)) for _ in range(2))
+
+    def big() -> nn.Module:
+        with torch.device("meta"):
+            return Big()
+
+    _machine_with(monkeypatch, 2 * GiB)
+    with pytest.raises(RingTooSmallError, match=r"needs 4\.0\d* GiB but ring_gb=1\.5 \(automatic: .*cgroup /test"):
+        tiered.attach(big(), tmp_path, device="cpu")
+    _machine_with(monkeypatch, 520 << 20)
+    with pytest.raises(HostMemoryError, match="no room for a ring"):
+        tiered.attach(big(), tmp_path, device="cpu")
+
+
 def test_ring_pages_are_not_touched_at_creation() -> None:
     from tiered.ring import Ring
     from tiered.stats import proc_status

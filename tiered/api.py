@@ -127,7 +127,7 @@ def attach(
     module: nn.Module,
     model_dir: str | os.PathLike[str],
     *,
-    ring_gb: float = 4.0,
+    ring_gb: float | None = None,
     device: str | torch.device | None = None,
     prefetch: int = 2,
     gpu_gb: float | None = None,
@@ -151,7 +151,8 @@ def attach(
     conversion mapping is applied too). Parameter dtypes are the module's (cast on the fly).
     Returns ``module`` itself, now with ``.device``, ``.close()`` and a context manager.
 
-    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA), plus the host tier (``host_gb``),
+    Memory: host RSS grows by ``ring_gb`` GiB (allocated once, page-locked on CUDA; not given: 4 GiB, or what the
+    host's ``MemAvailable`` and cgroup ``memory.max`` leave, ``placement.ring_why``), plus the host tier (``host_gb``),
     plus a constant; device memory by the resident units plus ``prefetch + 1`` buffers of the largest streamed unit.
 
     Embeddings that read their rows (``embedding_rows``) and routed experts (``routed_experts``; their staging, 256
@@ -181,7 +182,7 @@ def attach(
     job.check_same_plan(plan, (dev.type, embedding_rows, routed_experts))  # the ranks' all-gathers must match
     opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None), job=job)
-    opts = dataclasses.replace(opts, io=p.io)
+    opts = dataclasses.replace(opts, io=p.io, ring_gb=p.ring_gb)  # "auto" and ring_gb=None as resolved
     _refuse_inplace_rescale(module, plan, p)
     ensure_atexit()
     materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets}
@@ -357,7 +358,7 @@ def _install_hooks(h: Handle, p: Placement) -> None:
 def load(
     model_dir: str | os.PathLike[str],
     *,
-    ring_gb: float = 4.0,
+    ring_gb: float | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     prefetch: int = 2,

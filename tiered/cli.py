@@ -49,7 +49,7 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         gbps = {k: v for k, v in (("disk", a.disk_gbps), ("page_cache", a.cache_gbps), ("h2d", a.h2d_gbps))
                 if v is not None}
-        placement = {"ring_gb": a.ring_gb if a.ring_gb is not None else 4.0, "gpu_gb": a.gpu_gb,
+        placement = {"ring_gb": a.ring_gb, "gpu_gb": a.gpu_gb,
                      "host_gb": a.host_gb, "prefetch": a.prefetch, "io": a.io or "mmap", "gbps": {**GBPS, **gbps}}
     with _option_errors_as_usage(parser):
         info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement,
@@ -137,7 +137,7 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
     asked = model._tiered.opts.ring_gb
     if asked * 2**30 > after["ring_bytes"] + 4096:  # tiered.load caps the ring at the (page-aligned) model
         what = "the units that go through it fit" if after["expert_modules"] else "the whole model fits"
-        ring += f" (--ring-gb {asked:g} capped: {what} in less)"
+        ring += f" (--ring-gb {asked:.3g} capped: {what} in less)"
     lines = [f"{d}: {type(model).__name__}, {n_units} units, model {gib(after['model_bytes'])}, "
              f"{ring}, device {model.device}; loaded in {load_s:.2f} s"]
     n = max(1, n_new)
@@ -288,9 +288,9 @@ def _add_generate_parser(sub: Any) -> None:
     s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
                    help="seed the random generators, for a reproducible sample")
     r = g.add_argument_group("streaming")
-    r.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=4.0, metavar="GiB",
-                   help="host ring size in GiB; peak RSS ~ ring + runtime (default %(default)s; "
-                   "`tiered inspect` says the least that works)")
+    r.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
+                   help="host ring size in GiB; peak RSS ~ ring + runtime (default: 4, or what the host's memory and "
+                   "cgroup limit leave; `tiered inspect` says the least that works)")
     r.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
                    help="compute dtype, cast while streaming (default: as from_pretrained's: config.json's, "
@@ -333,7 +333,7 @@ def _add_inspect_parser(sub: Any) -> None:
     pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb, --io: where tiered.load puts "
                               "each unit with those options, and (--device cuda) the decode time that predicts")
     pg.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
-                    help="host ring, GiB (default 4, tiered.load's)")
+                    help="host ring, GiB (default: tiered.load's, 4 or what this host's memory leaves)")
     pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                     help="GPU budget, GiB (default: the free memory of this machine's GPU - 4 GiB)")
     pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",

@@ -298,7 +298,8 @@ def _print_placement(info: dict, placement: dict | None) -> None:
         o = pl["options"]
         gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
         io = o["io"] if o["io"] == pl["io"] else f"{o['io']} -> {pl['io']}"  # "auto" as tiered.load resolves it here
-        print(f"placement ({pl['device']}, ring_gb={o['ring_gb']}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
+        ring = f"{pl['ring_gb']:.4g}" if o["ring_gb"] is not None else f"{pl['ring_gb']:.4g} ({pl['ring_why']})"
+        print(f"placement ({pl['device']}, ring_gb={ring}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
               f"prefetch={o['prefetch']}, io={io}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
               f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
               f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"

@@ -31,11 +31,18 @@ def _bad(option: str, message: str, cls: type[ConfigError] | type[RingTooSmallEr
     return e
 
 
+#: The ring when ``ring_gb`` is not given and the host can give it (GiB): tiered's default since the first release.
+DEFAULT_RING_GB = 4.0
+
 #: Every option, documented once (appended to ``tiered.load``'s and ``tiered.attach``'s docstrings).
 OPTION_DOCS = """\
         ring_gb: host ring size in GiB (float). Host RSS is bounded by this plus a constant. It must hold the
             largest unit (CUDA: the largest one that cannot be cut in pieces); on the CPU also with zero copy, whose
             running unit's mapped pages count against it (a smaller ring: ``RingTooSmallError`` before loading).
+            Default ``None``: :data:`DEFAULT_RING_GB` (4), or less where the host cannot give that — what
+            ``MemAvailable`` and every cgroup ``memory.max`` above the process leave after the runtime's headroom
+            and ``host_gb`` (:func:`tiered.policy.auto_ring_bytes`; ``tiered.stats(model).placement.ring_why`` says
+            which). A number given is a hard limit: more than the host can give is a ``HostMemoryError``.
         device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
             default: ``from_pretrained``'s (``"auto"``: ``config.json``'s dtype, else the checkpoint's).
@@ -101,7 +108,7 @@ class Options:
     :func:`tiered.load` and :func:`tiered.attach`, documented at length in :data:`OPTION_DOCS` (``help(tiered.load)``
     shows it)."""
 
-    ring_gb: float = 4.0  # host ring, GiB: RSS is bounded by this plus a constant
+    ring_gb: float | None = None  # host ring, GiB: RSS is bounded by this plus a constant (None: 4, or what fits)
     device: str | None = None  # "cuda[:N]" when available, else "cpu" (resolved by tiered.attach)
     dtype: Any = None  # cast on the fly (None: config.json's dtype, as from_pretrained); tiered.load only
     prefetch: int = 2  # units loaded ahead of the one running
@@ -128,9 +135,10 @@ class Options:
             RingTooSmallError: ``ring_gb <= 0``.
             ConfigError: any other bad value (``.option`` names the field).
         """
-        if not _is_number(self.ring_gb):
-            raise _bad("ring_gb", f"ring_gb must be a number of GiB (e.g. 1 or 0.5), got {self.ring_gb!r}")
-        if self.ring_gb <= 0:
+        if self.ring_gb is not None and not _is_number(self.ring_gb):
+            raise _bad("ring_gb", f"ring_gb must be a number of GiB (e.g. 1 or 0.5) or None (what fits the host), got "
+                                  f"{self.ring_gb!r}")
+        if self.ring_gb is not None and self.ring_gb <= 0:
             raise _bad("ring_gb", f"ring_gb must be > 0, got {self.ring_gb}", RingTooSmallError)
         for name, what in (("prefetch", "integer >= 0 (units of lookahead)"), ("threads", "integer >= 1 (reader threads)")):
             v = getattr(self, name)
@@ -148,6 +156,9 @@ class Options:
 
     @property
     def ring_bytes(self) -> int:
+        """The ring asked for, in bytes (``ring_gb=None`` is resolved by :func:`tiered.placement.place` first)."""
+        if self.ring_gb is None:
+            raise ValueError("ring_gb=None (automatic) is resolved by tiered.placement.place")
         return int(self.ring_gb * GiB)
 
     @property

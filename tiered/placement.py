@@ -30,6 +30,7 @@ units live (GPU, host tier, rows, streamed) does not depend on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class Placement:
     routed: dict[int, list[ExpertSpec]] = field(default_factory=dict, repr=False)  # unit -> its routed experts modules
     host_experts: list[int] = field(default_factory=list)  # indices into specs (forward order) kept in the host tier
     refused: list[str] = field(default_factory=list)  # place(strict=False): why a load would refuse these options
+    ring_gb: float = 0.0  # the ring asked for (GiB): ring_gb, or what ring_gb=None resolved to
+    ring_why: str = ""  # where ring_gb came from ("given", or policy.auto_ring_bytes's reason)
 
     def resident_bytes_of(self, plan: Plan) -> int:
         return sum(plan.units[i].nbytes for i in self.resident)
@@ -156,7 +159,9 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
     io = choose_io(opts.io, ckpt_bytes, machine)
-    p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None)
+    opts, ring_why = _resolve_ring(opts, machine, cpu)
+    p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
+                  ring_gb=opts.ring_gb, ring_why=ring_why)
     local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
@@ -182,7 +187,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     if machine.host_available is not None and p.ring_bytes + policy.headroom(not cpu) > machine.host_available:
         most = max(0, machine.host_available - policy.headroom(not cpu))
         _refuse(p, strict, HostMemoryError(
-            f"ring_gb={opts.ring_gb} needs {p.ring_bytes / GiB:.3f} GiB of host memory but only "
+            f"{_ring_said(opts, p)} needs {p.ring_bytes / GiB:.3f} GiB of host memory but only "
             f"{machine.host_available / GiB:.3f} GiB is available ({machine.host_where}) and "
             f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime; pass ring_gb <= "
             f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)"))
@@ -228,6 +233,26 @@ def place_here(plan: Plan, *, device: str, ckpt_bytes: int, config: Any = None, 
         raise ConfigError("a CUDA placement on a machine without CUDA needs a GPU budget: pass gpu_gb=<GiB> (the "
                           "default is the free memory of this machine's GPU)")
     return place(plan, opts, gather(dev if cuda_here else None), ckpt_bytes=ckpt_bytes, config=config, strict=strict)
+
+
+def _resolve_ring(opts: Options, machine: Machine, cpu: bool) -> tuple[Options, str]:
+    """``opts`` with ``ring_gb=None`` resolved (:func:`tiered.policy.auto_ring_bytes`), and where its value came from.
+
+    Raises:
+        HostMemoryError: ``ring_gb=None`` and the host leaves less than ``policy.MIN_AUTO_RING_BYTES`` for a ring.
+    """
+    if opts.ring_gb is not None:
+        return opts, "given (ring_gb)"
+    ring, why = policy.auto_ring_bytes(machine.host_available, machine.host_where, not cpu, opts.host_bytes)
+    if not ring:
+        raise HostMemoryError(f"no room for a ring: the ring would be {why}; free host memory, raise the memory "
+                              f"limit, or lower host_gb")
+    return dataclasses.replace(opts, ring_gb=ring / GiB), f"automatic: {why}"
+
+
+def _ring_said(opts: Options, p: Placement) -> str:
+    """``ring_gb=X`` as messages say it, with where an automatic value came from."""
+    return f"ring_gb={opts.ring_gb}" + (f" ({p.ring_why})" if p.ring_why.startswith("automatic") else "")
 
 
 def _is_cpu(device: str) -> bool:
@@ -297,7 +322,7 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
             why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
                    "tensors)")
         _refuse(p, strict, RingTooSmallError(
-            f"unit {big.name!r} needs {gib_up(most)} GiB but ring_gb={opts.ring_gb}{why}; pass ring_gb >= "
+            f"unit {big.name!r} needs {gib_up(most)} GiB but {_ring_said(opts, p)}{why}; pass ring_gb >= "
             f"{gib_up(most)} (>= {gib_up(2 * most)} lets the next unit load while one runs)"))
     return mappable, pieces, big.nbytes
 

@@ -18,7 +18,7 @@ from .ring import GiB, gib_up
 __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "HOST_HEADROOM_BYTES",
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
-           "choose_page_cache_tier", "choose_host_experts", "headroom"]
+           "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES"]
 
 #: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
 #: against what the host or cgroup has: a ring that leaves less is refused.
@@ -43,6 +43,33 @@ GPU_HEADROOM_BYTES = 4 * GiB
 def headroom(cuda: bool) -> int:
     """Host memory kept for the runtime beside the ring and the host tier (bytes)."""
     return CUDA_HOST_HEADROOM_BYTES if cuda else HOST_HEADROOM_BYTES
+
+
+#: The smallest ring ``ring_gb=None`` picks: below this the host is too full for tiered (HostMemoryError instead).
+MIN_AUTO_RING_BYTES = 16 << 20
+
+
+def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, host_bytes: int) -> tuple[int, str]:
+    """The ring ``ring_gb=None`` takes, in bytes, and why: ``DEFAULT_RING_GB`` (4 GiB) where the host can give it,
+    else what ``host_available`` (``MemAvailable`` and every cgroup ``memory.max`` above the process:
+    :func:`tiered.hostmem.host_memory_available`) leaves after :func:`headroom` and the host tier (``host_bytes``),
+    rounded down to a page. The placement then refuses only what no smaller ring would run (a unit larger than
+    this ring on the CPU). Below :data:`MIN_AUTO_RING_BYTES` left, returns 0 (the caller raises HostMemoryError).
+
+    A 2 GiB cgroup on the H200 machine (issue 23, 2026-12-01) left 1.37 GiB at load: 4 GiB was refused there,
+    ``ring_gb=0.5`` ran; this picks 1.37 - 0.875 = 0.49 GiB on CUDA."""
+    from .options import DEFAULT_RING_GB
+
+    want = int(DEFAULT_RING_GB * GiB)
+    if host_available is None:
+        return want, f"the default {DEFAULT_RING_GB:g} GiB (host memory unknown here)"
+    left = host_available - headroom(cuda) - host_bytes
+    if left >= want:
+        return want, f"the default {DEFAULT_RING_GB:g} GiB ({host_available / GiB:.2f} GiB available: {host_where})"
+    left = left // PAGE_SIZE * PAGE_SIZE
+    why = (f"{left / GiB:.3f} GiB: what {host_where} leaves ({host_available / GiB:.3f} GiB available) after "
+           f"{headroom(cuda) >> 20} MiB for the runtime" + (f" and host_gb's {host_bytes / GiB:.3f} GiB" if host_bytes else ""))
+    return (left, why) if left >= MIN_AUTO_RING_BYTES else (0, why)
 
 
 def gpu_budget(gpu_gb: float | None, gpu_free: int | None) -> int:
