@@ -139,6 +139,7 @@ class RunDef:
     @property
     def label(self) -> str:
         names = {("tiered", "streamed"): "tiered streamed", ("tiered", "resident"): "tiered resident",
+                 ("tiered", "defaults"): "tiered, its defaults",
                  ("transformers", "cuda"): "transformers (cuda)", ("transformers", "cpu"): "transformers (cpu)",
                  ("accelerate", "disk-offload"): "accelerate disk offload",
                  ("deepspeed", "zero3-offload"): "DeepSpeed ZeRO-3 offload"}
@@ -194,6 +195,9 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
         runs.insert(1, R("core", "tiered", "streamed-ring", opts={**streamed, "zero_copy": False}, new_tokens=fast))
     runs += four("cold", cache="cold")
     runs += four("limit", cache="cold", limit=True)
+    # tiered with its defaults (issue 23): no ring_gb, the ring chosen from what the limit leaves; gpu_gb as given
+    runs.insert(len(runs) - 3, R("limit", "tiered", "defaults", cache="cold", limit=True,
+                                 opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow))
     for key in ckpts:
         if key != "main":
             runs += [r for r in four("sweep", key) if r.variant != "resident" or not cuda]

@@ -61,7 +61,7 @@ class Spec:
     new_tokens: int  # generated with min_new_tokens = max_new_tokens
     device: str = "cpu"  # "cpu" or "cuda"
     cold: bool = False  # drop the page cache after the imports, just before the load (root)
-    ring_gb: float = 1.0  # tiered: host ring
+    ring_gb: float | None = 1.0  # tiered: host ring (None: tiered's default, chosen from what the host leaves)
     gpu_gb: float | None = None  # tiered: GPU budget for resident units (None: all that fits); accelerate: max_memory[0]
     cpu_gb: float = 1.0  # accelerate: max_memory["cpu"]
     threads: int = 4  # tiered: reader threads
@@ -271,6 +271,8 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "units": s1["units"],
         "resident_units": s1["resident_units"],
         "ring_gb": spec.ring_gb,
+        "ring_gb_used": model._tiered.opts.ring_gb,  # ring_gb=None resolved (tiered's default)
+        "ring_why": getattr(st.placement, "ring_why", None),
         "ring_high_water_gb": s1["ring_high_water"] / GiB,
         "load_gbps": s0["read_bytes"] / r["load_s"] / 1e9 if r["load_s"] and s0["read_bytes"] else None,
         "load_read_gbps": s0["read_gbps"] or None,

@@ -548,8 +548,26 @@ def test_inspect_io_changes_the_cpu_placement_as_load_does(dirs: dict[str, Path]
     assert f"io=direct: 0 of the {n} streamed units compute on views of the file mapping" in r.stdout, r.stdout
     r = cli("inspect", d, "--ring-gb", ring)  # no --io: tiered.load's default
     assert r.returncode == 0 and f"io=mmap: {n} of the {n} streamed units" in r.stdout, r.stdout
-    r = cli("inspect", d, "--io", "pread")  # --io alone asks for the placement (default ring)
-    assert r.returncode == 0 and "placement (cpu, ring_gb=4.0," in r.stdout and "io=pread)" in r.stdout, r.stdout
+    r = cli("inspect", d, "--io", "pread")  # --io alone asks for the placement (default ring: 4 GiB on this host)
+    assert r.returncode == 0 and "placement (cpu, ring_gb=4 (automatic: the default 4 GiB" in r.stdout, r.stdout
+    assert "io=pread)" in r.stdout, r.stdout
+
+
+def test_inspect_says_the_default_ring_here(dirs: dict[str, Path]) -> None:
+    """``tiered inspect`` says what ``ring_gb`` not given picks on this machine, and why (issue 23), as tiered.load
+    then takes it."""
+    from tiered.hostmem import host_memory_available
+    from tiered.policy import auto_ring_bytes
+
+    d = dirs["notok"]
+    dr = _inspect_json(d)["default_ring"]
+    avail, where = host_memory_available()
+    ring, why = auto_ring_bytes(avail, where, False, 0)
+    assert dr["gb"] == ring / 2**30 > 0 and where in dr["why"]
+    r = cli("inspect", d)
+    assert r.returncode == 0 and f"default ring here (ring_gb not given): {ring / 2**30:.3g} GiB" in r.stdout, r.stdout
+    with tiered.load(d, device="cpu") as m:
+        assert tiered.stats(m).placement.ring_why.startswith("automatic")
 
 
 def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:

@@ -95,6 +95,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
         "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
         "ring_free_units": len(plan.units) - len(in_ring),
+        "default_ring": _default_ring(device),  # what ring_gb=None picks on this machine, and why
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -223,6 +224,17 @@ def flags_for_options(message: str) -> str:
     return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
+def _default_ring(device: str) -> dict:
+    """The ring ``tiered.load`` takes here when ``ring_gb`` is not given (:func:`tiered.policy.auto_ring_bytes`, no
+    host tier), from this machine's ``MemAvailable`` and cgroup limits now."""
+    from .hostmem import host_memory_available
+    from .policy import auto_ring_bytes
+
+    avail, where = host_memory_available()
+    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), 0)
+    return {"gb": ring / GiB, "why": why}
+
+
 def print_inspect(info: dict, a: Any, placement: dict | None) -> None:
     """Print ``info`` (:func:`inspect_dir`) as ``tiered inspect`` does; ``a``: its arguments (``all``, ``device``)."""
     _print_checkpoint(info, a)
@@ -262,6 +274,9 @@ def _print_checkpoint(info: dict, a: Any) -> None:
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
               f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
               + (" (loaded once)" if a.device == "cpu" else ""))
+    dr = info["default_ring"]
+    print(f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB, {dr['why']}" if dr["gb"] else
+          f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
