@@ -892,6 +892,40 @@ def test_parameters_the_checkpoint_never_holds_are_computed_as_stock(ckpts: Chec
                            ref.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+def test_never_held_parameters_keep_stocks_random_stream_and_base_class(ckpts: Checkpoints, tmp_path: Path) -> None:
+    """Computing Marian's tables draws from the global generator as ``from_pretrained`` does (its init draws
+    ``normal_`` first; tiered's second, checking run draws from a forked generator), so a seeded sample after load is
+    stock's. The base class (``MarianModel``, whose patterns carry the ``model.`` prefix) loads too. A checkpoint that
+    does hold the tables gets ``requires_grad`` as ``from_pretrained`` sets it on loaded parameters (floating point:
+    True, though the module is built frozen)."""
+    d = ckpts["marian"]
+    draws = []
+    for load in (lambda: transformers.MarianMTModel.from_pretrained(d), lambda: tiered.load(d, device="cpu")):
+        torch.manual_seed(11)
+        m = load()
+        draws.append(torch.rand(4))
+        if hasattr(m, "close"):
+            m.close()
+    assert torch.equal(draws[0], draws[1])
+    ref = transformers.MarianModel.from_pretrained(d).eval()
+    ids = make_ids(4, (1, 7))
+    with stream(d, model_class=transformers.MarianModel) as m, torch.no_grad():
+        assert torch.equal(m(input_ids=ids, decoder_input_ids=ids[:, :3]).last_hidden_state,
+                           ref(input_ids=ids, decoder_input_ids=ids[:, :3]).last_hidden_state)
+    full = tmp_path / "held"
+    stock = transformers.MarianMTModel.from_pretrained(d)
+    stock.save_pretrained(full)
+    sd = load_file(full / "model.safetensors")
+    for side in ("encoder", "decoder"):
+        sd[f"model.{side}.embed_positions.weight"] = getattr(stock.model, side).embed_positions.weight.detach()
+    save_file(sd, full / "model.safetensors", metadata={"format": "pt"})
+    ref = transformers.MarianMTModel.from_pretrained(full)
+    with stream(full) as m:
+        flags = {n: p.requires_grad for n, p in m.named_parameters()}
+        assert flags == {n: p.requires_grad for n, p in ref.named_parameters()}
+        assert flags["model.encoder.embed_positions.weight"]
+
+
 def test_a_random_init_of_a_missing_parameter_is_still_refused() -> None:
     """A key the model lists as never saved but initializes at random cannot be computed as stock would compute it
     (stock's own value is random): not regenerated, so the load reports it missing."""

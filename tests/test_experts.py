@@ -828,3 +828,35 @@ def test_llama4_expert_cache_and_host_tier(ckpts):
                                    ref.generate(ids, max_new_tokens=3, do_sample=False))
             s = tiered.stats(m)
             assert (s.expert_cache_hits > 0) if "expert_cache_gb" in kw else (s.host_expert_modules == 2)
+
+
+def test_routed_experts_call_memory_counts_against_the_host(ckpts, monkeypatch):
+    """On the CPU a routed block's experts live in host memory for its call (every expert: a prefill may pick them
+    all; Llama 4 always reads into full tensors). The host check counts them beside the ring, and the automatic ring
+    leaves room for them. Before the fix: accepted at load, then one decode token grew RSS past what was checked."""
+    import tiered.api
+    from tiered import policy
+    from tiered.machine import Machine
+
+    path, ref, ring = _llama4(ckpts)
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        sp = tiered.stats(m).placement.specs[0]
+        call = sp.num_experts * sp.expert_bytes
+        ring_bytes = tiered.stats(m).placement.ring_bytes
+    head = policy.headroom(False)
+
+    def host(avail: int) -> None:
+        monkeypatch.setattr(tiered.api, "gather", lambda dev=None, **kw: Machine(host_available=avail,
+                                                                                 host_where="cgroup /t memory.max"))
+
+    host(head + ring_bytes + call // 2)
+    with pytest.raises(tiered.HostMemoryError, match="routed experts during its call"):
+        tiered.load(path, ring_gb=ring, device="cpu")
+    host(head + ring_bytes + call + 4096)
+    with tiered.load(path, ring_gb=ring, device="cpu") as m:
+        ids = make_ids(90, (1, 6))
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+    host(head + (32 << 20) + call)  # the automatic ring: what is left after the headroom and the experts' call
+    with tiered.load(path, device="cpu") as m:
+        p = tiered.stats(m).placement
+        assert p.ring_gb * 2**30 <= 32 << 20 and "routed experts" in p.ring_why

@@ -62,6 +62,14 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _is_transformers_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Buffers computed at build, and parameters computed because the checkpoint never holds them
     (:func:`tiered.meta.regenerate_param`), to ``device``; streamed tensors are still on ``meta`` here."""
@@ -189,7 +197,8 @@ def attach(
                              | {q.target.key for sp in p.specs for q in sp.parts})
     _warn_unused(module, plan, ckpt)
     _move_buffers(module, dev)
-    install_placeholders(module, plan.units, p.specs, dev)  # stock's device, dtype, requires_grad between passes
+    install_placeholders(module, plan.units, p.specs, dev,  # stock's device, dtype, requires_grad between passes
+                         loaded_flags=_is_transformers_model(module))
     h = Handle(module, plan, ckpt, opts, dev)
     h.dist, h.placement = job.shared, p
     live_add(h)

@@ -135,7 +135,8 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
     where = "the GPU" if model.device.type == "cuda" else "the ring"
     ring = f"ring {gib(after['ring_bytes'])}"
     asked = model._tiered.opts.ring_gb
-    if asked * 2**30 > after["ring_bytes"] + 4096:  # tiered.load caps the ring at the (page-aligned) model
+    given = model._tiered.placement.ring_why.startswith("given")  # not tiered's own choice (ring_gb=None)
+    if given and asked * 2**30 > after["ring_bytes"] + 4096:  # tiered.load caps the ring at the (page-aligned) model
         what = "the units that go through it fit" if after["expert_modules"] else "the whole model fits"
         ring += f" (--ring-gb {asked:.3g} capped: {what} in less)"
     lines = [f"{d}: {type(model).__name__}, {n_units} units, model {gib(after['model_bytes'])}, "

@@ -95,7 +95,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
         "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
         "ring_free_units": len(plan.units) - len(in_ring),
-        "default_ring": _default_ring(device),  # what ring_gb=None picks on this machine, and why
+        # what ring_gb=None picks on this machine, and why (beside the host tier asked for)
+        "default_ring": _default_ring(device, (placement or {}).get("host_gb") or 0.0),
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -224,14 +225,14 @@ def flags_for_options(message: str) -> str:
     return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
-def _default_ring(device: str) -> dict:
-    """The ring ``tiered.load`` takes here when ``ring_gb`` is not given (:func:`tiered.policy.auto_ring_bytes`, no
-    host tier), from this machine's ``MemAvailable`` and cgroup limits now."""
+def _default_ring(device: str, host_gb: float) -> dict:
+    """The ring ``tiered.load`` takes here when ``ring_gb`` is not given (:func:`tiered.policy.auto_ring_bytes`, beside
+    ``host_gb``), from this machine's ``MemAvailable`` and cgroup limits now."""
     from .hostmem import host_memory_available
     from .policy import auto_ring_bytes
 
     avail, where = host_memory_available()
-    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), 0)
+    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), int(host_gb * GiB))
     return {"gb": ring / GiB, "why": why}
 
 
@@ -275,7 +276,7 @@ def _print_checkpoint(info: dict, a: Any) -> None:
               f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
               + (" (loaded once)" if a.device == "cpu" else ""))
     dr = info["default_ring"]
-    print(f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB, {dr['why']}" if dr["gb"] else
+    print(f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB ({dr['why']})" if dr["gb"] else
           f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "

@@ -21,6 +21,7 @@ process-wide lock keeps two tiered loads in two threads from interleaving those.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -138,21 +139,26 @@ def regenerate_param(model: nn.Module, key: str, owner: nn.Module, attr: str) ->
 
     pats = [*(getattr(model, "_keys_to_ignore_on_save", None) or []),
             *(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    names = [key, f"{prefix}.{key}"] if prefix else [key]  # MarianModel: its class's patterns name "model.encoder..."
     init = getattr(model, "_init_weights", None)
     ph = owner._parameters.get(attr)
-    if ph is None or not callable(init) or not any(re.search(p, key) for p in pats):
+    if ph is None or not callable(init) or not any(re.search(p, k) for p in pats for k in names):
         return False
     runs = []
     for fill in (0.0, 1.0):  # two runs from two different starting contents: the init must write every element
         # requires_grad as from_pretrained gives a missing key (_load_parameter_into_model: floating point -> True)
         owner._parameters[attr] = nn.Parameter(torch.full(ph.shape, fill, dtype=ph.dtype),
                                                requires_grad=ph.dtype.is_floating_point)
-        try:
-            with torch.no_grad():
-                init(owner)
-        except Exception:  # noqa: BLE001 - an init that cannot run here: reported missing, as before
-            owner._parameters[attr] = ph
-            return False
+        # the check run draws from a forked generator: the global one advances once, as from_pretrained's init does
+        # (Marian's init draws normal_ before it writes the table: a seeded sample after load then matches stock's)
+        with torch.random.fork_rng(devices=[]) if fill else contextlib.nullcontext():
+            try:
+                with torch.no_grad():
+                    init(owner)
+            except Exception:  # noqa: BLE001 - an init that cannot run here: reported missing, as before
+                owner._parameters[attr] = ph
+                return False
         runs.append(owner._parameters[attr].detach().clone())
     if not torch.equal(runs[0], runs[1]):
         owner._parameters[attr] = ph

@@ -134,20 +134,24 @@ def is_placeholder(t: object) -> bool:
     return isinstance(t, Placeholder) or (isinstance(t, torch.Tensor) and t.device.type == "meta")
 
 
-def make_placeholder(ref: torch.Tensor, device: torch.device, key: str, unit: str, *, param: bool) -> torch.Tensor:
+def make_placeholder(ref: torch.Tensor, device: torch.device, key: str, unit: str, *, param: bool,
+                     loaded_flags: bool = False) -> torch.Tensor:
     """A :class:`Placeholder` for ``ref`` (the ``meta`` tensor the model was built with: its shape, dtype and
-    ``requires_grad``) on ``device``; an ``nn.Parameter`` (``isinstance`` holds) when ``param``."""
+    ``requires_grad``) on ``device``; an ``nn.Parameter`` (``isinstance`` holds) when ``param``. ``loaded_flags``:
+    ``requires_grad`` as ``from_pretrained`` sets it on every parameter it loads (floating point -> True:
+    ``transformers.core_model_loading.set_param_for_module``), not the module's own (Marian's frozen positions)."""
     ph = Placeholder(ref.shape, ref.dtype, device, key, unit)
     if param:
-        return nn.Parameter(ph, requires_grad=ref.requires_grad)
+        return nn.Parameter(ph, requires_grad=ref.dtype.is_floating_point if loaded_flags else ref.requires_grad)
     return ph
 
 
-def install_placeholders(module: nn.Module, units: list, specs: list, device: torch.device) -> int:
+def install_placeholders(module: nn.Module, units: list, specs: list, device: torch.device, *,
+                         loaded_flags: bool = False) -> int:
     """Replace every ``meta`` tensor that ``units`` (:class:`~tiered.plan.Unit`) and ``specs`` (routed experts,
     :class:`~tiered.expert_spec.ExpertSpec`) bind with a :class:`Placeholder` on ``device``, wherever in ``module`` it
     is referenced (a tied parameter stays one object). Run before the streamer records its placeholders. Returns
-    how many tensors were replaced."""
+    how many tensors were replaced. ``loaded_flags``: a ``transformers`` model's (:func:`make_placeholder`)."""
     owner: dict[int, tuple[str, str]] = {}
     for u in units:
         for t in u.targets:
@@ -163,7 +167,7 @@ def install_placeholders(module: nn.Module, units: list, specs: list, device: to
                     continue
                 if id(cur) not in done:
                     key, unit = owner[id(cur)]
-                    done[id(cur)] = make_placeholder(cur, device, key, unit, param=param)
+                    done[id(cur)] = make_placeholder(cur, device, key, unit, param=param, loaded_flags=loaded_flags)
                 store[attr] = done[id(cur)]
     return len(done)
 

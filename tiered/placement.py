@@ -159,7 +159,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
     io = choose_io(opts.io, ckpt_bytes, machine)
-    opts, ring_why = _resolve_ring(opts, machine, cpu)
+    call = _expert_call_bytes(plan, opts, cpu)
+    opts, ring_why = _resolve_ring(opts, machine, cpu, call)
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why)
     local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
@@ -184,12 +185,14 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     ring_room = min(_ring_bytes(ring_min, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
     eligible = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
     mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None, strict)
-    if machine.host_available is not None and p.ring_bytes + policy.headroom(not cpu) > machine.host_available:
-        most = max(0, machine.host_available - policy.headroom(not cpu))
+    call = call if experts else 0  # routed: a block's experts live for its call beside the ring (CPU)
+    if machine.host_available is not None and p.ring_bytes + policy.headroom(not cpu) + call > machine.host_available:
+        most = max(0, machine.host_available - policy.headroom(not cpu) - call)
+        also = f" and {call / GiB:.3f} GiB for one MoE block's routed experts during its call" if call else ""
         _refuse(p, strict, HostMemoryError(
             f"{_ring_said(opts, p)} needs {p.ring_bytes / GiB:.3f} GiB of host memory but only "
             f"{machine.host_available / GiB:.3f} GiB is available ({machine.host_where}) and "
-            f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime; pass ring_gb <= "
+            f"{policy.headroom(not cpu) >> 20} MiB is kept for the runtime{also}; pass ring_gb <= "
             f"{math.floor(most / GiB * 1000) / 1000:.3f} (the largest unit needs {gib_up(big)} GiB)"))
     resident = job.agree(policy.choose_resident(plan, ring_room, cpu, p.gpu_budget, p.buffers_counted,
                                                 rows=eligible, slot_need=need))  # rank 0's choice on every rank
@@ -235,24 +238,36 @@ def place_here(plan: Plan, *, device: str, ckpt_bytes: int, config: Any = None, 
     return place(plan, opts, gather(dev if cuda_here else None), ckpt_bytes=ckpt_bytes, config=config, strict=strict)
 
 
-def _resolve_ring(opts: Options, machine: Machine, cpu: bool) -> tuple[Options, str]:
-    """``opts`` with ``ring_gb=None`` resolved (:func:`tiered.policy.auto_ring_bytes`), and where its value came from.
+def _expert_call_bytes(plan: Plan, opts: Options, cpu: bool) -> int:
+    """CPU: host bytes the largest MoE block's routed experts take during its call (every expert: a prefill may pick
+    them all, and Llama 4's dense spec always reads into full tensors), were its experts routed; 0 on CUDA (device
+    memory, counted in the GPU budget) or without routable experts."""
+    if not cpu or not opts.routed_experts:
+        return 0
+    return max((sp.num_experts * sp.expert_bytes for u in plan.units for sp in find_experts(u)), default=0)
+
+
+def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0) -> tuple[Options, str]:
+    """``opts`` with ``ring_gb=None`` resolved (:func:`tiered.policy.auto_ring_bytes`, less ``call``: routed experts'
+    bytes during a call, :func:`_expert_call_bytes`), and where its value came from.
 
     Raises:
-        HostMemoryError: ``ring_gb=None`` and the host leaves less than ``policy.MIN_AUTO_RING_BYTES`` for a ring.
+        HostMemoryError: ``ring_gb=None`` and the host leaves no room for a ring.
     """
     if opts.ring_gb is not None:
         return opts, "given (ring_gb)"
-    ring, why = policy.auto_ring_bytes(machine.host_available, machine.host_where, not cpu, opts.host_bytes)
+    ring, why = policy.auto_ring_bytes(machine.host_available, machine.host_where, not cpu, opts.host_bytes + call)
     if not ring:
-        raise HostMemoryError(f"no room for a ring: the ring would be {why}; free host memory, raise the memory "
-                              f"limit, or lower host_gb")
+        fix = "lower host_gb, " if opts.host_gb else ""
+        raise HostMemoryError(f"no room for a ring: {why}; {fix}free host memory or raise the memory limit")
     return dataclasses.replace(opts, ring_gb=ring / GiB), f"automatic: {why}"
 
 
 def _ring_said(opts: Options, p: Placement) -> str:
     """``ring_gb=X`` as messages say it, with where an automatic value came from."""
-    return f"ring_gb={opts.ring_gb}" + (f" ({p.ring_why})" if p.ring_why.startswith("automatic") else "")
+    if p.ring_why.startswith("automatic"):
+        return f"ring_gb={opts.ring_gb:.4g} ({p.ring_why}; this host cannot give a larger ring now)"
+    return f"ring_gb={opts.ring_gb}"
 
 
 def _is_cpu(device: str) -> bool:

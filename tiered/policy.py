@@ -54,7 +54,9 @@ def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, hos
     else what ``host_available`` (``MemAvailable`` and every cgroup ``memory.max`` above the process:
     :func:`tiered.hostmem.host_memory_available`) leaves after :func:`headroom` and the host tier (``host_bytes``),
     rounded down to a page. The placement then refuses only what no smaller ring would run (a unit larger than
-    this ring on the CPU). Below :data:`MIN_AUTO_RING_BYTES` left, returns 0 (the caller raises HostMemoryError).
+    this ring on the CPU). ``host_bytes``: the host tier, and on the CPU one MoE block's routed experts during its
+    call. Below :data:`MIN_AUTO_RING_BYTES` left, returns 0 (the caller raises HostMemoryError; pass a smaller
+    ``ring_gb`` for a model that small).
 
     A 2 GiB cgroup on the H200 machine (issue 23, 2026-12-01) left 1.37 GiB at load: 4 GiB was refused there,
     ``ring_gb=0.5`` ran; this picks 1.37 - 0.875 = 0.49 GiB on CUDA."""
@@ -66,10 +68,13 @@ def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, hos
     left = host_available - headroom(cuda) - host_bytes
     if left >= want:
         return want, f"the default {DEFAULT_RING_GB:g} GiB ({host_available / GiB:.2f} GiB available: {host_where})"
-    left = left // PAGE_SIZE * PAGE_SIZE
-    why = (f"{left / GiB:.3f} GiB: what {host_where} leaves ({host_available / GiB:.3f} GiB available) after "
-           f"{headroom(cuda) >> 20} MiB for the runtime" + (f" and host_gb's {host_bytes / GiB:.3f} GiB" if host_bytes else ""))
-    return (left, why) if left >= MIN_AUTO_RING_BYTES else (0, why)
+    left = max(0, left) // PAGE_SIZE * PAGE_SIZE
+    kept = f"{headroom(cuda) >> 20} MiB for the runtime" + (
+        f" and {host_bytes / GiB:.3g} GiB for the host tier and routed experts" if host_bytes else "")
+    why = f"what {host_where} leaves ({host_available / GiB:.3f} GiB available) after {kept}"
+    if left < MIN_AUTO_RING_BYTES:
+        return 0, f"{why}: {left >> 20} MiB, less than the {MIN_AUTO_RING_BYTES >> 20} MiB tiered asks for"
+    return left, f"{left / GiB:.3f} GiB: {why}"
 
 
 def gpu_budget(gpu_gb: float | None, gpu_free: int | None) -> int:
