@@ -661,19 +661,24 @@ def test_dbrx_routed_equal_to_stock(ckpts):
 def test_dbrx_one_token_reads_only_routed_experts(ckpts):
     """A decode step of one token reads top-2 of 4 experts per block: each expert is F contiguous rows of each
     flat matrix."""
-    path, ref, ring = _dbrx(ckpts)
-    ids = make_ids(3, (1, 6))
+    sp, n, nbytes = _one_decode_step(*_dbrx(ckpts), make_ids(3, (1, 6)))
+    assert n == 2 * 2  # top-2, 2 blocks
+    assert nbytes == 4 * sp.expert_src_bytes == 4 * 3 * 32 * 64 * 2
+
+
+def _one_decode_step(path, ref, ring, ids):
+    """A prompt of ``ids[:, :-1]``, then one decode step, streamed with experts routed, both bit for bit stock's:
+    (the first routed spec, experts read by the step, expert bytes read by the step)."""
     with tiered.load(path, ring_gb=ring, device="cpu") as m:
         sp = tiered.stats(m).placement.specs[0]
-        got = m(ids[:, :5], use_cache=True)
-        want = ref(ids[:, :5], use_cache=True)
+        got = m(ids[:, :-1], use_cache=True)
+        want = ref(ids[:, :-1], use_cache=True)
         assert torch.equal(got.logits, want.logits)
         before = tiered.stats(m).snapshot()
-        step = m(ids[:, 5:], past_key_values=got.past_key_values, use_cache=True)
+        step = m(ids[:, -1:], past_key_values=got.past_key_values, use_cache=True)
         after = tiered.stats(m).snapshot()
-        assert torch.equal(step.logits, ref(ids[:, 5:], past_key_values=want.past_key_values, use_cache=True).logits)
-        assert after["experts_read"] - before["experts_read"] == 2 * 2  # top-2, 2 blocks
-        assert after["expert_bytes"] - before["expert_bytes"] == 4 * sp.expert_src_bytes == 4 * 3 * 32 * 64 * 2
+        assert torch.equal(step.logits, ref(ids[:, -1:], past_key_values=want.past_key_values, use_cache=True).logits)
+    return sp, after["experts_read"] - before["experts_read"], after["expert_bytes"] - before["expert_bytes"]
 
 
 def test_dbrx_direct_call_equal_to_stock(ckpts):
@@ -772,19 +777,9 @@ def test_llama4_routed_equal_to_stock(ckpts, name):
 
 def test_llama4_one_token_reads_only_picked_experts(ckpts):
     """A decode step of one token reads top-2 of 4 experts per block (their input rows are the nonzero ones)."""
-    path, ref, ring = _llama4(ckpts, "llama4_top2")
-    ids = make_ids(61, (1, 6))
-    with tiered.load(path, ring_gb=ring, device="cpu") as m:
-        sp = tiered.stats(m).placement.specs[0]
-        got = m(ids[:, :5], use_cache=True)
-        want = ref(ids[:, :5], use_cache=True)
-        assert torch.equal(got.logits, want.logits)
-        before = tiered.stats(m).snapshot()
-        step = m(ids[:, 5:], past_key_values=got.past_key_values, use_cache=True)
-        after = tiered.stats(m).snapshot()
-        assert torch.equal(step.logits, ref(ids[:, 5:], past_key_values=want.past_key_values, use_cache=True).logits)
-        assert after["experts_read"] - before["experts_read"] == 2 * 2  # top-2, 2 blocks
-        assert after["expert_bytes"] - before["expert_bytes"] == 4 * sp.expert_src_bytes == 4 * (64 * 64 + 32 * 64) * 2
+    sp, n, nbytes = _one_decode_step(*_llama4(ckpts, "llama4_top2"), make_ids(61, (1, 6)))
+    assert n == 2 * 2  # top-2, 2 blocks
+    assert nbytes == 4 * sp.expert_src_bytes == 4 * (64 * 64 + 32 * 64) * 2
 
 
 def test_llama4_direct_call_equal_to_stock(ckpts):

@@ -544,20 +544,16 @@ def enumerate_jobs(kinds: list[str]) -> list[tuple[str, str, str]]:
     from transformers.models.auto import modeling_auto as ma
 
     jobs, seen = [], set()
-    if "causal" in kinds:
-        for mt, name in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+    for kind, mapping in (("causal", ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                          ("seq2seq", ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)):
+        if kind not in kinds:
+            continue
+        for mt, name in mapping.items():
             if isinstance(name, (list, tuple)):
                 name = name[0]
             if name not in seen:
                 seen.add(name)
-                jobs.append((mt, name, "causal"))
-    if "seq2seq" in kinds:
-        for mt, name in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items():
-            if isinstance(name, (list, tuple)):
-                name = name[0]
-            if name not in seen:
-                seen.add(name)
-                jobs.append((mt, name, "seq2seq"))
+                jobs.append((mt, name, kind))
     if "encoder" in kinds:
         enc = set()
         for mapping in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",):
