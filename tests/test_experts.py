@@ -623,15 +623,20 @@ def _dbrx(ckpts):
     return path, ref, ring_below_layer(ref)
 
 
+def _equal_passes(m, ref, seed: int, passes: int) -> None:
+    """Logits and 4 greedy tokens bit for bit stock's for ``passes`` batches of 2 x 6 ids (seeds from ``seed``)."""
+    for k in range(passes):
+        ids = make_ids(seed + k, (2, 6))
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
+                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
 def _dbrx_check(m, ref, passes: int = 3) -> None:
     """Logits and 4 greedy tokens bit for bit stock's, ``passes`` times; the experts routed and left unbound."""
     s = tiered.stats(m)
     assert s.expert_modules >= 2
-    for k in range(passes):
-        ids = make_ids(40 + k, (2, 6))
-        assert torch.equal(m(ids).logits, ref(ids).logits)
-        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
-                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+    _equal_passes(m, ref, 40, passes)
     for blk in m.transformer.blocks:
         ex = blk.ffn.experts
         assert ex.num_experts == 4
@@ -763,11 +768,7 @@ def test_llama4_routed_equal_to_stock(ckpts, name):
         specs = tiered.stats(m).placement.specs
         assert [sp.module for sp in specs] == [lay.feed_forward.experts for lay in m.model.layers]
         assert all(sp.dense and sp.num_experts == 4 for sp in specs)
-        for k in range(3):
-            ids = make_ids(60 + k, (2, 6))
-            assert torch.equal(m(ids).logits, ref(ids).logits)
-            assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
-                               ref.generate(ids, max_new_tokens=4, do_sample=False))
+        _equal_passes(m, ref, 60, 3)
         for lay in m.model.layers:
             ex = lay.feed_forward.experts
             assert is_placeholder(ex.gate_up_proj) and is_placeholder(ex.down_proj) and ex.num_experts == 4
