@@ -159,13 +159,13 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
     io = choose_io(opts.io, ckpt_bytes, machine)
-    call = _expert_call_bytes(plan, opts, cpu)
+    experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
+    call = _expert_call_bytes(experts, cpu)
     opts, ring_why = _resolve_ring(opts, machine, cpu, call)
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why)
     local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
-    experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
     if experts and job.min(int(policy.fits_whole(plan, opts.ring_bytes, cpu, local))):  # fits on every rank
         experts = {}
     for i, ss in experts.items():
@@ -238,13 +238,13 @@ def place_here(plan: Plan, *, device: str, ckpt_bytes: int, config: Any = None, 
     return place(plan, opts, gather(dev if cuda_here else None), ckpt_bytes=ckpt_bytes, config=config, strict=strict)
 
 
-def _expert_call_bytes(plan: Plan, opts: Options, cpu: bool) -> int:
+def _expert_call_bytes(experts: dict[int, list[ExpertSpec]], cpu: bool) -> int:
     """CPU: host bytes the largest MoE block's routed experts take during its call (every expert: a prefill may pick
-    them all, and Llama 4's dense spec always reads into full tensors), were its experts routed; 0 on CUDA (device
-    memory, counted in the GPU budget) or without routable experts."""
-    if not cpu or not opts.routed_experts:
+    them all, and Llama 4's dense spec always reads into full tensors), were ``experts`` (unit -> its routable
+    experts modules) routed; 0 on CUDA (device memory, counted in the GPU budget) or without routable experts."""
+    if not cpu:
         return 0
-    return max((sp.num_experts * sp.expert_bytes for u in plan.units for sp in find_experts(u)), default=0)
+    return max((sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss), default=0)
 
 
 def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0) -> tuple[Options, str]:
