@@ -15,7 +15,7 @@ from conftest import ROOT, make_ids, run_child, stream
 
 from tiered.errors import HostMemoryError, RingTooSmallError, TieredError
 from tiered.format import encode_header
-from tiered.hostmem import PAGE_SIZE, host_memory_available
+from tiered.hostmem import PAGE_SIZE, host_memory_available, page_up
 from tiered.ring import Ring
 
 PAGE = 4096
@@ -179,9 +179,10 @@ def test_default_ring_fits_what_the_host_leaves(llama_ref, monkeypatch) -> None:
 
 
 def test_default_ring_loads_a_model_larger_than_the_host_leaves(tmp_path: Path, monkeypatch) -> None:
-    """A 2 GiB model of 256 MiB blocks on a host with 1.5 GiB available: the default ring (1 GiB: what is left after
-    the headroom) holds a block, so it loads and streams. Before the change: the default 4 GiB ring (capped at the
-    model's 2 GiB) raised HostMemoryError although ring_gb=1 runs."""
+    """A 2 GiB model of 256 MiB blocks on a host with 1.5 GiB available: the 1 GiB left after the headroom is shared
+    between a ring of prefetch + 1 = 3 blocks and a host tier of the rest (one block), so it loads and streams.
+    Before the change: the default 4 GiB ring (capped at the model's 2 GiB) raised HostMemoryError although
+    ring_gb=1 runs."""
     from torch import nn
 
     import tiered
@@ -205,9 +206,44 @@ def test_default_ring_loads_a_model_larger_than_the_host_leaves(tmp_path: Path, 
     m = tiered.attach(mod, tmp_path, device="cpu")
     try:
         p = tiered.stats(m).placement
-        assert p.ring_gb == 1.0 and len(p.streamed) == n and not p.resident
+        assert p.ring_gb == 0.75 and p.host_gb == 0.25 and not p.resident
+        assert len(p.host) == 1 and len(p.streamed) == n - 1
+        assert p.ring_why.startswith("automatic") and p.host_why.startswith("automatic")
     finally:
         m.close()
+
+
+def test_default_memory_is_shared_between_ring_and_host_tier(llama_ref, monkeypatch) -> None:
+    """Neither ``ring_gb`` nor ``host_gb`` given and the model larger than what the host leaves: the ring takes
+    prefetch + 1 of the largest unit and the host tier the rest (``policy.auto_split``), the total within what the
+    host leaves; logits equal stock's (the host-tier units read once, the others streamed every pass). A host_gb or
+    ring_gb given turns the split off (only the ring is automatic; or no host tier)."""
+    import tiered
+    from tiered import policy
+    from tiered.rows import row_eligible
+
+    d, want = llama_ref
+    monkeypatch.setattr(policy, "MIN_AUTO_RING_BYTES", 4096)  # the test model's units are KiBs
+    with tiered.load(d, device="cpu", ring_gb=64) as m:
+        units = m._tiered.streamer.plan.units
+    model = sum(page_up(u.nbytes) for u in units)
+    largest = max(page_up(u.nbytes) for u in units if not row_eligible(u))
+    total = model - 2 * PAGE_SIZE  # what the host leaves after the headroom: not the whole model
+    _machine_with(monkeypatch, policy.headroom(False) + total)
+    with tiered.load(d, device="cpu") as m:
+        p = tiered.stats(m).placement
+        ring, host = int(p.ring_gb * GiB), int(p.host_gb * GiB)
+        assert ring == 3 * largest and ring + host <= total and host > total - ring - PAGE_SIZE
+        assert p.host and p.streamed and not p.resident
+        with torch.no_grad():
+            assert torch.equal(m(make_ids(0, (2, 10))).logits, want)
+            assert torch.equal(m(make_ids(0, (2, 10))).logits, want)  # a second pass: the host tier as kept
+    with tiered.load(d, device="cpu", host_gb=0) as m:  # a host tier given: only the ring is automatic
+        p = tiered.stats(m).placement
+        assert not p.host and p.ring_gb == total / GiB
+    with tiered.load(d, device="cpu", ring_gb=3 * largest / GiB) as m:  # a ring given: no host tier
+        p = tiered.stats(m).placement
+        assert not p.host and p.host_gb == 0
 
 
 def test_default_ring_refusals_say_why(tmp_path: Path, monkeypatch) -> None:

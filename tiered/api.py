@@ -139,14 +139,14 @@ def attach(
     device: str | torch.device | None = None,
     prefetch: int = 2,
     gpu_gb: float | None = None,
-    io: str = "mmap",
+    io: str = "auto",
     threads: int = 4,
     drop_pages: bool = True,
     drop_page_cache: bool = False,
     progress: bool | None = None,
     embedding_rows: bool = True,
     distributed: bool | Any = False,
-    host_gb: float = 0.0,
+    host_gb: float | None = None,
     routed_experts: bool = True,
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
@@ -190,7 +190,7 @@ def attach(
     job.check_same_plan(plan, (dev.type, embedding_rows, routed_experts))  # the ranks' all-gathers must match
     opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None), job=job)
-    opts = dataclasses.replace(opts, io=p.io, ring_gb=p.ring_gb)  # "auto" and ring_gb=None as resolved
+    opts = dataclasses.replace(opts, io=p.io, ring_gb=p.ring_gb, host_gb=p.host_gb)  # "auto", None: as resolved
     _refuse_inplace_rescale(module, plan, p)
     ensure_atexit()
     materialize_meta_buffers(module, skip={t.key for u in plan.units for t in u.targets}
@@ -372,7 +372,7 @@ def load(
     dtype: torch.dtype | str | None = None,
     prefetch: int = 2,
     gpu_gb: float | None = None,
-    io: str = "mmap",
+    io: str = "auto",
     threads: int = 4,
     model_class: type | str | None = None,
     drop_pages: bool = True,
@@ -380,7 +380,7 @@ def load(
     progress: bool | None = None,
     embedding_rows: bool = True,
     distributed: bool | Any = False,
-    host_gb: float = 0.0,
+    host_gb: float | None = None,
     routed_experts: bool = True,
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,

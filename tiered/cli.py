@@ -44,13 +44,13 @@ __all__ = ["main", "inspect_dir", "build_parser"]
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model_dir(parser, a.model_dir)
     placement = None
-    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb or a.io is not None:
+    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb is not None or a.io is not None:
         from .placement import GBPS
 
         gbps = {k: v for k, v in (("disk", a.disk_gbps), ("page_cache", a.cache_gbps), ("h2d", a.h2d_gbps))
                 if v is not None}
         placement = {"ring_gb": a.ring_gb, "gpu_gb": a.gpu_gb,
-                     "host_gb": a.host_gb, "prefetch": a.prefetch, "io": a.io or "mmap", "gbps": {**GBPS, **gbps}}
+                     "host_gb": a.host_gb, "prefetch": a.prefetch, "io": a.io or "auto", "gbps": {**GBPS, **gbps}}
     with _option_errors_as_usage(parser):
         info = inspect_dir(a.model_dir, dtype=a.dtype, device=a.device, placement=placement,
                            trust_remote_code=a.trust_remote_code)
@@ -299,11 +299,12 @@ def _add_generate_parser(sub: Any) -> None:
     r.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of GPU memory for units kept resident plus the running unit's buffer, as accelerate's "
                    "max_memory counts; the prefetch buffers come on top (default: free memory - 4 GiB, all inside)")
-    r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
+    r.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="GiB of host memory holding streamed units, read once and kept: on CUDA pinned and copied to "
                    "the GPU every token (then routed MoE blocks' experts too), on the CPU computed in place (as "
-                   "accelerate's max_memory['cpu']); no disk read for them after load (default 0: none; host RSS "
-                   "grows by it)")
+                   "accelerate's max_memory['cpu']); no disk read for them after load; host RSS grows by it "
+                   "(default: with --ring-gb not given either, what the host's memory and cgroup limit leave beside "
+                   "the ring when the model does not stay whole; otherwise 0)")
     r.add_argument("--expert-cache-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                    help="MoE models: GiB of routed experts kept on the device between tokens (default: on CUDA what "
                    "--gpu-gb leaves; 0: none)")
@@ -311,10 +312,11 @@ def _add_generate_parser(sub: Any) -> None:
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
                    help="reader threads (default %(default)s)")
-    r.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="mmap",
-                   help="mmap: through the page cache (default); pread: the page cache copied by read(2), "
+    r.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="auto",
+                   help="mmap: through the page cache; pread: the page cache copied by read(2), "
                    "nothing mapped; direct: O_DIRECT, bypasses the page cache; "
-                   "auto: direct when the model does not fit in the page cache (RAM or cgroup memory.max)")
+                   "auto (default): direct when the model does not fit in the page cache (RAM or cgroup memory.max), "
+                   "else mmap")
     g.set_defaults(fn=_cmd_generate, cli_parser=g)
 
 
@@ -337,12 +339,13 @@ def _add_inspect_parser(sub: Any) -> None:
                     help="host ring, GiB (default: tiered.load's, 4 or what this host's memory leaves)")
     pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
                     help="GPU budget, GiB (default: the free memory of this machine's GPU - 4 GiB)")
-    pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=0.0, metavar="GiB",
-                    help="host tier, GiB (default 0; pinned on CUDA)")
+    pg.add_argument("--host-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
+                    help="host tier, GiB (pinned on CUDA; default: tiered.load's, what this host's memory leaves "
+                    "beside the ring when --ring-gb is not given either, else 0)")
     pg.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N", help="units of lookahead (default 2)")
     pg.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default=None,
-                    help="the reader backend, as tiered generate's --io (default mmap, tiered.load's; auto is "
-                    "resolved against this machine's page cache). On the CPU only mmap lets streamed units compute "
+                    help="the reader backend, as tiered generate's --io (default auto, tiered.load's, resolved "
+                    "against this machine's page cache). On the CPU only mmap lets streamed units compute "
                     "on the file mapping (no ring copy; auto: units larger than the ring and its page-cache tier); "
                     "on CUDA direct bypasses the page cache, so the warm prediction is the disk's")
     pg.add_argument("--disk-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",

@@ -113,7 +113,7 @@ class Options:
     dtype: Any = None  # cast on the fly (None: config.json's dtype, as from_pretrained); tiered.load only
     prefetch: int = 2  # units loaded ahead of the one running
     gpu_gb: float | None = None  # GPU budget: resident units + one device buffer (None: free - 4 GiB, all buffers)
-    io: str = "mmap"  # reader: "mmap"/"pread" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
+    io: str = "auto"  # reader: "mmap"/"pread" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
@@ -121,7 +121,7 @@ class Options:
     routed_experts: bool = True  # a streamed MoE block reads only the experts its router picked (tiered/experts.py)
     zero_copy: bool = True  # CPU, io="mmap": streamed units compute on views of the file mapping (no ring copy)
     distributed: Any = False  # True or a ProcessGroup: each torchrun rank streams 1/N of every unit (tiered/dist.py)
-    host_gb: float = 0.0  # host tier, GiB: streamed units read once and kept (CUDA: pinned, copied to the GPU)
+    host_gb: float | None = None  # host tier, GiB: streamed units read once and kept (None: what the host leaves)
     expert_cache_gb: float | None = None  # routed experts kept on the device (None: CUDA, what gpu_gb leaves; CPU 0)
     expert_prefetch: bool = False  # ignored (DeprecationWarning): the speculative expert prefetch was removed
 
@@ -144,10 +144,10 @@ class Options:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (name == "threads"):
                 raise _bad(name, f"{name} must be an {what}, got {v!r}")
-        for name, none in (("gpu_gb", "or None (all that fits)"), ("host_gb", "(0: no host tier)"),
+        for name, none in (("gpu_gb", "or None (all that fits)"), ("host_gb", "(0: no host tier) or None (automatic)"),
                            ("expert_cache_gb", "or None (what gpu_gb leaves)")):
             v = getattr(self, name)
-            if (v is not None or name == "host_gb") and (not _is_number(v) or v < 0):
+            if v is not None and (not _is_number(v) or v < 0):
                 raise _bad(name, f"{name} must be a number of GiB >= 0 {none}, got {v!r}")
         if self.io not in IO_BACKENDS:
             raise _bad("io", f"io={self.io!r}: use 'mmap' (page cache, default), 'pread' (page cache, copied by read(2)), "
@@ -163,7 +163,9 @@ class Options:
 
     @property
     def host_bytes(self) -> int:
-        return int(self.host_gb * GiB)
+        """The host tier asked for, in bytes (0 for ``host_gb=None`` until :func:`tiered.placement.place` resolves
+        it)."""
+        return int((self.host_gb or 0) * GiB)
 
     @property
     def dist_on(self) -> bool:

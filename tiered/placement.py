@@ -102,6 +102,8 @@ class Placement:
     refused: list[str] = field(default_factory=list)  # place(strict=False): why a load would refuse these options
     ring_gb: float = 0.0  # the ring asked for (GiB): ring_gb, or what ring_gb=None resolved to
     ring_why: str = ""  # where ring_gb came from ("given", or policy.auto_ring_bytes's reason)
+    host_gb: float = 0.0  # the host tier asked for (GiB): host_gb, or what host_gb=None resolved to
+    host_why: str = ""  # where host_gb came from ("given", or why tiered chose it: policy.auto_split)
 
     def resident_bytes_of(self, plan: Plan) -> int:
         return sum(plan.units[i].nbytes for i in self.resident)
@@ -161,15 +163,24 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     io = choose_io(opts.io, ckpt_bytes, machine)
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
     call = _expert_call_bytes(experts, cpu)
+    split = opts.ring_gb is None and opts.host_gb is None and dist is None  # both left to tiered: share the memory
     opts, ring_why = _resolve_ring(opts, machine, cpu, call)
-    p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
-                  ring_gb=opts.ring_gb, ring_why=ring_why)
     local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
-    p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
     if experts and job.min(int(policy.fits_whole(plan, opts.ring_bytes, cpu, local))):  # fits on every rank
         experts = {}
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align)
+    host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
+    if split and machine.host_available is not None and not policy.fits_whole(plan, opts.ring_bytes, cpu, local):
+        opts, ring_why, host_why = _split(plan, opts, machine, cpu, local, call if experts else 0, experts)
+    elif opts.host_gb is None:
+        opts = dataclasses.replace(opts, host_gb=0.0)
+        if split:
+            host_why = "none: the whole model stays loaded" if machine.host_available is not None else (
+                "none: host memory unknown here")
+    p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
+                  ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
+    p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
     p.routed = experts
 
     def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank
@@ -261,6 +272,34 @@ def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0) -> 
         fix = "lower host_gb, " if opts.host_gb else ""
         raise HostMemoryError(f"no room for a ring: {why}; {fix}free host memory or raise the memory limit")
     return dataclasses.replace(opts, ring_gb=ring / GiB), f"automatic: {why}"
+
+
+def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, call: int,
+           experts: dict[int, list[ExpertSpec]]) -> tuple[Options, str, str]:
+    """``ring_gb`` and ``host_gb`` both None, and the model does not stay whole with the automatic ring: the memory
+    the host leaves shared between the ring and the host tier (:func:`tiered.policy.auto_split`), as ``opts`` with
+    both resolved and where each came from. ``budget``: the GPU bytes for resident units (CUDA); ``call``: the CPU's
+    routed-experts bytes during a call (kept out of both)."""
+    assert machine.host_available is not None
+    total = max(0, machine.host_available - policy.headroom(not cpu) - call)
+    rows = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
+    need = [u.nbytes for u in plan.units]
+    largest = max((page_up(need[u.index]) for u in plan.units if u.index not in rows), default=0)
+    ring, _ = policy.auto_split(total, largest, opts.prefetch, 0)
+    resident = policy.choose_resident(plan, ring, cpu, budget, policy.buffers_counted(opts.gpu_gb, opts.prefetch),
+                                      rows=rows, slot_need=need)
+    rows -= resident
+    streamed = sum(page_up(need[u.index]) for u in plan.units if u.index not in resident | rows)
+    streamed += sum(HostExperts.bytes_for(sp) for ss in experts.values() for sp in ss)
+    ring, host = policy.auto_split(total, largest, opts.prefetch, streamed)
+    left = (f"what {machine.host_where} leaves ({machine.host_available / GiB:.3f} GiB available) after "
+            f"{policy.headroom(not cpu) >> 20} MiB for the runtime"
+            + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else ""))
+    ring_why = (f"automatic: {ring / GiB:.3f} GiB, prefetch + 1 = {opts.prefetch + 1} of the largest unit it holds "
+                f"({largest / GiB:.3f} GiB), of {left}")
+    host_why = (f"automatic: {host / GiB:.3f} GiB, the rest of {left}"
+                + (" (all the streamed units)" if host >= page_up(streamed) else ""))
+    return dataclasses.replace(opts, ring_gb=ring / GiB, host_gb=host / GiB), ring_why, host_why
 
 
 def _ring_said(opts: Options, p: Placement) -> str:

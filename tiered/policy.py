@@ -18,7 +18,8 @@ from .ring import GiB, gib_up
 __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "HOST_HEADROOM_BYTES",
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
-           "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES"]
+           "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
+           "auto_split"]
 
 #: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
 #: against what the host or cgroup has: a ring that leaves less is refused.
@@ -75,6 +76,28 @@ def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, hos
     if left < MIN_AUTO_RING_BYTES:
         return 0, f"{why}: {left >> 20} MiB, less than the {MIN_AUTO_RING_BYTES >> 20} MiB tiered asks for"
     return left, f"{left / GiB:.3f} GiB: {why}"
+
+
+def auto_split(total: int, largest: int, prefetch: int, streamed: int) -> tuple[int, int]:
+    """``ring_gb`` and ``host_gb`` both left to tiered, and the model does not stay whole: how ``total`` bytes (what
+    :func:`auto_ring_bytes` found the host leaves after the runtime's headroom) are shared between the ring and the
+    host tier, as ``(ring_bytes, host_bytes)``, both page multiples.
+
+    The ring takes ``prefetch + 1`` of the ``largest`` unit it must hold (page-rounded slot bytes): the streamer never
+    holds more than the running unit and ``prefetch`` ahead, so a larger ring would hold nothing more; it takes at
+    most :data:`~tiered.options.DEFAULT_RING_GB` unless one unit needs more, and never less than
+    :data:`MIN_AUTO_RING_BYTES`. The rest goes to the host tier, up to ``streamed`` (the page-rounded slot bytes of
+    the units that would stream): each of its bytes is read once at load instead of on every pass, while a byte
+    more in the ring saves nothing. Measured on the 2-core CPU machine in a 2 GiB cgroup (TinyLlama-1.1B shape, bf16,
+    cold; ``benchmarks/NOTES.md``, issue 23): the 1.2 GiB all in the ring ran at 0.64x accelerate's speed, a 0.25 GiB
+    ring beside a 0.75 GiB host tier at 1.24-1.95x."""
+    from .options import DEFAULT_RING_GB
+
+    want = min((prefetch + 1) * largest, max(int(DEFAULT_RING_GB * GiB), largest))
+    ring = page_up(min(total, max(MIN_AUTO_RING_BYTES, want)))
+    ring = min(ring, total // PAGE_SIZE * PAGE_SIZE)
+    host = max(0, min(total - ring, page_up(streamed))) // PAGE_SIZE * PAGE_SIZE
+    return ring, host
 
 
 def gpu_budget(gpu_gb: float | None, gpu_free: int | None) -> int:
