@@ -195,8 +195,8 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
         runs.insert(1, R("core", "tiered", "streamed-ring", opts={**streamed, "zero_copy": False}, new_tokens=fast))
     runs += four("cold", cache="cold")
     runs += four("limit", cache="cold", limit=True)
-    # tiered with its defaults (issue 23): no ring_gb, the ring chosen from what the limit leaves; gpu_gb as given
-    runs.insert(len(runs) - 3, R("limit", "tiered", "defaults", cache="cold", limit=True,
+    # tiered with its defaults (issue 23): no ring_gb, host_gb or io: chosen from what the limit leaves; gpu_gb as given
+    runs.insert(len(runs) - 3, R("limit", "tiered", "defaults", cache="cold", limit=True, io="auto",
                                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow))
     for key in ckpts:
         if key != "main":

@@ -273,6 +273,8 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "ring_gb": spec.ring_gb,
         "ring_gb_used": model._tiered.opts.ring_gb,  # ring_gb=None resolved (tiered's default)
         "ring_why": getattr(st.placement, "ring_why", None),
+        "host_gb_used": getattr(st.placement, "host_gb", None),  # host_gb=None resolved (tiered's default)
+        "host_why": getattr(st.placement, "host_why", None),
         "ring_high_water_gb": s1["ring_high_water"] / GiB,
         "load_gbps": s0["read_bytes"] / r["load_s"] / 1e9 if r["load_s"] and s0["read_bytes"] else None,
         "load_read_gbps": s0["read_gbps"] or None,

@@ -566,8 +566,11 @@ def test_inspect_says_the_default_ring_here(dirs: dict[str, Path]) -> None:
     assert dr["gb"] == ring / 2**30 > 0 and where in dr["why"]
     r = cli("inspect", d)
     assert r.returncode == 0 and f"default ring here (ring_gb not given): {ring / 2**30:.3g} GiB" in r.stdout, r.stdout
+    assert dr["host_why"].startswith("none: the whole model stays loaded") and dr["io"] == "mmap"
+    assert "default host tier here: 0 GiB (none: the whole model stays loaded); io=auto reads with mmap" in r.stdout
     with tiered.load(d, device="cpu") as m:
-        assert tiered.stats(m).placement.ring_why.startswith("automatic")
+        p = tiered.stats(m).placement
+        assert p.ring_why.startswith("automatic") and (p.host_gb, p.host_why, p.io) == (0, dr["host_why"], dr["io"])
 
 
 def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:

@@ -70,11 +70,11 @@ def test_auto_picks_direct_when_the_model_does_not_fit(room: int, want: str, ckp
 def test_mmap_under_a_small_cgroup_warns(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))
     with pytest.warns(UserWarning, match="io='direct'"):
-        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
+        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01, io="mmap").close()
     monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "MemAvailable"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # plain RAM pressure: no warning
-        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01).close()
+        tiered.load(ckpts["llama"], device="cpu", ring_gb=0.01, io="mmap").close()
 
 
 def test_auto_keeps_a_page_cache_tier_in_the_room_the_limit_leaves(ckpts: Checkpoints,
@@ -210,3 +210,24 @@ def test_auto_probe_times_both_backends_on_every_kind_of_read(ckpts: Checkpoints
             for _ in range(4):
                 assert torch.equal(m(ids).logits, want)
     assert seen["experts"] == {"direct", "pread"} and seen["dense"] == {"direct", "pread"}, dict(seen)
+
+
+def test_stats_say_how_busy_the_disk_was_during_the_passes(ckpts: Checkpoints) -> None:
+    """``tiered.stats`` times the model's passes (``passes``, ``pass_s``) and derives the fraction of that time a read
+    was in flight (``disk_busy``) and the bytes read per pass-second (``pass_read_gbps``): with every read made 30 ms
+    slow, the passes are mostly reading (> 50%); the figures agree with the counters; the summary line says them."""
+    import time
+
+    from tiered import faults
+
+    ids = torch.randint(0, 200, (1, 5), generator=torch.Generator().manual_seed(2))
+    with tiered.load(ckpts["llama"], device="cpu", ring_gb=0.0002, io="pread", zero_copy=False) as m, torch.no_grad():
+        assert tiered.stats(m).snapshot()["disk_busy"] == 0  # no pass yet
+        with faults.inject("read", lambda **_: time.sleep(0.03)):
+            for _ in range(2):
+                m(ids)
+        s = tiered.stats(m).snapshot()
+        assert s["passes"] == 2 and s["pass_s"] > 0
+        assert s["disk_busy"] == s["read_s"] / s["pass_s"] > 0.5
+        assert s["pass_read_gbps"] == (s["read_bytes"] - s["load_bytes"]) / s["pass_s"] / 1e9 > 0
+        assert f"passes 2 in {s['pass_s']:.2f} s" in str(tiered.stats(m))

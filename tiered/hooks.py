@@ -3,6 +3,7 @@ forward hooks that bind a streamed unit for the length of a module's call (:func
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class _TieredMixin:
             depth = h.depth  # restored, not decremented: right wherever an interrupt lands
             if depth == 0 and h.streamer is not None:
                 h.streamer.release_all()  # what an interrupted earlier call may have left
+            t0 = time.perf_counter()
             try:
                 h.depth = depth + 1
                 return super().__call__(*args, **kwargs)
@@ -39,6 +41,7 @@ class _TieredMixin:
                 h.depth = depth
                 if depth == 0 and h.streamer is not None:
                     h.streamer.release_all()
+                    h.stats.add_pass(time.perf_counter() - t0)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``transformers``' ``generate``; distributed (several ranks), ``synced_gpus`` defaults to True: a

@@ -96,7 +96,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
         "ring_free_units": len(plan.units) - len(in_ring),
         # what ring_gb=None picks on this machine, and why (beside the host tier asked for)
-        "default_ring": _default_ring(device, (placement or {}).get("host_gb") or 0.0),
+        "default_ring": _default_ring(model_dir, dtype, device, trust_remote_code, (placement or {}).get("host_gb")),
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -225,15 +225,35 @@ def flags_for_options(message: str) -> str:
     return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
-def _default_ring(device: str, host_gb: float) -> dict:
-    """The ring ``tiered.load`` takes here when ``ring_gb`` is not given (:func:`tiered.policy.auto_ring_bytes`, beside
-    ``host_gb``), from this machine's ``MemAvailable`` and cgroup limits now."""
+def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_code: bool,
+                  host_gb: float | None) -> dict:
+    """What ``tiered.load`` takes here when ``ring_gb`` (and ``host_gb``, unless given) is not given, from this
+    machine's ``MemAvailable`` and cgroup limits now: ``{"gb", "why"}`` the ring (:func:`tiered.policy.auto_ring_bytes`
+    beside ``host_gb``) and, where the default placement can be made here (the CPU, or CUDA on a machine with a GPU),
+    ``host_gb``/``host_why`` (:func:`tiered.policy.auto_split`) and ``io`` (``"auto"`` resolved), as
+    :func:`tiered.placement.place` makes them; ``error``: why a load with the defaults would refuse."""
+    from .errors import TieredError
     from .hostmem import host_memory_available
+    from .placement import place_here
     from .policy import auto_ring_bytes
 
     avail, where = host_memory_available()
-    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), int(host_gb * GiB))
-    return {"gb": ring / GiB, "why": why}
+    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), int((host_gb or 0) * GiB))
+    out: dict = {"gb": ring / GiB, "why": why}
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return out
+    config, ckpt, plan = _plan_for(model_dir, dtype, device, trust_remote_code)
+    try:
+        pl = place_here(plan, device=device, ckpt_bytes=ckpt.nbytes, config=config, strict=False,
+                        **({"host_gb": host_gb} if host_gb is not None else {}))
+    except TieredError as e:
+        return {**out, "error": f"{type(e).__name__}: {e}"}
+    out.update(gb=pl.ring_gb, why=pl.ring_why.removeprefix("automatic: "), host_gb=pl.host_gb, host_why=pl.host_why,
+               io=pl.io, refused=pl.refused)
+    return out
 
 
 def print_inspect(info: dict, a: Any, placement: dict | None) -> None:
@@ -278,6 +298,11 @@ def _print_checkpoint(info: dict, a: Any) -> None:
     dr = info["default_ring"]
     print(f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB ({dr['why']})" if dr["gb"] else
           f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
+    if "host_gb" in dr:
+        print(f"default host tier here: {dr['host_gb']:.3g} GiB ({dr['host_why']}); io=auto reads with "
+              f"{dr['io']} here" + "".join(f"; a load with the defaults would refuse: {r}" for r in dr["refused"]))
+    elif "error" in dr:
+        print(f"a load with the defaults would refuse here: {dr['error']}")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "
           f"{info['units_contiguous_on_disk']}/{len(units)} units contiguous on disk; data sections "
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"

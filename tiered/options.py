@@ -42,7 +42,10 @@ OPTION_DOCS = """\
             Default ``None``: :data:`DEFAULT_RING_GB` (4), or less where the host cannot give that — what
             ``MemAvailable`` and every cgroup ``memory.max`` above the process leave after the runtime's headroom
             and ``host_gb`` (:func:`tiered.policy.auto_ring_bytes`; ``tiered.stats(model).placement.ring_why`` says
-            which). A number given is a hard limit: more than the host can give is a ``HostMemoryError``.
+            which). With ``host_gb`` not given either and a model that does not stay whole, the ring takes
+            ``prefetch + 1`` of the largest unit and the host tier the rest of that memory
+            (:func:`tiered.policy.auto_split`). A number given is a hard limit: more than the host can give is a
+            ``HostMemoryError``.
         device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
             default: ``from_pretrained``'s (``"auto"``: ``config.json``'s dtype, else the checkpoint's).
@@ -52,11 +55,12 @@ OPTION_DOCS = """\
             ``prefetch`` other device buffers (each the largest streamed unit) come on top. Default: free memory
             minus 4 GiB, all ``prefetch + 1`` buffers inside it. When the whole model fits, it is loaded once
             through the ring and stays.
-        io: reader backend: ``"mmap"`` (default; through the page cache, pages dropped from the process
+        io: reader backend: ``"mmap"`` (through the page cache, pages dropped from the process
             after each copy), ``"pread"`` (through the page cache with buffered ``preadv`` straight into the ring:
             no file page is mapped into the process), ``"direct"`` (``O_DIRECT`` reads: no page cache at all;
             cold-cache and cgroup use)
-            or ``"auto"`` (``direct`` when the checkpoint is larger than the page cache can hold:
+            or ``"auto"`` (the default: ``mmap`` where the checkpoint fits the page cache, ``direct`` where it is
+            larger than the page cache can hold:
             MemAvailable or the cgroup's limit, v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; measured on an H200
             in a 3 GiB cgroup, GPT-J-6B: 6.0 s/token direct vs 10.7 s/token mmap). On the CPU ``"auto"`` then also
             keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
@@ -90,7 +94,9 @@ OPTION_DOCS = """\
             (no read after the router; ``tiered.experts.HostExperts``). On the CPU the units compute in place
             (as accelerate's ``max_memory["cpu"]`` keeps weights in RAM): ``ring_gb + host_gb`` is the memory
             to compare with accelerate's. Peak host RSS is bounded by ``ring_gb + host_gb`` plus a constant.
-            Default 0: no host tier.
+            Default ``None``: with ``ring_gb`` not given either, what the host leaves beside the automatic ring when
+            the model does not stay whole (``ring_gb`` above; ``tiered.stats(model).placement.host_why``), else 0: no
+            host tier. 0: none.
         expert_cache_gb: GiB of device memory keeping routed experts between calls (``tiered/expert_cache.py``):
             a call that picks a cached expert copies it device to device instead of reading it. None (default):
             on CUDA, what ``gpu_gb`` leaves after resident units and device buffers, less one block's experts

@@ -144,6 +144,13 @@ class Stats:
     h2d_*: ring -> GPU (bytes copied, seconds measured with CUDA events on the copy stream; every copy
         that was made, read-ahead ones included).
     stall_s: seconds the caller waited for a unit that was not ready yet.
+    passes, pass_s: the model's outermost calls (forward passes, each ``generate`` step one) and their wall seconds
+        (``time.perf_counter`` around ``model(...)``, on the caller's thread). ``snapshot()["disk_busy"]`` is
+        ``read_s / pass_s`` (the loader reads one unit at a time, so ``read_s`` is the time a read was in flight;
+        read-ahead between passes can take it above 1), ``snapshot()["pass_read_gbps"]`` the bytes read after load
+        per second of pass: what a cold pass gets from the disk, to hold against the disk's ceiling
+        (``benchmarks/ceilings.py``). Both 0 where they mean nothing (no pass yet; CPU zero copy, whose reads are
+        page faults inside the compute, untimed).
     embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
         reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
         ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
@@ -182,6 +189,8 @@ class Stats:
 
     read_bytes: int = 0
     read_s: float = 0.0
+    pass_s: float = 0.0
+    passes: int = 0
     load_bytes: int = 0
     streamed_bytes: int = 0
     h2d_bytes: int = 0
@@ -245,6 +254,12 @@ class Stats:
             self.read_s += seconds
             if resident:
                 self.load_bytes += nbytes
+
+    def add_pass(self, seconds: float) -> None:
+        """One outermost call of the model took ``seconds`` (the caller's thread)."""
+        with self._lock:
+            self.passes += 1
+            self.pass_s += seconds
 
     def add_streamed(self, nbytes: int) -> None:
         """A forward pass bound a streamed unit read from ``nbytes`` of the checkpoint."""
@@ -322,6 +337,9 @@ class Stats:
         d["expert_prefetch_accuracy"] = 0.0  # expert_prefetch was removed
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
+        timed = d["pass_s"] and not d["mapped_units"]
+        d["disk_busy"] = d["read_s"] / d["pass_s"] if timed else 0.0
+        d["pass_read_gbps"] = (d["read_bytes"] - d["load_bytes"]) / d["pass_s"] / GB if timed else 0.0
         st = proc_status()
         d["rss"] = st.get("VmRSS", 0)
         d["peak_rss"] = st.get("VmHWM", 0)
@@ -371,6 +389,9 @@ class Stats:
                          f"{gb(s['host_used_bytes'])} used by passes")
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
+        if s["disk_busy"] and s["streamed_bytes"]:
+            parts.append(f"passes {s['passes']} in {s['pass_s']:.2f} s: read {gbps(s['read_bytes'] - s['load_bytes'], s['pass_s'])} "
+                         f"per pass-second, a read in flight {s['disk_busy']:.0%} of the time")
         parts += [
             f"stalls {s['stall_s']:.2f} s",
             f"hits/misses {s['hits']}/{s['misses']}",
