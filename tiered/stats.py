@@ -390,8 +390,9 @@ class Stats:
         if s["world_size"] > 1:
             parts.append(f"{s['world_size']} ranks: {gb(s['gathered_bytes'])} all-gathered from the others")
         if s["disk_busy"] and s["streamed_bytes"]:
-            parts.append(f"passes {s['passes']} in {s['pass_s']:.2f} s: read {gbps(s['read_bytes'] - s['load_bytes'], s['pass_s'])} "
-                         f"per pass-second, a read in flight {s['disk_busy']:.0%} of the time")
+            rate = gbps(s["read_bytes"] - s["load_bytes"], s["pass_s"])
+            parts.append(f"passes {s['passes']} in {s['pass_s']:.2f} s: read {rate} per pass-second, a read in "
+                         f"flight {s['disk_busy']:.0%} of the time")
         parts += [
             f"stalls {s['stall_s']:.2f} s",
             f"hits/misses {s['hits']}/{s['misses']}",
