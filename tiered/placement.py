@@ -295,10 +295,14 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     left = (f"what {machine.host_where} leaves ({machine.host_available / GiB:.3f} GiB available) after "
             f"{policy.headroom(not cpu) >> 20} MiB for the runtime"
             + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else ""))
-    ring_why = (f"automatic: {ring / GiB:.3f} GiB, prefetch + 1 = {opts.prefetch + 1} of the largest unit it holds "
-                f"({largest / GiB:.3f} GiB), of {left}")
+    units = f"prefetch + 1 = {opts.prefetch + 1} of the largest unit it holds ({largest / GiB:.3f} GiB)"
+    if ring + host < total or host:  # the ring got what it asks for
+        ring_why = f"automatic: {ring / GiB:.3f} GiB, {units}, of {left}"
+    else:
+        ring_why = f"automatic: {ring / GiB:.3f} GiB, all of {left} (less than {units})"
     host_why = (f"automatic: {host / GiB:.3f} GiB, the rest of {left}"
-                + (" (all the streamed units)" if host >= page_up(streamed) else ""))
+                + (" (all the streamed units)" if host >= page_up(streamed) else "")) if host else (
+        "automatic: none, the ring takes all the host leaves")
     return dataclasses.replace(opts, ring_gb=ring / GiB, host_gb=host / GiB), ring_why, host_why
 
 
