@@ -231,3 +231,52 @@ def test_stats_say_how_busy_the_disk_was_during_the_passes(ckpts: Checkpoints) -
         assert s["disk_busy"] == s["read_s"] / s["pass_s"] > 0.5
         assert s["pass_read_gbps"] == (s["read_bytes"] - s["load_bytes"]) / s["pass_s"] / 1e9 > 0
         assert f"passes 2 in {s['pass_s']:.2f} s" in str(tiered.stats(m))
+    with faults.inject("read", lambda **_: time.sleep(0.03)):  # reads at load only: the whole model resident
+        m = tiered.load(ckpts["llama"], device="cpu", ring_gb=1, io="pread", zero_copy=False)
+    with m, torch.no_grad():
+        m(ids)
+        s = tiered.stats(m).snapshot()
+        assert s["load_read_s"] == s["read_s"] > 0 and s["disk_busy"] == 0  # not the load's reads
+
+
+def test_auto_keeps_the_mapping_for_a_linear_unit_larger_than_the_ring(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default io="auto" on the CPU with a checkpoint larger than the page cache's room would read O_DIRECT into
+    the ring, which must then hold every unit whole; a linear unit larger than the ring runs on the file mapping in
+    pieces of rows (as io="mmap" does). So auto keeps the mapping there instead of refusing what mmap runs (found by
+    review: the io="auto" default refused a model the old io="mmap" default ran). Outputs equal the module's own."""
+    import safetensors.torch
+    from torch import nn
+
+    from tiered.machine import Machine
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(512, 512, bias=False) for _ in range(8))  # 1 MiB each
+            self.head = nn.Linear(512, 6144, bias=False)  # 12 MiB
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"blocks.{i}.weight": torch.randn(512, 512, generator=g) * 0.04 for i in range(8)}
+    sd["head.weight"] = torch.randn(6144, 512, generator=g) * 0.04
+    safetensors.torch.save_file(sd, str(tmp_path / "model.safetensors"))
+    ref = M()
+    ref.load_state_dict(sd)
+    x = torch.randn(3, 512, generator=g)
+    with torch.no_grad():
+        want = ref(x)
+    monkeypatch.setattr(tiered.policy, "MIN_AUTO_RING_BYTES", 4096)
+    fake = Machine(host_available=tiered.policy.headroom(False) + (8 << 20), host_where="cgroup /t memory.max",
+                   page_cache_room=8 << 20, page_cache_where="cgroup /t memory.max")
+    monkeypatch.setattr(tiered.api, "gather", lambda dev=None, **kw: fake)
+    with torch.device("meta"):
+        mod = M()
+    with tiered.attach(mod, tmp_path, device="cpu") as m, torch.no_grad():
+        p = tiered.stats(m).placement
+        assert p.io == "mmap" and p.linear_pieces and not p.io_probe
+        assert torch.equal(m(x), want)

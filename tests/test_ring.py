@@ -316,3 +316,59 @@ def test_page_size_has_one_definition() -> None:
     src = "\n".join((ROOT / "tiered" / f).read_text() for f in os.listdir(ROOT / "tiered") if f.endswith(".py"))
     assert "4095" not in src and "// 4096" not in src and "mmap.PAGESIZE" in (ROOT / "tiered/hostmem.py").read_text()
 
+
+
+def test_default_split_keeps_routed_experts_in_the_host_tier(ckpts, monkeypatch) -> None:
+    """A MoE model whose dense part fits but not its experts: the default split still runs (routed experts are read
+    from disk on every call otherwise) and the host tier takes the experts the memory left holds; greedy tokens equal
+    stock's. Before the fix: "none: the whole model stays loaded" and every expert re-read each token."""
+    import transformers
+
+    import tiered
+    from tiered import policy
+
+    d = ckpts["mixtral_fp32"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = make_ids(1, (1, 5))
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+    monkeypatch.setattr(policy, "MIN_AUTO_RING_BYTES", 4096)
+    from tiered.format import open_checkpoint
+
+    _machine_with(monkeypatch, policy.headroom(False) + int(open_checkpoint(d).nbytes * 0.9))
+    with tiered.load(d, device="cpu") as m, torch.no_grad():
+        p = tiered.stats(m).placement
+        assert p.routed and p.host_experts and p.host_why.startswith("automatic"), p.host_why
+        assert torch.equal(m.generate(ids, max_new_tokens=3, do_sample=False), want)
+        assert tiered.stats(m).experts_from_host > 0
+
+
+def test_default_ring_says_when_it_took_all_that_is_left(tmp_path: Path, monkeypatch) -> None:
+    """Host memory is counted in KiB (MemAvailable), so what is left is rarely whole pages: a ring capped by it says
+    so ("all of ..."), not that it got prefetch + 1 units."""
+    from torch import nn
+
+    from tiered import policy
+    from tiered.machine import Machine
+    from tiered.options import Options
+    from tiered.placement import place
+    from tiered.plan import build_plan
+
+    n, rows = 8, 8192
+    block = rows * 8192 * 4  # 256 MiB
+    head = encode_header([(f"blocks.{i}.weight", torch.float32, (rows, 8192), block) for i in range(n)],
+                         {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + n * block)
+    with torch.device("meta"):
+        mod = nn.Module()
+        mod.blocks = nn.ModuleList(nn.Linear(8192, rows, bias=False) for _ in range(n))
+    from tiered.format import open_checkpoint
+
+    ckpt = open_checkpoint(tmp_path)
+    machine = Machine(host_available=policy.headroom(False) + (600 << 20) + 1024, host_where="MemAvailable")
+    p = place(build_plan(mod, ckpt, align=64), Options(device="cpu"), machine, ckpt_bytes=ckpt.nbytes, strict=False)
+    assert p.ring_why.startswith("automatic: 0.586 GiB, all of what MemAvailable leaves"), p.ring_why
+    assert "it asks for prefetch + 1 = 3 of the largest unit it holds (0.250 GiB)" in p.ring_why
+    assert p.host_why == "automatic: none, the ring takes all the host leaves"

@@ -96,7 +96,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
         "ring_free_units": len(plan.units) - len(in_ring),
         # what ring_gb=None picks on this machine, and why (beside the host tier asked for)
-        "default_ring": _default_ring(model_dir, dtype, device, trust_remote_code, (placement or {}).get("host_gb")),
+        "default_ring": _default_ring(model_dir, dtype, device, trust_remote_code,
+                                      {k: v for k, v in (placement or {}).items()
+                                       if k in ("host_gb", "gpu_gb", "prefetch") and v is not None}),
         "units_contiguous_on_disk": contiguous,
         "stream_ordered": ordered,
         "data_aligned_4k": aligned,
@@ -225,20 +227,20 @@ def flags_for_options(message: str) -> str:
     return _OPTION_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
-def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_code: bool,
-                  host_gb: float | None) -> dict:
+def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_code: bool, given: dict) -> dict:
     """What ``tiered.load`` takes here when ``ring_gb`` (and ``host_gb``, unless given) is not given, from this
-    machine's ``MemAvailable`` and cgroup limits now: ``{"gb", "why"}`` the ring (:func:`tiered.policy.auto_ring_bytes`
-    beside ``host_gb``) and, where the default placement can be made here (the CPU, or CUDA on a machine with a GPU),
-    ``host_gb``/``host_why`` (:func:`tiered.policy.auto_split`) and ``io`` (``"auto"`` resolved), as
-    :func:`tiered.placement.place` makes them; ``error``: why a load with the defaults would refuse."""
+    machine's ``MemAvailable`` and cgroup limits now, with the options ``given`` (``host_gb``, ``gpu_gb``,
+    ``prefetch``): ``{"gb", "why"}`` the ring (:func:`tiered.policy.auto_ring_bytes` beside ``host_gb``) and, where
+    the default placement can be made here (the CPU, or CUDA on a machine with a GPU), ``host_gb``/``host_why``
+    (:func:`tiered.policy.auto_split`) and ``io`` (``"auto"`` resolved), as :func:`tiered.placement.place` makes them;
+    ``error``: why a load with the defaults would refuse."""
     from .errors import TieredError
     from .hostmem import host_memory_available
     from .placement import place_here
     from .policy import auto_ring_bytes
 
     avail, where = host_memory_available()
-    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), int((host_gb or 0) * GiB))
+    ring, why = auto_ring_bytes(avail, where, device.startswith("cuda"), int((given.get("host_gb") or 0) * GiB))
     out: dict = {"gb": ring / GiB, "why": why}
     if device.startswith("cuda"):
         import torch
@@ -247,8 +249,7 @@ def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_
             return out
     config, ckpt, plan = _plan_for(model_dir, dtype, device, trust_remote_code)
     try:
-        pl = place_here(plan, device=device, ckpt_bytes=ckpt.nbytes, config=config, strict=False,
-                        **({"host_gb": host_gb} if host_gb is not None else {}))
+        pl = place_here(plan, device=device, ckpt_bytes=ckpt.nbytes, config=config, strict=False, **given)
     except TieredError as e:
         return {**out, "error": f"{type(e).__name__}: {e}"}
     out.update(gb=pl.ring_gb, why=pl.ring_why.removeprefix("automatic: "), host_gb=pl.host_gb, host_why=pl.host_why,
@@ -340,7 +341,8 @@ def _print_placement(info: dict, placement: dict | None) -> None:
         gpu = ("n/a" if pl["device"] == "cpu" else "free memory - 4 GiB") if o["gpu_gb"] is None else f"{o['gpu_gb']} GiB"
         io = o["io"] if o["io"] == pl["io"] else f"{o['io']} -> {pl['io']}"  # "auto" as tiered.load resolves it here
         ring = f"{pl['ring_gb']:.4g}" if o["ring_gb"] is not None else f"{pl['ring_gb']:.4g} ({pl['ring_why']})"
-        print(f"placement ({pl['device']}, ring_gb={ring}, gpu_gb={gpu}, host_gb={o['host_gb']}, "
+        host = f"{pl['host_gb']:.4g}" if o["host_gb"] is not None else f"{pl['host_gb']:.4g} ({pl['host_why']})"
+        print(f"placement ({pl['device']}, ring_gb={ring}, gpu_gb={gpu}, host_gb={host}, "
               f"prefetch={o['prefetch']}, io={io}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
               f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
               f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"

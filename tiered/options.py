@@ -156,9 +156,9 @@ class Options:
             if v is not None and (not _is_number(v) or v < 0):
                 raise _bad(name, f"{name} must be a number of GiB >= 0 {none}, got {v!r}")
         if self.io not in IO_BACKENDS:
-            raise _bad("io", f"io={self.io!r}: use 'mmap' (page cache, default), 'pread' (page cache, copied by read(2)), "
-                             "'direct' (O_DIRECT, bypasses the page cache) or 'auto' (direct when the model does not "
-                             "fit in the page cache room)")
+            raise _bad("io", f"io={self.io!r}: use 'mmap' (page cache), 'pread' (page cache, copied by read(2)), "
+                             "'direct' (O_DIRECT, bypasses the page cache) or 'auto' (the default: direct when the model "
+                             "does not fit in the page cache room, else mmap)")
 
     @property
     def ring_bytes(self) -> int:

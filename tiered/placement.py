@@ -40,7 +40,7 @@ from . import dist as _dist
 from . import policy
 from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .expert_spec import top_k_of
-from .experts import ExpertSpec, HostExperts, find_experts, route_out, slot_layout
+from .experts import STAGING_BYTES, ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import page_up
 from .linear_pieces import linear_piece_eligible, piece_rows_for
 from .machine import Machine
@@ -171,7 +171,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align)
     host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
-    if split and machine.host_available is not None and not policy.fits_whole(plan, opts.ring_bytes, cpu, local):
+    if split and machine.host_available is not None and (experts or not policy.fits_whole(plan, opts.ring_bytes, cpu,
+                                                                                          local)):
         opts, ring_why, host_why = _split(plan, opts, machine, cpu, local, call if experts else 0, experts)
     elif opts.host_gb is None:
         opts = dataclasses.replace(opts, host_gb=0.0)
@@ -191,6 +192,11 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
 
     need = slot_need(dist.rank if dist else None)
     p.ring_bytes = _ring_bytes(opts.ring_bytes, need)
+    if cpu and opts.io == "auto" and p.io == "direct" and dist is None and opts.zero_copy and opts.drop_pages and any(
+            page_up(need[u.index]) > p.ring_bytes and linear_piece_eligible(u) for u in plan.units):
+        # O_DIRECT copies each unit into the ring whole; a linear unit larger than the ring runs only on the file
+        # mapping, in pieces of rows (tiered/linear_pieces.py): keep the mapping rather than refuse what mmap runs
+        p.io, p.io_probe = "mmap", False
     p.gpu_budget = local if cpu else job.min(local)  # one budget for all ranks: the smallest
     ring_min = job.min(opts.ring_bytes)  # every rank places with the smallest ring (rank 0's choice must fit all)
     ring_room = min(_ring_bytes(ring_min, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
@@ -285,6 +291,11 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     rows = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
     need = [u.nbytes for u in plan.units]
     largest = max((page_up(need[u.index]) for u in plan.units if u.index not in rows), default=0)
+    want = policy.auto_ring_want(largest, opts.prefetch)
+    staging = 0
+    if experts and not cpu:  # CUDA: routed experts' pinned staging comes beside the ring (tiered.api._build)
+        staging = page_up(min(STAGING_BYTES, max(16 << 20, min(want, total) // 2)))
+        total = max(0, total - staging)
     ring, _ = policy.auto_split(total, largest, opts.prefetch, 0)
     resident = policy.choose_resident(plan, ring, cpu, budget, policy.buffers_counted(opts.gpu_gb, opts.prefetch),
                                       rows=rows, slot_need=need)
@@ -295,14 +306,24 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     left = (f"what {machine.host_where} leaves ({machine.host_available / GiB:.3f} GiB available) after "
             f"{policy.headroom(not cpu) >> 20} MiB for the runtime"
             + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else ""))
-    units = f"prefetch + 1 = {opts.prefetch + 1} of the largest unit it holds ({largest / GiB:.3f} GiB)"
-    if ring + host < total or host:  # the ring got what it asks for
+    if staging:
+        left += f" and {staging / GiB:.3g} GiB of pinned staging for routed experts"
+    n = opts.prefetch + 1
+    units = (f"prefetch + 1 = {n} of the largest unit it holds ({largest / GiB:.3f} GiB)"
+             if want == page_up(n * largest) else
+             f"at most {gib_up(want)} GiB: the default ring, or the largest unit it holds ({largest / GiB:.3f} GiB)"
+             if want < page_up(n * largest) else f"at least {policy.MIN_AUTO_RING_BYTES >> 20} MiB")
+    if ring >= want:  # the ring got what it asks for
         ring_why = f"automatic: {ring / GiB:.3f} GiB, {units}, of {left}"
     else:
-        ring_why = f"automatic: {ring / GiB:.3f} GiB, all of {left} (less than {units})"
-    host_why = (f"automatic: {host / GiB:.3f} GiB, the rest of {left}"
-                + (" (all the streamed units)" if host >= page_up(streamed) else "")) if host else (
-        "automatic: none, the ring takes all the host leaves")
+        ring_why = f"automatic: {ring / GiB:.3f} GiB, all of {left} (it asks for {units})"
+    if host:
+        host_why = (f"automatic: {host / GiB:.3f} GiB, the rest of {left}"
+                    + (" (all the streamed units)" if host >= page_up(streamed) else ""))
+    elif not streamed:
+        host_why = "automatic: none, nothing streams"
+    else:
+        host_why = "automatic: none, the ring takes all the host leaves"
     return dataclasses.replace(opts, ring_gb=ring / GiB, host_gb=host / GiB), ring_why, host_why
 
 

@@ -19,7 +19,7 @@ __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
            "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
-           "auto_split"]
+           "auto_split", "auto_ring_want"]
 
 #: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
 #: against what the host or cgroup has: a ring that leaves less is refused.
@@ -78,6 +78,15 @@ def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, hos
     return left, f"{left / GiB:.3f} GiB: {why}"
 
 
+def auto_ring_want(largest: int, prefetch: int) -> int:
+    """The ring :func:`auto_split` asks for (bytes): ``prefetch + 1`` of the ``largest`` unit, at most
+    :data:`~tiered.options.DEFAULT_RING_GB` unless one unit needs more, at least :data:`MIN_AUTO_RING_BYTES`, in whole
+    pages."""
+    from .options import DEFAULT_RING_GB
+
+    return page_up(max(MIN_AUTO_RING_BYTES, min((prefetch + 1) * largest, max(int(DEFAULT_RING_GB * GiB), largest))))
+
+
 def auto_split(total: int, largest: int, prefetch: int, streamed: int) -> tuple[int, int]:
     """``ring_gb`` and ``host_gb`` both left to tiered, and the model does not stay whole: how ``total`` bytes (what
     :func:`auto_ring_bytes` found the host leaves after the runtime's headroom) are shared between the ring and the
@@ -91,11 +100,7 @@ def auto_split(total: int, largest: int, prefetch: int, streamed: int) -> tuple[
     more in the ring saves nothing. Measured on the 2-core CPU machine in a 2 GiB cgroup (TinyLlama-1.1B shape, bf16,
     cold; ``benchmarks/NOTES.md``, issue 23): the 1.2 GiB all in the ring ran at 0.64x accelerate's speed, a 0.25 GiB
     ring beside a 0.75 GiB host tier at 1.24-1.95x."""
-    from .options import DEFAULT_RING_GB
-
-    want = min((prefetch + 1) * largest, max(int(DEFAULT_RING_GB * GiB), largest))
-    ring = page_up(min(total, max(MIN_AUTO_RING_BYTES, want)))
-    ring = min(ring, total // PAGE_SIZE * PAGE_SIZE)
+    ring = min(auto_ring_want(largest, prefetch), total // PAGE_SIZE * PAGE_SIZE)
     host = max(0, min(total - ring, page_up(streamed))) // PAGE_SIZE * PAGE_SIZE
     return ring, host
 

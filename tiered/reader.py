@@ -1,6 +1,7 @@
 """Readers: copy a unit's checkpoint spans from the shards into its ring slot.
 
-Backend ``"mmap"`` (default): each shard is opened and mapped once, read-only, with
+Backend ``"mmap"`` (the reader's default; ``tiered.load``'s ``io="auto"`` picks it where the model fits the page
+cache): each shard is opened and mapped once, read-only, with
 ``MADV_SEQUENTIAL``. After a span is copied into the ring, its pages are dropped from the process
 with ``madvise(MADV_DONTNEED)`` — pages touched through a mapping count in RSS (``RssFile``) until
 dropped, which is the classic way to break a memory bound. ``drop_page_cache=True`` also asks the

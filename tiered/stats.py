@@ -145,12 +145,13 @@ class Stats:
         that was made, read-ahead ones included).
     stall_s: seconds the caller waited for a unit that was not ready yet.
     passes, pass_s: the model's outermost calls (forward passes, each ``generate`` step one) and their wall seconds
-        (``time.perf_counter`` around ``model(...)``, on the caller's thread). ``snapshot()["disk_busy"]`` is
-        ``read_s / pass_s`` (the loader reads one unit at a time, so ``read_s`` is the time a read was in flight;
-        read-ahead between passes can take it above 1), ``snapshot()["pass_read_gbps"]`` the bytes read after load
-        per second of pass: what a cold pass gets from the disk, to hold against the disk's ceiling
-        (``benchmarks/ceilings.py``). Both 0 where they mean nothing (no pass yet; CPU zero copy, whose reads are
-        page faults inside the compute, untimed).
+        (``time.perf_counter`` around ``model(...)``, on the caller's thread; an encoder-decoder's ``generate`` calls
+        its encoder directly, outside them). ``snapshot()["disk_busy"]`` is ``(read_s - load_read_s) / pass_s`` (the
+        loader reads one unit at a time, so that is the time a read was in flight after load; read-ahead between
+        passes can take it above 1), ``snapshot()["pass_read_gbps"]`` the bytes read after load per second of pass:
+        what a cold pass gets from the disk, to hold against the disk's ceiling (``benchmarks/ceilings.py``). Both 0
+        where they mean nothing (no pass yet; CPU zero copy, whose reads are page faults inside the compute, and
+        routed experts, read on the model's thread: untimed). ``load_read_s``: the seconds of the reads at load.
     embedding_bytes: bytes of embedding rows read on demand (``tiered/rows.py``: a streamed embedding
         reads only the rows its ids look up); also counted in ``read_bytes`` and ``streamed_bytes``.
         ``row_units``: embeddings streamed that way (not in the ring, not counted in ``units_streamed``).
@@ -189,6 +190,7 @@ class Stats:
 
     read_bytes: int = 0
     read_s: float = 0.0
+    load_read_s: float = 0.0
     pass_s: float = 0.0
     passes: int = 0
     load_bytes: int = 0
@@ -254,6 +256,7 @@ class Stats:
             self.read_s += seconds
             if resident:
                 self.load_bytes += nbytes
+                self.load_read_s += seconds
 
     def add_pass(self, seconds: float) -> None:
         """One outermost call of the model took ``seconds`` (the caller's thread)."""
@@ -337,8 +340,8 @@ class Stats:
         d["expert_prefetch_accuracy"] = 0.0  # expert_prefetch was removed
         d["read_gbps"] = d["read_bytes"] / d["read_s"] / GB if d["read_s"] else 0.0
         d["h2d_gbps"] = d["h2d_bytes"] / d["h2d_s"] / GB if d["h2d_s"] else 0.0
-        timed = d["pass_s"] and not d["mapped_units"]
-        d["disk_busy"] = d["read_s"] / d["pass_s"] if timed else 0.0
+        timed = d["pass_s"] and not d["mapped_units"] and not d["expert_modules"]
+        d["disk_busy"] = (d["read_s"] - d["load_read_s"]) / d["pass_s"] if timed else 0.0
         d["pass_read_gbps"] = (d["read_bytes"] - d["load_bytes"]) / d["pass_s"] / GB if timed else 0.0
         st = proc_status()
         d["rss"] = st.get("VmRSS", 0)
