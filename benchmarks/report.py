@@ -182,6 +182,7 @@ def markdown(res: dict[str, Any]) -> str:
             "(a `generate()` streamer). Tokens ok = greedy ids equal to the reference run of the same checkpoint "
             "(transformers when it ran). GB = 1e9 bytes, GiB = 2^30."]
     out += _repeats(res.get("runs", []))
+    out += _scaling(res.get("runs", []))
     notes = list(res.get("notes", []))
     for r in res.get("runs", []):
         for n in (r.get("notes") or []) + (r.get("child", {}) or {}).get("notes", []):
@@ -191,6 +192,54 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("plots"):
         out += ["", *[f"![{p}]({p})" for p in res["plots"]]]
     return "\n".join(out) + "\n"
+
+
+def scaling_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run.py --scaling``: per memory limit (GiB; 0: none) and system, the decode s/token of the rounds that ran
+    (``each``), their median, and the medians over those rounds of GB read per token, peak RSS over base and the
+    cgroup's peak; with tiered's automatic ring and host tier (GiB)."""
+    by: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("group") != "scaling":
+            continue
+        by.setdefault((float(r.get("mem_gb") or 0), r["system"]), []).append(r)
+    out = []
+    for (lim, system), rs in sorted(by.items(), key=lambda kv: (kv[0][0] or float("inf"), kv[0][1])):
+        ok = [r for r in rs if r.get("status") == "ok" and r.get("decode_s_per_token_median")]
+
+        def med(k: str, ok: list[dict[str, Any]] = ok) -> float | None:
+            v = [r[k] for r in ok if r.get(k) is not None]
+            return statistics.median(v) if v else None
+
+        out.append({"limit_gb": lim, "system": system, "rounds": len(rs), "ok": len(ok),
+                    "each": [r["decode_s_per_token_median"] for r in ok], "median": med("decode_s_per_token_median"),
+                    "gb_per_token": med("streamed_gb_per_token"), "rss_over_base_gb": med("peak_rss_over_base_gb"),
+                    "cgroup_peak_gb": med("cgroup_peak_gb"), "ring_gb": med("ring_gb_used"),
+                    "host_gb": med("host_gb_used"), "status": sorted({str(r.get("status")) for r in rs} - {"ok"})})
+    return out
+
+
+def _scaling(runs: list[dict[str, Any]]) -> list[str]:
+    rows = scaling_rows(runs)
+    if not rows:
+        return []
+    acc = {r["limit_gb"]: r["median"] for r in rows if r["system"] == "accelerate"}
+    out = ["", "Memory scaling (`--scaling`: cold page cache; tiered with its defaults, accelerate disk offload with "
+           "max_memory cpu = limit - 1.2 GiB on CUDA, - 1.0 on the CPU; medians over the rounds, each round's "
+           "figure listed):", "",
+           "| limit | system | s/token, each round | median | accelerate ÷ this | GB read/token | peak RSS over base "
+           "GiB | cgroup peak GiB | tiered ring + host tier GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = acc.get(r["limit_gb"])
+        ratio = f"{a / r['median']:.2f}×" if a and r["median"] and r["system"] != "accelerate" else "–"
+        each = ", ".join(f"{x:.3f}" for x in r["each"]) + (f" ({'; '.join(r['status'])})" if r["status"] else "")
+        split = f"{r['ring_gb']:.2f} + {r['host_gb']:.2f}" if r["ring_gb"] is not None and r["host_gb"] is not None else "–"
+        out.append(f"| {r['limit_gb']:g} GiB | {r['system']} | {each} | {_f(r['median'], 3)} | {ratio} | "
+                   f"{_f(r['gb_per_token'], 3)} | {_f(r['rss_over_base_gb'])} | {_f(r['cgroup_peak_gb'])} | {split} |"
+                   if r["limit_gb"] else
+                   f"| none | {r['system']} | {each} | {_f(r['median'], 3)} | {ratio} | {_f(r['gb_per_token'], 3)} | "
+                   f"{_f(r['rss_over_base_gb'])} | – | {split} |")
+    return out
 
 
 def _repeats(runs: list[dict[str, Any]]) -> list[str]:
@@ -344,6 +393,31 @@ def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
         p = Path(f"{stem}-gbps.png")
+        fig.savefig(p)
+        plt.close(fig)
+        made.append(p)
+    rows = scaling_rows(runs)
+    if rows:  # 4. the memory-scaling benchmark: s/token against the memory limit, median and each round
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
+        lims = sorted({r["limit_gb"] for r in rows}, key=lambda x: x or float("inf"))
+        xpos = {lim: i for i, lim in enumerate(lims)}
+        for system in sorted({r["system"] for r in rows}):
+            pts = [r for r in rows if r["system"] == system and r["median"]]
+            ax.plot([xpos[r["limit_gb"]] for r in pts], [r["median"] for r in pts], marker="o",
+                    color=SYSTEM_COLORS.get(system), label="tiered, its defaults" if system == "tiered" else
+                    "accelerate disk offload" if system == "accelerate" else system)
+            for r in pts:
+                ax.scatter([xpos[r["limit_gb"]]] * len(r["each"]), r["each"], s=8, alpha=0.5,
+                           color=SYSTEM_COLORS.get(system))
+        ax.set_xticks(range(len(lims)), [f"{x:g} GiB" if x else "none" for x in lims])
+        ax.set_yscale("log")
+        ax.set_xlabel("cgroup memory.max (cold page cache)")
+        ax.set_ylabel("decode s/token (log; line: median, dots: rounds)")
+        ax.set_title(f"Memory scaling — {title}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = Path(f"{stem}-scaling.png")
         fig.savefig(p)
         plt.close(fig)
         made.append(p)

@@ -102,7 +102,7 @@ SUITE_HELP = {
     **{k: v.help for k, v in steps.STEP_SUITES.items()},
 }
 
-GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed")
+GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed", "scaling")
 
 
 @dataclass
@@ -135,6 +135,7 @@ class RunDef:
     limit: bool = False
     new_tokens: int = 8
     opts: dict[str, Any] = field(default_factory=dict)  # ring_gb, gpu_gb, cpu_gb for the Spec
+    mem_gb: float | None = None  # --scaling: this run's cgroup memory.max (GiB; 0: none), instead of --mem-limit-gb
 
     @property
     def label(self) -> str:
@@ -149,6 +150,21 @@ class RunDef:
         if self.io != "mmap":
             s += f" [io={self.io}]"
         return s
+
+
+#: --scaling: host memory a limit leaves to accelerate's weights, the limit less this (GiB): the runtime (torch,
+#: transformers, the CUDA context) beside them. Issue 23's H200 run gave accelerate 0.8 GiB of a 2 GiB cgroup; the
+#: CPU runs of 2026-12-01 gave it 1.0 GiB of 2 (cgroup peak 2.00 GiB, no OOM kill).
+SCALING_RUNTIME_GIB = {"cuda": 1.2, "cpu": 1.0}
+
+
+def scaling_host_gib() -> float:
+    """--scaling with no limit: accelerate's ``max_memory["cpu"]``: what ``MemAvailable`` says now, less
+    :data:`SCALING_RUNTIME_GIB` (GiB)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / (1 << 20) - SCALING_RUNTIME_GIB["cpu"]
+    return 8.0
 
 
 def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: str) -> str:
@@ -231,6 +247,16 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                        cache="cold", limit=True, opts={**streamed, "ring_gb": a.pieces_ring_gb, "host_gb": hg},
                        new_tokens=slow)]
     runs += [R("deepspeed", "deepspeed", "zero3-offload", new_tokens=slow)]
+    # the memory-scaling benchmark (issue 23, item 4): tiered with its defaults (only gpu_gb) against accelerate disk
+    # offload with the same memory, cold, at each cgroup limit of --scaling (0: none)
+    for lim in a.scaling:
+        tag = f"limit{lim:g}" if lim else "nolimit"
+        cpu = max(0.25, lim - SCALING_RUNTIME_GIB["cuda" if cuda else "cpu"]) if lim else scaling_host_gib()
+        runs += [dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim)
+                 for r in (R("scaling", "tiered", "defaults", cache="cold", limit=bool(lim), io="auto",
+                             opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow),
+                           R("scaling", "accelerate", "disk-offload", cache="cold", limit=bool(lim),
+                             opts={**acc, "cpu_gb": round(cpu, 2)}, new_tokens=slow))]
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
     if a.no_cold:
@@ -454,7 +480,7 @@ class Runner:
         a = self.a
         c = self.ckpts[rd.ckpt]
         row: dict[str, Any] = {"key": rd.key, "label": rd.label, **{k: v for k, v in asdict(rd).items() if k != "opts"},
-                               "opts": dict(rd.opts), "mem_limit_gb": a.mem_limit_gb if rd.limit else None}
+                               "opts": dict(rd.opts), "mem_limit_gb": (rd.mem_gb or a.mem_limit_gb) if rd.limit else None}
         left = self.left()
         if left < a.min_start_s:
             row["status"] = f"not run: suite budget spent (--budget-s {a.budget_s:.0f})"
@@ -493,9 +519,10 @@ class Runner:
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"
         timeout = min(a.timeout_s, left - 5.0)
-        limit = int(a.mem_limit_gb * GiB) if rd.limit else None
+        lim_gb = rd.mem_gb or a.mem_limit_gb
+        limit = int(lim_gb * GiB) if rd.limit else None
         self.log(f"run {rd.key} ({rd.new_tokens} tokens, timeout {timeout:.0f} s"
-                 + (f", memory.max {a.mem_limit_gb:g} GiB" if limit else "") + ")")
+                 + (f", memory.max {lim_gb:g} GiB" if limit else "") + ")")
         r = cgroup.run_child([sys.executable, str(HERE / "systems.py"), str(sp)], timeout_s=timeout,
                              mem_limit_bytes=limit, stdout=out, stderr=err, env=self.env, cwd=ROOT)
         shutil.rmtree(offload, ignore_errors=True)
@@ -616,6 +643,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-gb", type=float, default=None,
                    help="the streamed-host run's host tier, GiB, taken out of --ring-gb (default: half of it)")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of the limited runs (default: ring + 2)")
+    p.add_argument("--scaling", default="", metavar="GIB,...",
+                   help="the memory-scaling benchmark (group scaling): tiered with its defaults (only --gpu-gb) and "
+                   "accelerate disk offload (max_memory cpu = limit - 1.2 GiB on CUDA, - 1.0 on the CPU), cold, at "
+                   "each of these cgroup "
+                   "memory.max in GiB ('none' or 0: no limit; e.g. 2,4,8,16,none); with --repeat, alternating rounds")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -649,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     a.sweep_layers = s.sweep_layers if a.sweep_layers is None else [int(x) for x in a.sweep_layers.split(",") if x.strip()]
     a.ceiling_gb, a.min_start_s = s.ceiling_gb, s.min_start_s
     a.mem_limit_gb = a.mem_limit_gb if a.mem_limit_gb is not None else a.ring_gb + 2.0
+    a.scaling = [0.0 if x.strip() in ("none", "0") else float(x) for x in a.scaling.split(",") if x.strip()]
+    if a.scaling and a.groups == ",".join(GROUPS):
+        a.groups = "scaling"  # --scaling alone: only its runs
     a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]
     a.systems = [x.strip() for x in a.systems.split(",") if x.strip()]
     a.runs = [x.strip() for x in a.runs.split(",") if x.strip()]

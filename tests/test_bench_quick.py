@@ -215,3 +215,36 @@ def test_repeat_ratio_compares_with_accelerate_on_the_same_checkpoint() -> None:
     main = [ln for ln in lines if ln.startswith("| tiered-streamed (main: ")]
     assert len(l14) == 1 and "| 2.00× |" in l14[0], l14  # L14's accelerate 4.0 / 2.0
     assert len(main) == 1 and "| 2.00× |" in main[0], main  # main's 1.0 / 0.5
+
+
+def test_scaling_plans_each_limit_and_reports_per_limit_medians(tmp_path: Path) -> None:
+    """`run.py --scaling 2,none --repeat 2`: tiered with its defaults (no ring_gb/host_gb, io auto) and accelerate
+    with max_memory cpu = limit - 1.2 GiB on CUDA, at each cgroup limit and with none, in alternating rounds; the
+    report's scaling table gives per-limit medians over the rounds and accelerate's median divided by tiered's, and a
+    failed round is left out; the scaling plot is written."""
+    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--gpu-gb", "3",
+           "--scaling", "2,none", "--repeat", "2", "--list"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    lines = [ln.split(None, 2) for ln in r.stdout.splitlines()]
+    assert {ln[0] for ln in lines} == {"scaling"} and len(lines) == 8, r.stdout
+    t2, a2 = "main/tiered-defaults/original/auto/cold/limit2", "main/accelerate-disk-offload/original/mmap/cold/limit2"
+    tn, an = "main/tiered-defaults/original/auto/cold/nolimit", "main/accelerate-disk-offload/original/mmap/cold/nolimit"
+    assert [ln[1] for ln in lines] == [f"{t2}#1", f"{a2}#1", f"{tn}#1", f"{an}#1", f"{an}#2", f"{tn}#2", f"{a2}#2",
+                                       f"{t2}#2"]
+    assert "'ring_gb': None" in lines[0][2] and "'cpu_gb': 0.8" in lines[1][2], lines[:2]
+
+    def row(system: str, lim: float, spt: float, status: str = "ok") -> dict:
+        return {"key": f"main/{system}-x/original/io/cold/limit{lim:g}#1", "group": "scaling", "system": system,
+                "mem_gb": lim, "status": status, "decode_s_per_token_median": spt, "streamed_gb_per_token": 1.0,
+                "peak_rss_over_base_gb": 1.0, "ring_gb_used": 0.5 if system == "tiered" else None,
+                "host_gb_used": 0.25 if system == "tiered" else None, "label": system}
+
+    runs = [row("tiered", 2, 3.0), row("tiered", 2, 5.0), row("tiered", 2, 1.0, "killed (OOM)"),
+            row("accelerate", 2, 8.0), row("tiered", 0, 0.5), row("accelerate", 0, 1.0)]
+    md = "\n".join(report._scaling(runs))
+    t = next(ln for ln in md.splitlines() if ln.startswith("| 2 GiB | tiered |"))
+    assert "3.000, 5.000 (killed (OOM))" in t and "| 4.000 | 2.00× |" in t and "0.50 + 0.25" in t, t
+    assert next(ln for ln in md.splitlines() if ln.startswith("| none | tiered |")).count("2.00×") == 1
+    made, note = report.plots({"suite": "s", "date": "2026-12-02", "runs": runs}, tmp_path / "x")
+    assert note is not None or any(p.name == "x-scaling.png" and p.stat().st_size > 0 for p in made)
