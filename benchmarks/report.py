@@ -281,6 +281,16 @@ def _row_name(r: dict[str, Any], with_ckpt: bool = False) -> str:
     return s
 
 
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+    """Grid, legend, tight layout; write ``fig`` to ``path`` and close it."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
     """Write the three PNGs; returns (paths, note) — note says why something was skipped."""
     try:
@@ -321,13 +331,7 @@ def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
     ax.set_xlabel("model size (GiB)")
     ax.set_ylabel("peak RSS over base (GiB)")
     ax.set_title(f"Peak host RSS vs model size (warm, no limit) — {title}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = Path(f"{stem}-rss.png")
-    fig.savefig(p)
-    plt.close(fig)
-    made.append(p)
+    made.append(_save(plt, fig, ax, Path(f"{stem}-rss.png")))
 
     # 2. s/token per run on the main checkpoint (log scale); runs that did not finish are annotated
     main_rows = [r for r in runs if r.get("ckpt") == "main"]
@@ -414,13 +418,7 @@ def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
         ax.set_xlabel("cgroup memory.max (cold page cache)")
         ax.set_ylabel("decode s/token (log; line: median, dots: rounds)")
         ax.set_title(f"Memory scaling — {title}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = Path(f"{stem}-scaling.png")
-        fig.savefig(p)
-        plt.close(fig)
-        made.append(p)
+        made.append(_save(plt, fig, ax, Path(f"{stem}-scaling.png")))
     return made, None
 
 
