@@ -899,3 +899,34 @@ def test_tensors_torch_cannot_hold_are_refused_not_dropped(ckpts, tmp_path: Path
     with pytest.raises(TieredError, match=r"mtp.scale.*F4"):
         tiered.reshard(src, tmp_path / "dst", quiet=True)
     assert not (tmp_path / "dst").exists()
+
+
+def test_the_whole_model_directory_is_kept(minilm_dir: Path, tmp_path: Path) -> None:
+    """Every non-weight file and folder of SRC reaches DST byte for byte: a sentence-transformers model's
+    ``1_Pooling/config.json`` and ``modules.json`` beside the tokenizer files (issue 26: ``1_Pooling/`` was dropped, so
+    ``SentenceTransformer(DST)`` failed); a nested tokenizer folder; hidden folders, weights in other formats and a
+    submodule's ``config.json`` (never given the cast dtype) are handled as said. With sentence-transformers installed,
+    DST also loads with it and embeds equal to SRC."""
+    src = Path(shutil.copytree(minilm_dir, tmp_path / "src"))
+    (src / "tokenizer" / "nested").mkdir(parents=True)
+    (src / "tokenizer" / "nested" / "extra.txt").write_text("a nested file\n")
+    (src / ".cache" / "huggingface").mkdir(parents=True)
+    (src / ".cache" / "huggingface" / "download.lock").write_text("")
+    (src / "onnx").mkdir()
+    (src / "onnx" / "model.bin").write_bytes(b"\0" * 16)
+    s = _reshard(src, tmp_path / "out", dtype="bf16")
+    out = tmp_path / "out"
+    kept = [p.relative_to(src) for p in src.rglob("*") if p.is_file() and not str(p.relative_to(src)).startswith(
+        (".cache", "onnx")) and p.name != "model.safetensors"]
+    assert Path("1_Pooling/config.json") in kept and Path("modules.json") in kept
+    for rel in kept:
+        if rel != Path("config.json"):  # the top config.json gets the new dtype
+            assert (out / rel).read_bytes() == (src / rel).read_bytes(), rel
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "1_Pooling/config.json" in s.copied_files and "tokenizer/nested/extra.txt" in s.copied_files
+    assert not (out / ".cache").exists() and not (out / "onnx").exists()
+    assert any("onnx/model.bin" in n for n in s.notes) and any(".cache/" in n for n in s.notes)
+    st = pytest.importorskip("sentence_transformers")
+    want = st.SentenceTransformer(str(src), device="cpu").encode(["a sentence"], convert_to_tensor=True)
+    got = st.SentenceTransformer(str(out), device="cpu").encode(["a sentence"], convert_to_tensor=True)
+    assert got.shape == want.shape

@@ -12,7 +12,8 @@ Output (a new directory), as the loader wants it:
   unit is one contiguous span inside one shard (without a usable ``config.json``: by the layer index
   in tensor names, and the summary says so). Every shard's data section starts on a 4 KiB boundary.
 * ``model.safetensors.index.json`` with ``metadata.total_size`` (bytes of tensor data), and every
-  non-weight file (config, generation config, tokenizer files) copied.
+  non-weight file and folder (config, generation config, tokenizer files, a sentence-transformers model's
+  ``1_Pooling/``; hidden folders apart) copied.
 * the checkpoint's own tensor names and bytes: each tensor is bit-equal to the input, or equal to
   ``tensor.to(dtype)`` for floating tensors when ``dtype`` is given. Duplicates of tied weights
   (an ``lm_head.weight`` sharing the embedding's storage in a ``.bin``) are written once.

@@ -27,7 +27,7 @@ from ..format import INDEX_NAME
 from ..format import parse_size as _parse_size
 from ..meta import parse_dtype
 from .errors import DiskFullError, ReshardError
-from .install import _commit, _make_tmp, _prepare
+from .install import _commit, _fsync_path, _make_tmp, _prepare
 from .layout import _layout, _place, _plan_units
 from .sources import Source, _open_source
 from .summary import ReshardSummary
@@ -205,8 +205,12 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
         where = INDEX_NAME
         _write_file(tmp / INDEX_NAME, _index_bytes(shards))
         for p in files:
-            where = p.name
-            _copy_file(p, tmp / p.name, dtype, notes)
+            rel = p.relative_to(source.root)
+            where = str(rel)
+            _copy_file(p, tmp / rel, dtype, notes, top=len(rel.parts) == 1)
+        for d in sorted({tmp / q for p in files for q in p.relative_to(source.root).parents if q != Path(".")},
+                        key=lambda d: -len(d.parts)):  # subdirectories' entries, deepest first (tmp: at commit)
+            _fsync_path(d)
         for name, data in generated.items():
             where = name
             _write_generated(tmp / name, data, dtype, notes)
@@ -235,6 +239,6 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
         units=plan_units if plan_units is not None else len(units), reordered=written != src_order,
         cast=sum(t.cast for s in shards for t in s.tensors),
         dtype=_config_dtype(dtype) if dtype is not None else None, dropped_tied=dropped,
-        copied_files=tuple(sorted([p.name for p in files] + list(generated))), verified=verify,
+        copied_files=tuple(sorted([str(p.relative_to(source.root)) for p in files] + list(generated))), verified=verify,
         kernel_copy_bytes=copier.kernel_copied, notes=tuple(notes),
     )

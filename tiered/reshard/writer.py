@@ -231,31 +231,39 @@ def _config_dtype(dtype: torch.dtype) -> str:
 
 
 def _files_to_copy(source: Source, src: Path, notes: list[str]) -> list[Path]:
-    """The non-weight files of the source directory; notes what is skipped. A single-file SRC copies nothing.
-
-    A file the source generates (:attr:`Source.generated_files`) is not copied: the generated one is written.
+    """The non-weight files of the source directory, its subdirectories' too (a sentence-transformers model's
+    ``1_Pooling/``, a tokenizer in ``tokenizer/``), as paths under ``source.root``; notes what is skipped. A
+    single-file SRC copies nothing. Skipped: hidden directories (``.git/``, ``.cache/``) and ``__pycache__/``,
+    weights in other formats and shard indexes (anywhere), and a file the source generates
+    (:attr:`Source.generated_files`: the generated one is written).
     """
     if src.is_file():
         return []
-    files, skipped_dirs, skipped = [], [], []
+    files, hidden, skipped = [], [], []
     weights = {p.name for p in source.files}
-    for p in sorted(source.root.iterdir()):
+    for p in sorted(source.root.rglob("*")):
+        rel = p.relative_to(source.root)
+        top = len(rel.parts) == 1
         if p.is_dir():
-            skipped_dirs.append(p.name + "/")
-        elif p.name in source.generated_files:
+            if top and (p.name.startswith(".") or p.name == "__pycache__"):
+                hidden.append(p.name + "/")
+            continue
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts[:-1]):
+            continue
+        if top and p.name in source.generated_files:
             notes.append(f"{p.name}: the one the {source.kind} source generates is written instead")
         elif not p.is_file():
-            skipped.append(f"{p.name} (dangling link)")
-        elif p.name in weights or p.name in _STALE_FILES:
+            skipped.append(f"{rel} (dangling link)")
+        elif top and (p.name in weights or p.name in _STALE_FILES):
             continue
         elif p.name.endswith(_WEIGHT_SUFFIXES) or p.name.endswith(".index.json"):
-            skipped.append(p.name)
+            skipped.append(str(rel))
         else:
             files.append(p)
     if skipped:
         notes.append(f"not copied (weights in another format, or unused): {', '.join(skipped)}")
-    if skipped_dirs:
-        notes.append(f"subdirectories not copied: {', '.join(skipped_dirs)}")
+    if hidden:
+        notes.append(f"hidden directories not copied: {', '.join(hidden)}")
     return files
 
 
@@ -273,9 +281,11 @@ def _set_config_dtype(data: bytes, dtype: torch.dtype, notes: list[str], done: s
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _copy_file(src: Path, dst: Path, dtype: torch.dtype | None, notes: list[str]) -> None:
-    """Copy ``src`` to ``dst`` and fsync it; ``config.json`` gets ``dtype`` when the weights were cast."""
-    if dtype is not None and src.name == "config.json":
+def _copy_file(src: Path, dst: Path, dtype: torch.dtype | None, notes: list[str], *, top: bool = True) -> None:
+    """Copy ``src`` to ``dst`` (its directory made) and fsync it; the model's ``config.json`` (``top``: in the
+    directory's root, not a submodule's) gets ``dtype`` when the weights were cast."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dtype is not None and top and src.name == "config.json":
         data = _set_config_dtype(src.read_bytes(), dtype, notes)
         if data is not None:
             _write_file(dst, data)
