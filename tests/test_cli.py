@@ -406,6 +406,22 @@ def test_ids_in_ids_out_without_a_tokenizer(dirs: dict[str, Path]) -> None:
     assert r.stdout.split() == [str(i) for i in want], (r.stdout, want)
 
 
+def test_prompt_dash_reads_standard_input(dirs: dict[str, Path]) -> None:
+    """``--prompt -`` takes the prompt from standard input (issue 26): the tokens equal stock's for the same ids; an
+    empty standard input is a usage error (exit 2) that says how to pass one."""
+    ids = [5, 17, 42, 99, 3]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "tiered.cli", "generate", str(dirs["notok"]), "--ids", "--prompt", "-",
+           "--max-new-tokens", str(NEW), "--device", "cpu"]
+    r = subprocess.run(cmd, input=" ".join(map(str, ids)) + "\n", capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    _, want = reference(dirs["notok"], "", ids=ids, do_sample=False)
+    assert r.stdout.split() == [str(i) for i in want], (r.stdout, want)
+    r = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 2 and "standard input was empty" in r.stderr, r.stderr
+
+
 def test_sampling_options_reach_generate(dirs: dict[str, Path]) -> None:
     d = dirs["chat"]
     opts = {"temperature": 1.5, "top_p": 0.95, "top_k": 50, "seed": 3}

@@ -65,6 +65,11 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if a.prompt == "-":  # the prompt from standard input, as `cat prompt.txt | tiered generate DIR --prompt -`
+        a.prompt = sys.stdin.read()
+        if not a.prompt.strip():
+            _fail(parser, "--prompt -: standard input was empty; pipe the prompt in (echo 'Hi' | tiered generate DIR "
+                          "--prompt -) or pass --prompt TEXT")
     _check_generate_args(a, parser)
     d = _check_model_dir(parser, a.model_dir)
     cfg = _read_config(parser, d)
@@ -270,7 +275,8 @@ def _add_generate_parser(sub: Any) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
     t = g.add_argument_group("prompt")
     t.add_argument("--prompt", default="Hello", metavar="TEXT",
-                   help="the prompt, encoded with MODEL_DIR's tokenizer (default: %(default)r)")
+                   help="the prompt, encoded with MODEL_DIR's tokenizer; '-' reads it from standard input "
+                   "(default: %(default)r)")
     t.add_argument("--chat", action="store_true",
                    help="wrap --prompt as a user message in the tokenizer's chat template (with the assistant's "
                    "generation prompt)")
