@@ -776,10 +776,18 @@ def test_cli(ckpts, tmp_path: Path) -> None:
     assert "B/s" in r.stderr  # the tqdm progress bar
     r = subprocess.run([*cmd, str(ckpts["llama"]), str(tmp_path / "out"), "-q"], capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 1 and "--force" in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and "--force" in r.stderr and r.stdout == ""  # DST exists: a usage error (issue 26)
     r = subprocess.run([*cmd, str(ckpts["llama"]), str(tmp_path / "out"), "-q", "--force"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    for tool in (cmd, [sys.executable, "-m", "tiered.cli", "reshard"]):  # a missing SRC: exit 2, a hub id says so
+        r = subprocess.run([*tool, "meta-llama/Llama-3-8B", str(tmp_path / "x")], capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "Hugging Face Hub id" in r.stderr and "snapshot_download" in r.stderr, r.stderr
+        r = subprocess.run([*tool, str(tmp_path / "nope"), str(tmp_path / "x")], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "no such file or directory" in r.stderr, r.stderr
+        assert not (tmp_path / "x").exists()
 
 
 def test_add_parser_registers_subcommand() -> None:

@@ -2,12 +2,14 @@
 ``python tools/reshard.py SRC DST ...`` (:func:`main`), one parser for both.
 
 Exit status: 0 done, 1 error (nothing written), 2 usage error (argparse: a missing argument, an unknown
-option, a bad ``--dtype`` or ``--max-shard-size``), 130 interrupted (Ctrl-C or SIGTERM; nothing written).
+option, a bad ``--dtype`` or ``--max-shard-size``; a SRC that does not exist, checked before torch is imported; a
+DST that exists without ``--force``), 130 interrupted (Ctrl-C or SIGTERM; nothing written).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -78,16 +80,41 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _cmd_reshard(a: argparse.Namespace) -> int:
-    """Run ``reshard`` for parsed arguments; SIGTERM cleans up like Ctrl-C. Raises TieredError."""
+def _check_src(parser: argparse.ArgumentParser, src: str) -> None:
+    """SRC that does not exist is a usage error (exit 2) before torch is imported; a Hugging Face Hub id says how to
+    fetch it first, as ``tiered generate`` and ``tiered inspect`` do."""
+    from pathlib import Path
+
+    from ..cli_checks import _HUB_ID
+
+    if os.path.lexists(src):
+        return
+    if _HUB_ID.fullmatch(src) and not src.startswith((".", "~", "/")):
+        parser.error(f"SRC {src!r} is not a local path; it looks like a Hugging Face Hub id. tiered reads local "
+                     f"directories and downloads nothing: fetch it first, e.g. huggingface_hub.snapshot_download("
+                     f"{src!r}), and pass the directory it returns")
+    parser.error(f"SRC {Path(src)}: no such file or directory; pass a local model directory or one weight file")
+
+
+def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run ``reshard`` for parsed arguments; SIGTERM cleans up like Ctrl-C. Raises TieredError. With ``parser``: a
+    missing SRC and an existing DST (without ``--force``) are usage errors (exit 2, the parser's message)."""
+    if parser is not None:
+        _check_src(parser, a.src)
     old = None
     if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         from .convert import reshard
+        from .errors import DestinationExistsError
 
-        summary = reshard(a.src, a.dst, max_shard_size=a.max_shard_size, dtype=a.dtype, verify=a.verify,
-                          force=a.force, quiet=a.quiet)
+        try:
+            summary = reshard(a.src, a.dst, max_shard_size=a.max_shard_size, dtype=a.dtype, verify=a.verify,
+                              force=a.force, quiet=a.quiet)
+        except DestinationExistsError as e:
+            if parser is None:
+                raise
+            parser.error(str(e))  # DST exists: a usage error, as the help says (exit 2)
     except KeyboardInterrupt:
         print("reshard: interrupted; the partial output was removed", file=sys.stderr)
         return 130
@@ -109,7 +136,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               description=_DESCRIPTION, epilog=_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
-    p.set_defaults(fn=_cmd_reshard)
+    p.set_defaults(fn=_cmd_reshard, cli_parser=p)
     return p
 
 
@@ -120,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_arguments(p)
     a = p.parse_args(argv)
     try:
-        return _cmd_reshard(a)
+        return _cmd_reshard(a, p)
     except TieredError as e:
         print(f"reshard: error: {e}", file=sys.stderr)
         return 1
