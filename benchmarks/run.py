@@ -619,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=list(SUITE_HELP), default="quick", help="which suite (list below)")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TIERED_CACHE", "/tmp/tiered-cache")),
-                   help="checkpoints, resharded copies, offload folders, child logs (default $TIERED_CACHE or /tmp/tiered-cache)")
+    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TIERED_CACHE", ROOT / ".cache" / "bench")),
+                   help="checkpoints, resharded copies, offload folders, child logs (default $TIERED_CACHE or "
+                   ".cache/bench in the checkout, which `make clean` removes)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the suite's")
     p.add_argument("--arch", default=None, help="make_checkpoint.py arch (default: the suite's)")
     p.add_argument("--dtype", default=None, choices=["fp16", "bf16", "fp32"])
@@ -710,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     cg_ok, cg_why = cgroup.probe() if any(r.limit for r in runs) else (False, "no memory-limited runs in this plan")
     runner = Runner(a, ckpts, runs, cuda)
     runner.log(f"{a.suite} suite -> {json_path} ({len(runs)} runs, budget {a.budget_s:.0f} s); {cg_why}")
+    if any(r.cache == "cold" for r in runs) and info["drop_caches_permitted"]:
+        runner.log("notice: before each cold run this writes 3 to /proc/sys/vm/drop_caches, which empties the page "
+                   "cache of the whole machine (other programs re-read their files); --no-cold skips those runs")
     results: dict[str, Any] = {
         "suite": a.suite, "date": info["date"], "machine": info, "machine_label": machine_label(info),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
