@@ -41,7 +41,7 @@ from . import policy
 from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .expert_spec import top_k_of
 from .experts import STAGING_BYTES, ExpertSpec, HostExperts, find_experts, route_out, slot_layout
-from .hostmem import page_up
+from .hostmem import PAGE_SIZE, page_up
 from .linear_pieces import linear_piece_eligible, piece_rows_for
 from .machine import Machine
 from .options import Options
@@ -296,7 +296,7 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     if experts and not cpu:  # CUDA: routed experts' pinned staging comes beside the ring (tiered.api._build)
         staging = page_up(min(STAGING_BYTES, max(16 << 20, min(want, total) // 2)))
         total = max(0, total - staging)
-    ring, _ = policy.auto_split(total, largest, opts.prefetch, 0)
+    ring = min(want, total // PAGE_SIZE * PAGE_SIZE)  # as auto_split sizes it; the resident set depends on it
     resident = policy.choose_resident(plan, ring, cpu, budget, policy.buffers_counted(opts.gpu_gb, opts.prefetch),
                                       rows=rows, slot_need=need)
     rows -= resident

@@ -2,8 +2,8 @@
 ``python tools/reshard.py SRC DST ...`` (:func:`main`), one parser for both.
 
 Exit status: 0 done, 1 error (nothing written), 2 usage error (argparse: a missing argument, an unknown
-option, a bad ``--dtype`` or ``--max-shard-size``; a SRC that does not exist, checked before torch is imported; a
-DST that exists without ``--force``), 130 interrupted (Ctrl-C or SIGTERM; nothing written).
+option, a bad ``--dtype`` or ``--max-shard-size``; a SRC that does not exist, checked before the conversion starts;
+a DST that exists without ``--force``), 130 interrupted (Ctrl-C or SIGTERM; nothing written).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _check_src(parser: argparse.ArgumentParser, src: str) -> None:
-    """SRC that does not exist is a usage error (exit 2) before torch is imported; a Hugging Face Hub id says how to
+    """SRC that does not exist is a usage error (exit 2) before the conversion starts; a Hugging Face Hub id says how to
     fetch it first, as ``tiered generate`` and ``tiered inspect`` do."""
     from pathlib import Path
 

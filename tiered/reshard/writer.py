@@ -241,15 +241,16 @@ def _files_to_copy(source: Source, src: Path, notes: list[str]) -> list[Path]:
         return []
     files, hidden, skipped = [], [], []
     weights = {p.name for p in source.files}
-    for p in sorted(source.root.rglob("*")):
+    found = []
+    for here, dirs, names in os.walk(source.root):  # hidden directories pruned, never walked (a .git/ can be large)
+        keep = [d for d in dirs if not (d.startswith(".") or d == "__pycache__")]
+        if Path(here) == source.root:
+            hidden += [d + "/" for d in sorted(set(dirs) - set(keep))]
+        dirs[:] = keep
+        found += [Path(here) / n for n in names]
+    for p in sorted(found):
         rel = p.relative_to(source.root)
         top = len(rel.parts) == 1
-        if p.is_dir():
-            if top and (p.name.startswith(".") or p.name == "__pycache__"):
-                hidden.append(p.name + "/")
-            continue
-        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts[:-1]):
-            continue
         if top and p.name in source.generated_files:
             notes.append(f"{p.name}: the one the {source.kind} source generates is written instead")
         elif not p.is_file():
