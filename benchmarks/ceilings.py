@@ -43,15 +43,19 @@ CHUNK = 16 * MiB
 ALIGN = 4096
 
 
-def _requests(files: list[Path], max_bytes: int) -> list[tuple[Path, int, int]]:
-    """(file, offset, length) requests of CHUNK bytes covering at most ``max_bytes`` of ``files``."""
+def _requests(files: list[Path], max_bytes: int, *, chunk: int = CHUNK, skip: int = 0) -> list[tuple[Path, int, int]]:
+    """(file, offset, length) requests of ``chunk`` bytes covering at most ``max_bytes`` of ``files``, after the
+    first ``skip`` bytes of them (so that several figures can read disjoint, never-read bytes)."""
     reqs: list[tuple[Path, int, int]] = []
     left = max_bytes
     for f in files:
         size = f.stat().st_size
-        off = 0
+        if skip >= size:
+            skip -= size
+            continue
+        off, skip = skip // ALIGN * ALIGN, 0
         while off < size and left > 0:
-            n = min(CHUNK, size - off, left)
+            n = min(chunk, size - off, left)
             reqs.append((f, off, n))
             off += n
             left -= n
@@ -61,7 +65,8 @@ def _requests(files: list[Path], max_bytes: int) -> list[tuple[Path, int, int]]:
 
 
 def _parallel_read(reqs: list[tuple[Path, int, int]], threads: int, direct: bool) -> tuple[int, float]:
-    """Read every request with ``threads`` threads; returns (bytes, seconds)."""
+    """Read every request with ``threads`` threads; returns (bytes, seconds). Buffers hold the largest request."""
+    chunk = max(n for _, _, n in reqs)
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = {f: os.open(f, flags) for f in {r[0] for r in reqs}}
     lock = threading.Lock()
@@ -70,7 +75,7 @@ def _parallel_read(reqs: list[tuple[Path, int, int]], threads: int, direct: bool
     errors: list[BaseException] = []
 
     def work() -> None:
-        buf = mmap.mmap(-1, CHUNK + ALIGN)  # anonymous: page-aligned, as O_DIRECT needs
+        buf = mmap.mmap(-1, chunk + ALIGN)  # anonymous: page-aligned, as O_DIRECT needs
         view = memoryview(buf)
         got = 0
         try:
@@ -221,6 +226,34 @@ def measure(model_dir: str | os.PathLike[str], *, max_bytes: int = 2 * GiB, thre
     return out
 
 
+def sweep(model_dir: str | os.PathLike[str], *, per_gb: float, threads: tuple[int, ...], chunks_mib: tuple[int, ...],
+          rounds: int = 2) -> list[dict]:
+    """Issue 23 item 2: cold read GB/s by way of reading, thread count (queue depth) and request size.
+
+    Every figure reads ``per_gb`` GiB the sweep has not read before (disjoint ranges of the shards, wrapping round
+    when the checkpoint is used up); buffered figures evict their range from the page cache first. ``rounds``
+    passes over the grid, every other one in reverse order. Returns one dict per figure: ``mode`` (``direct`` or
+    ``buffered``), ``threads``, ``chunk_mib``, ``round``, ``gbps``, ``skip`` (the byte offset it started at).
+    """
+    files = _files(Path(model_dir))
+    total = sum(f.stat().st_size for f in files)
+    per = int(per_gb * GiB)
+    grid = [(m, t, c) for m in ("direct", "buffered") for t in threads for c in chunks_mib]
+    out: list[dict] = []
+    skip = 0
+    for r in range(rounds):
+        for m, t, c in grid if r % 2 == 0 else grid[::-1]:
+            if skip + per > total:
+                skip = 0
+            reqs = _requests(files, per, chunk=c * MiB, skip=skip)
+            if m == "buffered":
+                _evict(reqs)
+            n, dt = _parallel_read(reqs, t, direct=m == "direct")
+            out.append({"mode": m, "threads": t, "chunk_mib": c, "round": r, "gbps": n / dt / 1e9, "skip": skip})
+            skip += per
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", type=Path, help="a checkpoint directory (its *.safetensors are read)")
@@ -228,8 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,4", help="thread counts for the parallel reads (default 1,4)")
     p.add_argument("--no-cuda", action="store_true", help="skip the H2D figures")
     p.add_argument("--no-cold", action="store_true", help="skip the buffered cold read (it evicts what it reads)")
+    p.add_argument("--sweep", metavar="MIB,...", default="",
+                   help="instead: sweep O_DIRECT and buffered cold reads over --threads and these request sizes")
+    p.add_argument("--rounds", type=int, default=2, help="--sweep: passes over the grid (default 2)")
     a = p.parse_args(argv)
     threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
+    if a.sweep:
+        chunks = tuple(int(x) for x in a.sweep.split(",") if x.strip())
+        print(json.dumps(sweep(a.model_dir, per_gb=a.max_gb, threads=threads, chunks_mib=chunks, rounds=a.rounds)))
+        return 0
     res = measure(a.model_dir, max_bytes=int(a.max_gb * GiB), threads=threads, cuda=not a.no_cuda, cold=not a.no_cold)
     print(json.dumps(res))
     return 0
