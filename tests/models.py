@@ -35,6 +35,8 @@ __all__ = [
     "BUILDERS",
     "checkpoint_keys",
     "MLPStack",
+    "quantize_fp8_block",
+    "fp8_block",
 ]
 
 VOCAB = 256  # token ids of the test inputs are drawn from [0, VOCAB)
@@ -544,4 +546,65 @@ def fused_experts(src: Path, path: Path) -> Path:
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert any(k.endswith("experts.gate_up_proj") for k in sd), sorted(sd)[:20]
     save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` (2-D) as DeepSeek-style block FP8: e4m3 codes and a float32 ``weight_scale_inv`` grid of
+    ``ceil(rows / block[0]) x ceil(cols / block[1])`` (each block's absolute max / 448, the e4m3 maximum), as
+    transformers' ``Fp8Quantize`` writes them. Written block by block: the tests' own code, not tiered's."""
+    rows, cols = w.shape
+    bm, bn = block
+    gr, gc = -(-rows // bm), -(-cols // bn)
+    scale = torch.empty(gr, gc, dtype=torch.float32)
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    wf = w.float()
+    for i in range(gr):
+        for j in range(gc):
+            blk = wf[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+            s = blk.abs().amax().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            codes[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (blk / s).to(torch.float8_e4m3fn)
+    assert codes.view(torch.uint8).any() and scale.min() > 0
+    return codes, scale
+
+
+def fp8_block(src: Path, path: Path, *, block: tuple[int, int] = (32, 32), skip: tuple[str, ...] = ("lm_head",),
+              scale_dtype: torch.dtype = torch.float32, config: bool = True) -> Path:
+    """``src`` rewritten as a block-FP8 checkpoint (``quant_method="fp8"``, ``weight_block_size=block``): every 2-D
+    ``*proj.weight`` / ``*w1|w2|w3.weight`` not under a name in ``skip`` becomes codes plus ``..._scale_inv`` (in
+    ``scale_dtype``), in the shard it was in; other tensors and files are kept. ``config=False`` leaves the
+    ``quantization_config`` out of config.json (a stripped config)."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True)
+    index = src / "model.safetensors.index.json"
+    wmap = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for f in src.iterdir():
+        if not f.is_file() or f.name == "config.json":
+            continue
+        if not f.name.endswith(".safetensors"):
+            if f.name != index.name:
+                shutil.copy(f, path / f.name)
+            continue
+        out: dict[str, torch.Tensor] = {}
+        for k, v in load_file(f).items():
+            if v.dim() == 2 and re.search(r"(proj|w[123])\.weight$", k) and not any(s in k for s in skip):
+                out[k], sc = quantize_fp8_block(v, block)
+                out[k + "_scale_inv"] = sc.to(scale_dtype)
+                if wmap is not None:
+                    wmap[k + "_scale_inv"] = f.name
+            else:
+                out[k] = v
+        save_file(out, path / f.name, metadata={"format": "pt"})
+    if wmap is not None:
+        (path / index.name).write_text(json.dumps({"metadata": {}, "weight_map": wmap}, indent=1))
+    cfg = json.loads((src / "config.json").read_text())
+    if config:
+        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                      "activation_scheme": "dynamic", "modules_to_not_convert": list(skip)}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path

@@ -338,6 +338,46 @@ def test_dtype_cast_equals_to(ckpts, tmp_path: Path) -> None:
     assert torch.equal(_tiered(tmp_path / "out", True), ref)
 
 
+def test_fp8_codes_and_scales_are_kept_bit_for_bit(ckpts, tmp_path: Path) -> None:
+    """Issue 24: --dtype casts the float weights of a block-FP8 checkpoint but keeps its float8 codes and float32
+    ``weight_scale_inv`` as they are (casting the scales changed stock's dequantized logits by 0.048); every scale
+    lands in the unit of its codes, and the output decodes to what stock decodes the input to."""
+    src = models.fp8_block(ckpts["llama_fp32"], tmp_path / "fp8")
+    s = _reshard(src, tmp_path / "out", dtype="bf16", verify=True)
+    got, inp = _tensors(tmp_path / "out"), _tensors(src)
+    assert set(got) == set(inp)
+    for k, v in inp.items():
+        kept = v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")
+        want = v if kept else v.to(torch.bfloat16)
+        assert got[k].dtype == want.dtype and torch.equal(got[k].view(torch.uint8), want.view(torch.uint8)), k
+    assert any(k.endswith("_scale_inv") for k in got) and 0 < s.cast < s.tensors
+    where = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        where.update({k: f.name for k in load_file(f)})
+    assert all(where[k] == where[k[: -len("_scale_inv")]] for k in got if k.endswith("_scale_inv"))
+    q = transformers.FineGrainedFP8Config(dequantize=True)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, quantization_config=q)(ids)
+        out = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", quantization_config=q)(ids)
+    assert torch.equal(out.logits, ref.logits)
+    with tiered.load(tmp_path / "out") as m, torch.no_grad():
+        assert torch.equal(m(ids).logits, ref.logits)
+
+
+def test_dtype_of_a_checkpoint_quantized_another_way_is_refused(ckpts, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["llama_fp32"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(tiered.UnsupportedCheckpointError, match="quant_method='compressed-tensors'.*without --dtype"):
+        _reshard(src, tmp_path / "out", dtype="bf16")
+    assert not (tmp_path / "out").exists()
+    _reshard(src, tmp_path / "out2")  # without --dtype: a bit-for-bit copy
+    _assert_bit_equal(_tensors(tmp_path / "out2"), _tensors(src))
+
+
 def test_force_replaces_and_refuses_without(ckpts, tmp_path: Path) -> None:
     dst = tmp_path / "out"
     dst.mkdir()

@@ -37,6 +37,7 @@ from .options import OPTION_DOCS, Options
 from .placeholder import install_placeholders
 from .placement import Placement, choose_io, place, warn_mmap_thrash
 from .plan import Plan, build_plan
+from .quant import check_config, config_of
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
 from .rows import RowGather
@@ -184,6 +185,8 @@ def attach(
     job = _dist.resolve(distributed, dev)  # the distribution strategy: one process (a no-op) or torchrun's ranks
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
     machine = gather(dev)
+    # a quantization method tiered does not decode is refused before a shard is opened (tiered/quant.py)
+    check_config(config_of(module, Path(model_dir)), f"{Path(model_dir) / 'config.json'}")
     ckpt = open_checkpoint(model_dir)
     warn_mmap_thrash(choose_io(io, ckpt.nbytes, machine), ckpt.nbytes, ckpt.root, machine)
     plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)

@@ -189,11 +189,11 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
     between targets are alignment padding, never read). Its ``src_bytes`` are the checkpoint bytes
     this rank reads. ``chunk`` is a multiple of ``align``, so runs start on element boundaries.
 
-    None: the unit runs a ``transformers`` conversion on whole tensors (``Unit.converts``), or one of
-    its stacked sources lands in a non-contiguous slice of its target.
+    None: the unit runs a ``transformers`` conversion on whole tensors (``Unit.converts``), decodes float8 codes
+    (``Copy.decode``), or one of its stacked sources lands in a non-contiguous slice of its target.
     """
-    if unit.converts:
-        return None
+    if unit.converts or any(c.decode is not None for t in unit.targets for c in t.copies):
+        return None  # a conversion, or float8 codes decoded whole (tiered.quant)
     chunk = _align(max(1, math.ceil(unit.nbytes / world)), align)
     lo, hi = rank * chunk, min(unit.nbytes, (rank + 1) * chunk)
     runs: list[Target] = []

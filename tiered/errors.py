@@ -21,6 +21,7 @@ __all__ = [
     "HostMemoryError",
     "UnsupportedDtypeError",
     "StreamedTensorError",
+    "QuantizationError",
 ]
 
 
@@ -80,6 +81,11 @@ class HostMemoryError(TieredError, MemoryError):
 class UnsupportedDtypeError(TieredError, TypeError):
     """The model needs a checkpoint tensor whose dtype torch cannot compute with here (``F4``, ``F6_*``, or
     complex data for a real parameter)."""
+
+
+class QuantizationError(TieredError, ValueError):
+    """A quantized checkpoint tiered cannot load exactly: a ``quantization_config`` method it does not decode, codes
+    without their config, or scales that do not fit their codes (:mod:`tiered.quant`)."""
 
 
 class StreamedTensorError(TieredError, RuntimeError):

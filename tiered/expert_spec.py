@@ -158,6 +158,8 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
+    if any(c.decode is not None for c in tgt.copies):  # float8 codes: decoded by the unit's whole read (issue 24)
+        return None
     slab_shape = tuple(tgt.shape[1:]) if rows is None else (rows, *tgt.shape[1:])
     per_el = math.prod(slab_shape)
     out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]

@@ -21,10 +21,12 @@ import math
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from . import quant
 from .chunks import chunk_sources
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
@@ -40,10 +42,17 @@ def _align(n: int, a: int) -> int:
 
 @dataclass
 class Copy:
-    """Copy checkpoint tensor ``src`` into ``place(target_view)`` (cast to the target dtype)."""
+    """Copy checkpoint tensor ``src`` into ``place(target_view)`` (cast to the target dtype), or, with ``decode`` (a
+    :class:`tiered.quant.Fp8Block`), decode its codes into it (:func:`tiered.quant.decode_rows`)."""
 
     src: TensorInfo
     place: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: the whole target
+    decode: Any = None  # tiered.quant.Fp8Block: src holds float8 codes, decode.scale their block scales
+
+    @property
+    def nbytes(self) -> int:
+        """Checkpoint bytes this copy reads (the codes and their scales)."""
+        return self.src.nbytes + (self.decode.scale.nbytes if self.decode is not None else 0)
 
 
 @dataclass
@@ -103,7 +112,7 @@ def same_bytes_key(u: Unit) -> tuple | None:
         return None
     parts = []
     for t in u.targets:
-        if any(c.place is not None for c in t.copies):
+        if any(c.place is not None or c.decode is not None for c in t.copies):
             return None
         parts.append((t.offset, str(t.dtype), tuple(t.shape),
                       tuple((str(c.src.file), c.src.offset, c.src.nbytes, str(c.src.dtype)) for c in t.copies)))
@@ -132,7 +141,8 @@ class Plan:
 
     ``unused``: checkpoint tensors the model does not need; ``unused_skipped``: those of them torch
     cannot hold (``Checkpoint.skipped``); ``unused_index_missing``: names the index lists, no shard
-    holds, and the model does not need.
+    holds, and the model does not need; ``dropped``: tensors ``from_pretrained`` reads and drops (an FP8
+    checkpoint's ``activation_scale``), not in ``unused``.
     """
 
     units: list[Unit]
@@ -140,6 +150,7 @@ class Plan:
     align: int
     unused_skipped: list[str] = field(default_factory=list)
     unused_index_missing: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # read and dropped by stock too (FP8 activation scales)
 
     @property
     def nbytes(self) -> int:
@@ -467,7 +478,7 @@ def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tu
             t.offset = off
             off += t.nbytes
         u.nbytes = _align(off, align)
-        u.src_bytes = sum(c.src.nbytes for t in own for c in t.copies) + sum(
+        u.src_bytes = sum(c.nbytes for t in own for c in t.copies) + sum(
             s.nbytes for c in u.converts for ss in c.sources.values() for s in ss
         )
         units.append(u)
@@ -483,14 +494,23 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     Target dtype is the meta parameter's dtype (what ``from_pretrained`` casts to).
     Persistent buffers found in the checkpoint are targets too.
 
+    A quantized checkpoint (``quantization_config``) is checked first, before anything else is matched, and copies of
+    float8 codes get their decode (:mod:`tiered.quant`).
+
     Raises:
+        QuantizationError: a quantization method tiered does not decode, or codes it cannot decode exactly.
         MissingTensorError: a parameter has no checkpoint tensor (and is not tied to one that has).
         ShapeMismatchError: a checkpoint tensor's shape differs from the parameter's.
     """
+    where = f"{ckpt.root}/config.json"
+    qc = quant.config_of(model, ckpt.root)
+    quant.check_config(qc, where)
     sd = model.state_dict(keep_vars=True)
     direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd)
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable)
+    dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     units = _group_units(model, targets, converts, align)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
-    return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing)
+    return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,
+                dropped=dropped)
 

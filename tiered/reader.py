@@ -34,6 +34,7 @@ re-exported here).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import faults
+from . import faults, quant
 from .errors import ConfigError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
@@ -62,6 +63,8 @@ PROBE_BYTES = 256 << 20
 #: adapt=True: how much faster (bytes per copy second) buffered reads must be to replace O_DIRECT, which keeps the
 #: page cache out of the picture (a cgroup charges it) and measured as fast or faster on most runs of issue 9
 PROBE_MARGIN = 1.10
+#: bytes of float8 codes one decode task reads (its float32 temporary is 4x this, per reader thread)
+DECODE_CHUNK = 2 << 20
 
 
 def zero_copy_eligible(unit: Unit) -> bool:
@@ -290,8 +293,25 @@ class Reader:
         jobs.append(fut)
         self.pool.submit(_run_job, fut, self._task, args)
 
-    def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: int, backend: str | None = None) -> None:
+    def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: Any, backend: str | None = None,
+              dec: Any = None) -> None:
         t0 = time.perf_counter()  # the fault seam inside the timed span: a test can make one backend slow
+        if dec is not None:  # lo: the matrix; hi: its rows (r0, r1) — or, for a non-contiguous dest, (0, numel)
+            faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset, io=backend or self.io)
+            if isinstance(hi, tuple):
+                took = self._decode(t, dest, lo, hi[0], hi[1], backend or self.io, dec)
+                nbytes = (hi[1] - hi[0]) * t.shape[-1] * t.dtype.itemsize
+            else:  # decode the whole tensor into a contiguous buffer, then copy it into place
+                tmp = torch.empty(t.shape, dtype=dest.dtype)
+                rows = t.shape[-2]
+                took = 0.0
+                for e in range(t.numel // max(1, rows * t.shape[-1])):
+                    took += self._decode(t, tmp, e, 0, rows, backend or self.io, dec)
+                dest.copy_(tmp.view(dest.shape))
+                nbytes = t.nbytes
+            if self.adapt and self.choice is None:
+                self._measured(backend or self.io, nbytes, took)
+            return
         faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize, io=backend or self.io)
         self._copy(t, dest, lo, hi, backend)
         if self.adapt and self.choice is None:  # still probing: time this copy for its backend
@@ -319,10 +339,12 @@ class Reader:
 
     @staticmethod
     def _pairs(unit: Unit, slot: torch.Tensor) -> list[tuple[TensorInfo, torch.Tensor]]:
-        pairs = []
+        pairs: list = []
         for tgt in unit.targets:
             whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
-            pairs += [(c.src, whole if c.place is None else c.place(whole)) for c in tgt.copies]
+            for c in tgt.copies:
+                dest = whole if c.place is None else c.place(whole)
+                pairs.append((c.src, dest) if c.decode is None else (c.src, dest, c.decode))
         return pairs
 
     def start_unit(self, unit: Unit, slot: torch.Tensor) -> list[Future]:
@@ -387,9 +409,13 @@ class Reader:
                       chunk: int | None) -> None:
         backend = self._backend((unit.name, chunk))  # one backend for all of a read's copies (one readahead stream)
         self._unit_started(backend)
-        for src, dest in pairs:
+        for pair in pairs:
+            src, dest = pair[0], pair[1]
             n = src.numel
             if n == 0:
+                continue
+            if len(pair) > 2:  # float8 codes and their block scales: decoded on the reader threads
+                self._submit_decode(jobs, unit, src, dest, pair[2], backend)
                 continue
             size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
             if self.io != "mmap":  # a piece must fit the per-thread staging buffer
@@ -400,6 +426,50 @@ class Reader:
                     self._submit(jobs, unit, src, dest, lo, min(n, lo + step), backend)
             else:
                 self._submit(jobs, unit, src, dest, 0, n, backend)
+
+    def _submit_decode(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
+                       backend: str) -> None:
+        """Queue the decode of ``src``'s float8 codes into ``dest`` (:mod:`tiered.quant`) in bands of whole blocks of
+        rows, at most :data:`DECODE_CHUNK` code bytes each (a non-contiguous ``dest``: one task for the tensor)."""
+        rows, cols = src.shape[-2:]
+        lead = src.numel // max(1, rows * cols)
+        bm = dec.block[0]
+        band = max(bm, DECODE_CHUNK // max(1, cols * src.dtype.itemsize) // bm * bm)
+        if not dest.is_contiguous():
+            self._submit(jobs, unit, src, dest, 0, src.numel, backend, dec)
+            return
+        for e in range(lead):
+            for r in range(0, rows, band):
+                self._submit(jobs, unit, src, dest, e, (r, min(rows, r + band)), backend, dec)
+
+    def _decode(self, src: TensorInfo, dest: torch.Tensor, e: int, r0: int, r1: int, backend: str, dec: Any) -> float:
+        """Read rows ``[r0, r1)`` of matrix ``e`` of ``src`` (float8 codes) and the scales of their blocks with
+        ``backend``, decode them into the same rows of ``dest`` (contiguous). Returns the seconds spent reading."""
+        rows, cols = src.shape[-2:]
+        isz = src.dtype.itemsize
+        n = (r1 - r0) * cols
+        g0 = e * rows + r0
+        sub = dataclasses.replace(src, offset=src.offset + g0 * cols * isz, shape=(n,), nbytes=n * isz)
+        codes = torch.empty(n, dtype=src.dtype)
+        sc = dec.scale
+        if sc.numel == 1:
+            ssub = sc
+        else:
+            bm = dec.block[0]
+            gr, gc = sc.shape[-2:]
+            a, b = e * gr + r0 // bm, e * gr + -(-r1 // bm)
+            sisz = sc.dtype.itemsize
+            ssub = dataclasses.replace(sc, offset=sc.offset + a * gc * sisz, shape=((b - a) * gc,),
+                                       nbytes=(b - a) * gc * sisz)
+        scale = torch.empty(ssub.numel, dtype=sc.dtype)
+        t0 = time.perf_counter()
+        self._copy(sub, codes, 0, n, backend)
+        self._copy(ssub, scale, 0, ssub.numel, backend)
+        took = time.perf_counter() - t0
+        grid = scale if sc.numel == 1 else scale.view(-1, sc.shape[-1])
+        out = dest.reshape(-1, cols)[g0 : g0 + r1 - r0]
+        quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, 0, out)
+        return took
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:
         """Run a non-placeable ``transformers`` conversion on mapped sources; copy the results in."""

@@ -86,7 +86,8 @@ def row_eligible(unit: Unit) -> bool:
     if not isinstance(m, nn.Embedding) or len(unit.targets) != 1 or unit.converts or getattr(unit, "readers", None):
         return False
     t = unit.targets[0]
-    if t.module is not m or t.attr != "weight" or len(t.copies) != 1 or t.copies[0].place is not None:
+    if t.module is not m or t.attr != "weight" or len(t.copies) != 1 or t.copies[0].place is not None \
+            or t.copies[0].decode is not None:
         return False
     src = t.copies[0].src
     if tuple(src.shape) != tuple(t.shape) or len(t.shape) != 2 or src.dtype.is_complex != t.dtype.is_complex:

@@ -14,6 +14,7 @@ A failure at any step removes the temporary directory; a full disk raises :class
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
@@ -26,7 +27,8 @@ from ..errors import ConfigError, ShardNotFoundError, TieredError
 from ..format import INDEX_NAME
 from ..format import parse_size as _parse_size
 from ..meta import parse_dtype
-from .errors import DiskFullError, ReshardError
+from ..quant import SCALE_SUFFIX, STREAMED
+from .errors import DiskFullError, ReshardError, UnsupportedCheckpointError
 from .install import _commit, _fsync_path, _make_tmp, _prepare
 from .layout import _layout, _place, _plan_units
 from .sources import Source, _open_source
@@ -137,6 +139,17 @@ def reshard(
         source.close()
 
 
+def _quant_config(source: Source) -> dict | None:
+    """The source's ``quantization_config`` (of the config.json it generates, else of ``source.root``'s), or None."""
+    gen = source.generated_files.get("config.json")
+    try:
+        doc = json.loads(gen) if gen is not None else json.loads((source.root / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
+    return qc if isinstance(qc, dict) else None
+
+
 def _same_bytes(source: Source, a: str, b: str) -> bool:
     """True when tensors ``a`` and ``b`` have the same dtype, shape and bytes (read in chunks)."""
     ia, ib = source.infos[a], source.infos[b]
@@ -168,7 +181,19 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
     from tqdm.auto import tqdm
 
     notes += source.notes
+    qc = _quant_config(source)
+    if qc is not None and dtype is not None:
+        method = str(qc.get("quant_method", "")).lower()
+        if method not in STREAMED:
+            raise UnsupportedCheckpointError(
+                f"{source.root / 'config.json'}: a quant_method={method!r} checkpoint; --dtype would cast its scales "
+                "and change what it decodes to. Reshard it without --dtype (its tensors are then copied bit for bit)")
     units, arch, tied = _plan_units(source, notes, dtype)
+    if qc is not None and dtype is not None:  # fp8: codes are not castable; the scales stay exact (tiered.quant)
+        scales = {n for n in source.infos if n.endswith((SCALE_SUFFIX, "activation_scale"))}
+        source.keep_dtype = set(getattr(source, "keep_dtype", None) or ()) | scales
+        if scales:
+            notes.append(f"{len(scales)} FP8 scale tensors kept in their dtype (the decode reads them as they are)")
     dropped = {dup: keep for dup, keep in tied.items() if _same_bytes(source, dup, keep)}
     groups = getattr(source, "storage_groups", None)  # an optional hook of the source interface
     if arch is None and groups is not None:

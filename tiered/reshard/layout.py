@@ -129,6 +129,7 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
             reads[t.key] = [c.src.name for c in t.copies]
             if id(t) not in expert_targets:
                 unit.tensors += reads[t.key]
+                unit.tensors += [c.decode.scale.name for c in t.copies if c.decode is not None]  # FP8 block scales
         for conv in u.converts:
             unit.tensors += [s.name for ss in conv.sources.values() for s in ss]
         unit.tensors += experts  # last: the unit's dense part stays one span when its experts are routed
@@ -139,8 +140,8 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
         if source.keep_dtype:
             notes.append(f"{len(source.keep_dtype)} tensors kept in their dtype: {type(model).__name__} keeps them "
                          f"in float32 at {dtype} (_keep_in_fp32_modules), as from_pretrained does")
-    if plan.unused:
-        units.append(_Unit(f"(not used by {type(model).__name__})", list(plan.unused)))
+    if plan.unused or plan.dropped:
+        units.append(_Unit(f"(not used by {type(model).__name__})", list(plan.unused) + list(plan.dropped)))
         notes.append(f"{len(plan.unused)} tensors not used by {type(model).__name__} written last "
                      f"({', '.join(plan.unused[:3])}{', ...' if len(plan.unused) > 3 else ''})")
     tied: dict[str, str] = {}

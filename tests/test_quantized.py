@@ -1,0 +1,248 @@
+"""Quantized checkpoints (issue 24): block-scaled FP8 decoded bit for bit as stock transformers dequantizes it
+(``FineGrainedFP8Config(dequantize=True)``), every other ``quantization_config`` refused before a weight is read,
+and codes or scales that do not fit refused with the file, tensor and offset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import models
+import pytest
+import torch
+import transformers
+from conftest import logits_of, make_ids, streaming_ring_gb
+from safetensors.torch import load_file, save_file
+
+import tiered
+from tiered.errors import QuantizationError
+
+
+def _stock_dequantized(path: Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Stock's dequantized model: what ``from_pretrained`` does on a machine without a GPU, asked explicitly (so it
+    is the same on the GPU machine)."""
+    kw: dict = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def _ring(path: Path) -> float:
+    """A ring (GiB) that streams ``path``'s model (:func:`conftest.streaming_ring_gb` of a probe load)."""
+    with tiered.load(path) as probe:
+        return streaming_ring_gb(probe)
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fp8")
+    return models.fp8_block(models.llama(root / "bf16"), root / "fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fp8moe")
+    return models.fp8_block(models.qwen3_moe(root / "bf16"), root / "fp8", skip=("lm_head", "mlp.gate."))
+
+
+def test_the_test_checkpoint_holds_codes_and_scales(fp8_llama: Path) -> None:
+    keys = models.checkpoint_keys(fp8_llama)
+    codes = [k for k in keys if k + "_scale_inv" in keys]
+    assert len(codes) == 4 * 7 and "lm_head.weight_scale_inv" not in keys
+    cfg = json.loads((fp8_llama / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "io": "pread"},
+                                {"ring_gb": "stream", "io": "mmap", "host_gb": 0}],
+                         ids=["defaults", "streamed-direct", "streamed-pread", "streamed-mmap"])
+def test_block_fp8_logits_equal_stock_dequantized(fp8_llama: Path, kw: dict) -> None:
+    ids = make_ids(0, (2, 9))
+    ref = logits_of(_stock_dequantized(fp8_llama), ids)
+    kw = {**kw, "ring_gb": _ring(fp8_llama)} if kw else kw
+    with tiered.load(fp8_llama, **kw) as m:
+        assert m.dtype == torch.bfloat16
+        got = logits_of(m, ids)
+        snap = tiered.stats(m).snapshot()
+        if kw:
+            assert snap["streamed_bytes"] > 0
+    assert torch.equal(got, ref)
+    # the stored bytes were read: codes (1 byte per element) and their float32 scales, not 2-byte weights
+    assert snap["read_bytes"] > 0
+
+
+def test_block_fp8_decodes_to_the_dtype_asked_for(fp8_llama: Path) -> None:
+    ids = make_ids(1, (1, 6))
+    ref = logits_of(_stock_dequantized(fp8_llama, torch.float32), ids)
+    with tiered.load(fp8_llama, dtype=torch.float32, ring_gb=2 * _ring(fp8_llama)) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+
+
+def test_block_fp8_moe_experts_equal_stock_dequantized(fp8_qwen3_moe: Path) -> None:
+    keys = models.checkpoint_keys(fp8_qwen3_moe)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in keys
+    ids = make_ids(2, (2, 7))
+    ref = logits_of(_stock_dequantized(fp8_qwen3_moe), ids)
+    for kw in ({}, {"ring_gb": _ring(fp8_qwen3_moe), "io": "direct"}):
+        with tiered.load(fp8_qwen3_moe, **kw) as m:
+            assert torch.equal(logits_of(m, ids), ref), kw
+            assert bool(kw) == (tiered.stats(m).snapshot()["streamed_bytes"] > 0)
+
+
+def test_the_unused_warning_does_not_name_scales(fp8_llama: Path, recwarn: pytest.WarningsRecorder) -> None:
+    with tiered.load(fp8_llama) as m:
+        assert not m._tiered.plan.unused
+    assert not [w for w in recwarn if "not used" in str(w.message)]
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self, rows: int, cols: int, lead: int = 0) -> None:
+        super().__init__()
+        shape = (lead, rows, cols) if lead else (rows, cols)
+        self.proj = torch.nn.Module()
+        self.proj.weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.transpose(-1, -2)
+
+
+def _one_tensor_dir(path: Path, codes: torch.Tensor, scale: torch.Tensor, block) -> Path:
+    path.mkdir()
+    save_file({"proj.weight": codes, "proj.weight_scale_inv": scale}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": list(block) if block else None}}))
+    return path
+
+
+def _blockwise(codes: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16) -> torch.Tensor:
+    """The reference decode, block by block (independent of tiered's row bands): each element's float32 code
+    times its block's float32 scale, rounded once to ``dtype``."""
+    rows, cols = codes.shape
+    bm, bn = block
+    out = torch.empty(rows, cols, dtype=dtype)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = codes[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float() * scale[i, j].float()
+            out[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = blk.to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+@pytest.mark.parametrize("rows,cols,block", [(200, 72, (64, 32)), (129, 300, (128, 128)), (4100, 130, (128, 128))],
+                         ids=["200x72", "129x300", "4100x130"])
+def test_shapes_the_block_does_not_divide_decode_as_the_block_says(tmp_path: Path, rows: int, cols: int, block,
+                                                                    io: str) -> None:
+    """The grid is ceil(rows / block) x ceil(cols / block): the last blocks are short. Stock 5.17's dequantize
+    derives the block from the grid (rows // grid rows) and refuses or misplaces scales here; the kernels and
+    DeepSeek's reference use the config's block, as tiered does. 4100 rows: several decode bands."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.05
+    codes, scale = models.quantize_fp8_block(w, block)
+    d = _one_tensor_dir(tmp_path / "ckpt", codes, scale, block)
+    m = tiered.attach(_Lin(rows, cols), d, io=io, ring_gb=0.05)
+    try:
+        x = torch.eye(cols, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = m(x).transpose(0, 1)  # x @ W.T with x = I: W itself
+        assert torch.equal(got, _blockwise(codes, scale, block))
+    finally:
+        tiered.close(m)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_block_fp8_equals_stocks_own_dequantize_per_scale_dtype(tmp_path: Path, scale_dtype: torch.dtype) -> None:
+    """Against transformers' ``Fp8Dequantize._dequantize_one`` itself: float32, bfloat16 and E8M0 (uint8
+    exponent) scales, and a stack of matrices (experts stored fused, scales per matrix)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(7)
+    codes = (torch.randn(3, 96, 64, generator=g) * 40).to(torch.float8_e4m3fn)
+    if scale_dtype == torch.uint8:
+        scale = torch.randint(110, 135, (3, 3, 2), generator=g, dtype=torch.uint8)
+    else:
+        scale = (torch.rand(3, 3, 2, generator=g) * 0.01 + 1e-4).to(scale_dtype)
+    ref = Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=torch.bfloat16)
+    d = _one_tensor_dir(tmp_path / "ckpt", codes, scale, (32, 32))
+    m = tiered.attach(_Lin(96, 64, lead=3), d, ring_gb=0.05)
+    try:
+        with torch.no_grad():
+            got = m(torch.eye(64, dtype=torch.bfloat16)).transpose(-1, -2)
+        assert got.abs().sum() > 0 and torch.equal(got, ref)
+    finally:
+        tiered.close(m)
+
+
+def _truncate_data(path: Path) -> None:
+    """Cut every shard after its header: a valid header whose tensor data is gone, so any weight read fails."""
+    for f in path.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        f.write_bytes(raw[: 8 + n + 16])
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "compressed-tensors", "mxfp4", "gptq", "awq", "fbgemm_fp8",
+                                    "torchao"])
+def test_other_quantization_methods_are_refused_before_any_weight_is_read(tmp_path: Path, method: str) -> None:
+    d = models.llama(tmp_path / "m", max_shard_size=None)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    _truncate_data(d)
+    with pytest.raises(QuantizationError, match=f"quant_method='{method}'.*does not decode") as e:
+        tiered.load(d)
+    assert "config.json" in str(e.value) and "To run it" in str(e.value)
+
+
+def test_scales_without_a_quantization_config_are_refused(tmp_path: Path) -> None:
+    d = models.fp8_block(models.llama(tmp_path / "bf16"), tmp_path / "fp8", config=False)
+    with pytest.raises(QuantizationError, match=r"model\.safetensors|\.safetensors.*block scales.*no fp8 "
+                                                r"quantization_config") as e:
+        tiered.load(d)
+    assert "_scale_inv" in str(e.value) and "offset" in str(e.value)
+
+
+def test_a_scale_grid_that_fits_no_block_is_refused(tmp_path: Path) -> None:
+    codes, _ = models.quantize_fp8_block(torch.randn(64, 64) * 0.1, (32, 32))
+    d = _one_tensor_dir(tmp_path / "ckpt", codes, torch.full((3, 5), 0.01), (32, 32))
+    with pytest.raises(QuantizationError, match=r"model\.safetensors: scale 'proj\.weight_scale_inv' at offset \d+ "
+                                                r"is a 3 x 5 grid"):
+        tiered.attach(_Lin(64, 64), d)
+
+
+def test_fp8_embeddings_are_refused(tmp_path: Path) -> None:
+    d = models.fp8_block(models.llama(tmp_path / "bf16"), tmp_path / "fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_convert"] = ["embed_tokens"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantizationError, match="modules_to_convert"):
+        tiered.load(d)
+
+
+def test_codes_that_are_not_float8_are_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file({"proj.weight": torch.randn(64, 64).to(torch.bfloat16), "proj.weight_scale_inv": torch.ones(2, 2)},
+              d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8",
+                                                                       "weight_block_size": [32, 32]}}))
+    with pytest.raises(QuantizationError, match="torch.bfloat16 and block scales"):
+        tiered.attach(_Lin(64, 64), d)
+    assert load_file(d / "model.safetensors")["proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "host_gb": 0.01}],
+                         ids=["resident", "streamed", "host-tier"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_cuda_block_fp8_equals_stock_dequantized_on_the_gpu(request: pytest.FixtureRequest, name: str, kw: dict) -> None:
+    """On the GPU, against stock's dequantized model on the same GPU (``FineGrainedFP8Config(dequantize=True)``:
+    stock decodes at load on the CPU, then moves the weights; tiered decodes on a reader thread into the ring slot)."""
+    path = request.getfixturevalue("fp8_llama" if name == "llama" else "fp8_qwen3_moe")
+    ids = make_ids(3, (2, 8))
+    ref_model = _stock_dequantized(path).to("cuda")
+    ref = logits_of(ref_model, ids.cuda())
+    del ref_model
+    kw = {**kw, "ring_gb": _ring(path)} if kw.get("ring_gb") == "stream" else kw
+    with tiered.load(path, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
+        got = logits_of(m, ids.cuda())
+    assert torch.equal(got, ref)

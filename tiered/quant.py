@@ -1,0 +1,240 @@
+"""Quantized checkpoints: which ``quantization_config`` tiered loads, and block-scaled FP8 decoded exactly.
+
+Issue 24. A checkpoint whose ``config.json`` has a ``quantization_config`` stores codes, not weights: read as if they
+were weights they give silently wrong numbers. So:
+
+* :func:`check_config` runs while the plan is built (before any weight byte is read) and refuses, with a
+  :class:`~tiered.errors.QuantizationError` naming the method and what would work, every method tiered does not
+  decode. Decoded today: ``quant_method="fp8"`` (transformers' ``FineGrainedFP8Config``: DeepSeek-V3/R1 and
+  Qwen3-*-FP8, e4m3 codes with a ``weight_scale_inv`` per block).
+* :func:`attach_decodes` gives every copy of a plan whose checkpoint tensor ``X`` has a sibling ``X_scale_inv`` an
+  :class:`Fp8Block` decode. A sibling scale without a ``quantization_config`` (a config stripped of it) is refused
+  too: stock would load the codes as weights.
+* :func:`decode_rows` is the arithmetic: what ``transformers.integrations.finegrained_fp8.Fp8Dequantize`` does when
+  ``from_pretrained`` dequantizes (``FineGrainedFP8Config(dequantize=True)``, and on a machine without a GPU, where
+  stock dequantizes by itself): ``(codes.to(float32) * scale.to(float32)).to(dtype)`` element by element, the scale
+  being that of the element's block; a ``uint8`` scale (an E8M0 exponent) is ``2 ** (byte - 127)`` as there. It runs
+  on row bands, so its float32 temporaries are one band's, never one tensor's; each element's product and rounding
+  are the same, so the result is bitwise stock's.
+
+Blocks. Stock 5.17 derives the block from the scale grid (``rows // grid_rows``), which is the block the checkpoint
+was quantized with when the block divides the weight (every shape of DeepSeek-V3 and Qwen3 FP8 but DeepSeek's 576-row
+``kv_a_proj_with_mqa``). Where it does not, the grid has ``ceil(rows / block)`` rows (DeepSeek's ``weight_dequant``
+and the FP8 matmul kernels read it so), and stock either refuses (``rows`` not a multiple of the grid) or applies
+some scales to the wrong rows. :func:`block_of` takes the config's ``weight_block_size`` where the grid is its
+ceiling grid — equal to stock wherever stock is right — else stock's derivation, else refuses.
+
+On the CPU the reader decodes into the ring slot (the slot holds the model dtype). On CUDA today it does the same: the
+disk and the page cache carry the stored bytes; the ring, host tier and H2D carry the decoded ones (decoding after
+the H2D copy is the next step of issue 24).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import QuantizationError
+from .tensor_info import TensorInfo
+
+__all__ = ["Fp8Block", "check_config", "attach_decodes", "block_of", "decode_rows", "STREAMED", "SCALE_SUFFIX"]
+
+#: ``quant_method`` values tiered decodes.
+STREAMED = ("fp8",)
+#: the checkpoint name of a tensor's block scales: ``X`` -> ``X + SCALE_SUFFIX`` (transformers' ``Fp8Dequantize``)
+SCALE_SUFFIX = "_scale_inv"
+#: float8 code dtypes an ``fp8`` checkpoint stores (``Fp8Dequantize`` casts any of them to float32)
+CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: what stock does with each method, and what would work instead (the refusal's advice)
+_ADVICE = {
+    "mxfp4": "dequantize it once with transformers (from_pretrained(dir, quantization_config=Mxfp4Config("
+             "dequantize=True)), then save_pretrained) and load that copy",
+    "compressed-tensors": "decompress it once with transformers (from_pretrained(dir, quantization_config="
+                          "CompressedTensorsConfig(run_compressed=False)), then save_pretrained) and load that copy",
+    "bitsandbytes": "load the unquantized checkpoint it was made from (bitsandbytes quantizes at load time)",
+}
+_GENERIC = ("dequantize it once with transformers (from_pretrained, then model.dequantize() where the method has it, "
+            "then save_pretrained) or use the unquantized checkpoint, and load that")
+
+
+@dataclass(frozen=True)
+class Fp8Block:
+    """A copy's decode: the codes (the copy's ``src``) times the scale of their block.
+
+    ``scale``: the checkpoint tensor of scales, shape ``(*lead, grid_rows, grid_cols)`` (or one scale: ``()`` or
+    ``(1,)``), dtype float32, bfloat16, float16, float8_e8m0fnu or uint8 (an E8M0 exponent). ``block``: rows and
+    columns of the codes one scale covers (the last block of a row or column may be short).
+    """
+
+    scale: TensorInfo
+    block: tuple[int, int]
+
+
+def _qc_dict(qc: Any) -> dict | None:
+    if qc is None:
+        return None
+    if isinstance(qc, dict):
+        return qc
+    to_dict = getattr(qc, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(vars(qc))
+
+
+def config_of(model: Any, root: Path | None = None) -> dict | None:
+    """The ``quantization_config`` of ``model.config`` (or of every sub-config), else of ``root/config.json``."""
+    cfg = getattr(model, "config", None)
+    qc = _qc_dict(getattr(cfg, "quantization_config", None))
+    if qc is None and cfg is not None:
+        for name in ("text_config", "language_config", "llm_config"):
+            sub = getattr(cfg, name, None)
+            qc = _qc_dict(getattr(sub, "quantization_config", None))
+            if qc is not None:
+                break
+    if qc is None and root is not None:
+        try:
+            doc = json.loads((Path(root) / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = None
+        if isinstance(doc, dict):
+            qc = _qc_dict(doc.get("quantization_config"))
+    return qc
+
+
+def check_config(qc: dict | None, where: str) -> None:
+    """Refuse a ``quantization_config`` (``where``: the config file, for the message) that tiered does not decode.
+
+    Raises:
+        QuantizationError: ``quant_method`` is not one of :data:`STREAMED`, or an ``fp8`` config asks for what the
+            decode does not do (FP8 embeddings: ``modules_to_convert``).
+    """
+    if qc is None:
+        return
+    method = str(qc.get("quant_method", "")).lower() or "(no quant_method)"
+    if method not in STREAMED:
+        raise QuantizationError(
+            f"{where}: quantization_config has quant_method={method!r}, which tiered does not decode (it decodes "
+            f"{', '.join(STREAMED)}); its tensors are codes, and loading them as weights would give wrong numbers. "
+            f"To run it: {_ADVICE.get(method, _GENERIC)}")
+    if qc.get("modules_to_convert"):
+        raise QuantizationError(
+            f"{where}: quantization_config.modules_to_convert={qc['modules_to_convert']!r} keeps FP8 embedding tables "
+            "(transformers' FP8Embedding), which tiered does not decode; dequantize it once with transformers "
+            "(FineGrainedFP8Config(dequantize=True), then save_pretrained) and load that copy")
+
+
+def block_of(codes: TensorInfo, scale: TensorInfo, config_block: Any) -> tuple[int, int]:
+    """The (rows, cols) of codes each scale of ``scale`` covers (module docstring, "Blocks").
+
+    Raises:
+        QuantizationError: the codes are not a matrix (or a stack of them), or the scale grid fits neither the
+            config's ``weight_block_size`` nor a whole division of the codes' shape.
+    """
+    if len(codes.shape) < 2:
+        raise QuantizationError(f"{codes.file}: tensor {codes.name!r} at offset {codes.offset} has shape "
+                                f"{list(codes.shape)} and a scale {scale.name!r}; only matrices are block-scaled")
+    rows, cols = codes.shape[-2:]
+    lead = codes.numel // max(1, rows * cols)
+    if scale.numel == 1:
+        return rows, cols  # one scale for the whole tensor (stock: a grid of 1 x 1)
+    if len(scale.shape) < 2 or scale.numel // max(1, scale.shape[-2] * scale.shape[-1]) != lead:
+        raise QuantizationError(
+            f"{scale.file}: scale {scale.name!r} at offset {scale.offset} has shape {list(scale.shape)}, which is not a "
+            f"grid of blocks over {codes.name!r} {list(codes.shape)}; the checkpoint is damaged or not block-scaled FP8")
+    gr, gc = scale.shape[-2:]
+    if config_block and len(config_block) == 2:
+        bm, bn = int(config_block[0]), int(config_block[1])
+        if bm > 0 and bn > 0 and gr == -(-rows // bm) and gc == -(-cols // bn):
+            return bm, bn
+    if gr and gc and rows % gr == 0 and cols % gc == 0:
+        return rows // gr, cols // gc
+    raise QuantizationError(
+        f"{scale.file}: scale {scale.name!r} at offset {scale.offset} is a {gr} x {gc} grid over {codes.name!r} "
+        f"({rows} x {cols}), which fits neither weight_block_size={config_block!r} nor a whole division of the "
+        "shape; the checkpoint does not match its config.json")
+
+
+def attach_decodes(targets: dict[str, Any], converts: list, unused: list[str], tensors: dict[str, TensorInfo],
+                   qc: dict | None, where: str) -> list[str]:
+    """Give each copy of ``targets`` (model key -> :class:`~tiered.plan.Target`) whose checkpoint tensor has a
+    sibling scale (:data:`SCALE_SUFFIX`) an :class:`Fp8Block` decode, and take the scales out of ``unused``.
+    Returns the ``fp8`` method's ``activation_scale`` tensors, which stock reads and drops (taken out of ``unused``
+    too: they are not a sign of a config that does not match).
+
+    Raises:
+        QuantizationError: a sibling scale without an ``fp8`` quantization_config; codes that are not float8; a
+            transformers conversion (``converts``) over codes; a scale grid that fits no block (:func:`block_of`).
+    """
+    fp8 = qc is not None and str(qc.get("quant_method", "")).lower() == "fp8"
+    block = qc.get("weight_block_size") if fp8 else None
+    used: set[str] = set()
+    for tgt in targets.values():
+        for c in tgt.copies:
+            scale = tensors.get(c.src.name + SCALE_SUFFIX)
+            if scale is None:
+                continue
+            s = c.src
+            if not fp8:
+                raise QuantizationError(
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has block scales ({scale.name!r}) but "
+                    f"{where} has no fp8 quantization_config: it holds FP8 codes, not weights. Use the checkpoint's "
+                    "own config.json (with its quantization_config)")
+            if s.dtype not in CODE_DTYPES:
+                raise QuantizationError(
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has dtype {s.dtype} and block scales "
+                    f"({scale.name!r}); tiered decodes float8 codes ({', '.join(map(str, CODE_DTYPES))}) only")
+            c.decode = Fp8Block(scale, block_of(s, scale, block))
+            used.add(scale.name)
+    for conv, _key in converts:
+        for infos in conv.sources.values():
+            for s in infos:
+                if s.name + SCALE_SUFFIX in tensors:
+                    raise QuantizationError(
+                        f"{s.file}: tensor {s.name!r} at offset {s.offset} is FP8 codes feeding a transformers "
+                        f"conversion of {conv.targets}, which tiered does not decode yet; dequantize the checkpoint "
+                        "once with transformers (FineGrainedFP8Config(dequantize=True), then save_pretrained)")
+    dropped = [n for n in unused if n.endswith("activation_scale")] if fp8 else []
+    used.update(dropped)
+    if used:
+        unused[:] = [n for n in unused if n not in used]
+    return dropped
+
+
+def scale_f32(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as float32, as ``Fp8Dequantize`` converts it (a uint8 is an E8M0 exponent: ``2 ** (byte - 127)``)."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
+
+
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int,
+                out: torch.Tensor) -> None:
+    """Decode rows ``[row0, row0 + codes.shape[0])`` of one matrix into ``out``.
+
+    Args:
+        codes: ``(n, cols)`` float8 codes of those rows (CPU or CUDA).
+        scale: float32 ``(grid_rows, grid_cols)`` scales of the whole matrix (:func:`scale_f32`), same device.
+        block: (rows, cols) per scale; ``row0`` is a multiple of ``block[0]``.
+        out: ``(n, cols)`` of the model dtype; written, bitwise ``(codes.float() * scale_of_block).to(out.dtype)``.
+    Temporaries: one float32 copy of ``codes``.
+    """
+    n, cols = codes.shape
+    bm, bn = block
+    q = codes.to(torch.float32)
+    gcf = cols // bn  # whole column blocks
+    full = gcf * bn
+    if scale.numel() == 1:  # one scale for the whole tensor
+        q.mul_(scale.reshape(()))
+        out.copy_(q)
+        return
+    g0 = row0 // bm
+    for i, r in enumerate(range(0, n, bm)):
+        rows = q[r : r + bm]
+        s = scale[g0 + i]
+        if gcf:
+            rows[:, :full].unflatten(1, (gcf, bn)).mul_(s[:gcf].view(1, gcf, 1))
+        if full < cols:
+            rows[:, full:].mul_(s[gcf])
+    out.copy_(q)
