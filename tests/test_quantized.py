@@ -246,3 +246,15 @@ def test_cuda_block_fp8_equals_stock_dequantized_on_the_gpu(request: pytest.Fixt
     with tiered.load(path, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
         got = logits_of(m, ids.cuda())
     assert torch.equal(got, ref)
+
+
+def test_inspect_shows_stored_and_decoded_bytes(fp8_llama: Path) -> None:
+    from tiered.cli import inspect_dir
+
+    q = inspect_dir(fp8_llama)["quantized"]
+    assert q["method"] == "fp8" and q["block"] == [32, 32] and q["tensors"] == 4 * 7 and q["dtype"] == "bfloat16"
+    codes = sum(v.numel() for f in fp8_llama.glob("*.safetensors") for k, v in load_file(f).items()
+                if v.dtype == torch.float8_e4m3fn)
+    scales = sum(v.nbytes for f in fp8_llama.glob("*.safetensors") for k, v in load_file(f).items()
+                 if k.endswith("_scale_inv"))
+    assert q["stored_bytes"] == codes + scales and q["decoded_bytes"] == 2 * codes

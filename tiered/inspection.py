@@ -82,8 +82,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "tensors": len(ckpt.tensors),
         "checkpoint_bytes": ckpt.nbytes,
         "dtypes": dict(dtypes),
-        "units": [{"name": u.name, "bytes": u.nbytes, "tensors": len(u.targets),
+        "units": [{"name": u.name, "bytes": u.nbytes, "stored_bytes": u.src_bytes, "tensors": len(u.targets),
                    "layer": layer_index(u.name + ".")} for u in plan.units],
+        "quantized": _quant_info(ckpt, plan),
         "model_bytes": plan.weight_bytes,  # distinct weights (a tied head is not counted twice)
         "layout_bytes": plan.nbytes,  # every unit's aligned layout (a tied head is a unit of its own)
         "largest_unit": {"name": big.name, "bytes": big.nbytes},
@@ -106,6 +107,20 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "skipped_tensors": {n: f"{t.dtype_name} {list(t.shape)}: {t.reason}" for n, t in ckpt.skipped.items()},
         "index_names_missing_from_shards": ckpt.index_missing,
     }
+
+
+def _quant_info(ckpt: Any, plan: Any) -> dict | None:
+    """A quantized checkpoint's decoded tensors (issue 24): the method, how many, their stored bytes (codes and
+    scales) and the bytes they decode to; None when nothing is decoded."""
+    from .quant import config_of
+
+    dec = [(t, c) for u in plan.units for t in u.targets for c in t.copies if c.decode is not None]
+    if not dec:
+        return None
+    qc = config_of(None, ckpt.root) or {}
+    return {"method": qc.get("quant_method"), "block": qc.get("weight_block_size"), "tensors": len(dec),
+            "stored_bytes": sum(c.nbytes for _, c in dec), "decoded_bytes": sum(t.nbytes for t, _ in dec),
+            "dtype": str(dec[0][0].dtype).removeprefix("torch.")}
 
 
 def _disk_layout(plan: Any, ckpt: Any) -> tuple[int, bool, bool]:
@@ -270,6 +285,11 @@ def _print_checkpoint(info: dict, a: Any) -> None:
           f"{gib(info['checkpoint_bytes'])} in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
     for s in info["shards"]:
         print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
+    q = info.get("quantized")
+    if q:
+        print(f"quantized: {q['method']} (weight_block_size {q['block']}), {q['tensors']} tensors of codes: "
+              f"{gib(q['stored_bytes'])} stored (codes and scales), decoded after the read to {gib(q['decoded_bytes'])} "
+              f"of {q['dtype']} exactly as transformers dequantizes them; disk and page cache carry the stored bytes")
     print(f"units ({len(info['units'])}, in execution order):")
     units = info["units"]
     show = units if len(units) <= 12 or a.all else units[:5] + [None] + units[-4:]
