@@ -258,3 +258,23 @@ def test_inspect_shows_stored_and_decoded_bytes(fp8_llama: Path) -> None:
     scales = sum(v.nbytes for f in fp8_llama.glob("*.safetensors") for k, v in load_file(f).items()
                  if k.endswith("_scale_inv"))
     assert q["stored_bytes"] == codes + scales and q["decoded_bytes"] == 2 * codes
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_code_decodes_as_stock_decodes_it(code_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """All 256 codes (NaN, infinities, subnormals, both zeros) in every block, against stock's
+    ``Fp8Dequantize._dequantize_one`` byte for byte (NaN payloads included)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tiered.quant import decode_rows
+
+    raw = (torch.arange(256)[None, :] + 37 * torch.arange(96)[:, None]) % 256  # 96 x 256, rows shifted
+    assert raw[:32, :32].unique().numel() == 256  # every code in the first block (and the others alike)
+    codes = raw.to(torch.uint8).view(code_dtype)
+    scale = torch.rand(3, 8, generator=torch.Generator().manual_seed(5)) * 4 + 1e-3
+    ref = Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=out_dtype)
+    for row0 in (0, 32, 64):  # a band starting at each block row
+        out = torch.empty(96 - row0, 256, dtype=out_dtype)
+        decode_rows(codes[row0:], scale, (32, 32), row0, out)
+        assert torch.equal(out.view(torch.uint8), ref[row0:].view(torch.uint8))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import QuantizationError
@@ -209,6 +210,18 @@ def scale_f32(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_INT_VIEW = {2: torch.int16, 4: torch.int32}
+
+
+def _table(dtype: torch.dtype) -> torch.Tensor:
+    """float32 value of each of the 256 codes of ``dtype``, converted by torch as ``codes.to(float32)`` converts."""
+    t = _TABLES.get(dtype)
+    if t is None:
+        t = _TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+    return t
+
+
 def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int,
                 out: torch.Tensor) -> None:
     """Decode rows ``[row0, row0 + codes.shape[0])`` of one matrix into ``out``.
@@ -218,8 +231,17 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         scale: float32 ``(grid_rows, grid_cols)`` scales of the whole matrix (:func:`scale_f32`), same device.
         block: (rows, cols) per scale; ``row0`` is a multiple of ``block[0]``.
         out: ``(n, cols)`` of the model dtype; written, bitwise ``(codes.float() * scale_of_block).to(out.dtype)``.
-    Temporaries: one float32 copy of ``codes``.
+
+    On the CPU, per block: the 256 values ``(code.to(float32) * scale).to(out.dtype)`` are computed with those
+    same torch ops (a table), and each code is replaced by its entry (a numpy gather): every element is the same
+    product rounded the same way, at 2-3x the speed of torch's float8 conversion (0.5 against 0.18 GB/s of codes per
+    thread on the 2-core machine, 2026-12-02). Elsewhere (CUDA), the ops themselves run on the rows, with one float32
+    temporary of the rows.
     """
+    if codes.device.type == "cpu" and out.device.type == "cpu" and out.dtype.itemsize in _INT_VIEW \
+            and codes.is_contiguous():
+        _decode_rows_table(codes, scale, block, row0, out)
+        return
     n, cols = codes.shape
     bm, bn = block
     q = codes.to(torch.float32)
@@ -238,3 +260,30 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         if full < cols:
             rows[:, full:].mul_(s[gcf])
     out.copy_(q)
+
+
+def _decode_rows_table(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int,
+                       out: torch.Tensor) -> None:
+    """:func:`decode_rows` on the CPU by a table per block (its docstring). ``out`` may be a strided row slice."""
+    n, cols = codes.shape
+    bm, bn = block
+    table = _table(codes.dtype)
+    u = codes.view(torch.uint8).numpy()
+    o = out.view(_INT_VIEW[out.dtype.itemsize]).numpy()
+    if scale.numel() == 1:
+        lut = (table * scale.reshape(())).to(out.dtype).view(_INT_VIEW[out.dtype.itemsize]).numpy()
+        o[...] = lut[u]
+        return
+    g0 = row0 // bm
+    gc = -(-cols // bn)
+    coloff = (np.arange(cols, dtype=np.intp) // bn) * 256  # column -> its block's table, in the tables laid flat
+    idx = np.empty((min(bm, n), cols), dtype=np.intp)
+    for i, r in enumerate(range(0, n, bm)):
+        s = scale[g0 + i, :gc]
+        luts = (table[None, :] * s[:, None]).to(out.dtype).view(_INT_VIEW[out.dtype.itemsize]).numpy()  # (gc, 256)
+        k = min(bm, n - r)
+        np.add(u[r : r + k], coloff, out=idx[:k])
+        if o[r : r + k].flags.c_contiguous:
+            np.take(luts.reshape(-1), idx[:k], out=o[r : r + k])
+        else:
+            o[r : r + k] = luts.reshape(-1)[idx[:k]]
