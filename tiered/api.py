@@ -436,6 +436,8 @@ def stats(model: nn.Module) -> Stats:
     h = _handle(model)
     if h.ring is not None:
         h.stats.ring_high_water = h.ring.high_water
+    if h.reader is not None:
+        h.stats.decoded_bytes = h.reader.decoded_bytes
     return h.stats
 
 

@@ -164,6 +164,8 @@ class Reader:
         self.choice: dict[str, Any] | None = None
         #: called once with :attr:`choice` when it is made (on a reader thread)
         self.on_choice: Any = None
+        #: bytes of the model dtype decoded from float8 codes so far (tiered.quant; Stats.decoded_bytes)
+        self.decoded_bytes = 0
 
     def _stage(self) -> tuple[mmap.mmap, torch.Tensor]:
         st = getattr(self._local, "stage", None)
@@ -469,6 +471,8 @@ class Reader:
         grid = scale if sc.numel == 1 else scale.view(-1, sc.shape[-1])
         out = dest.reshape(-1, cols)[g0 : g0 + r1 - r0]
         quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, 0, out)
+        with self._stage_lock:
+            self.decoded_bytes += out.numel() * out.element_size()
         return took
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:

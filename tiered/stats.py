@@ -183,12 +183,15 @@ class Stats:
         experts included).
     io: the reader backend the model uses (``io="auto"`` resolved; when it resolved to O_DIRECT, the reader compares
         it with buffered reads while streaming and ``io`` becomes the faster: ``io_choice`` has both rates).
+    decoded_bytes: a quantized checkpoint (``tiered/quant.py``): bytes of the model dtype the reader threads decoded
+        from stored codes (their stored bytes, codes and scales, are in ``read_bytes``).
     world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
         and ``h2d_bytes`` count only its own 1/N chunk of each unit.
     """
 
     read_bytes: int = 0
+    decoded_bytes: int = 0
     read_s: float = 0.0
     load_read_s: float = 0.0
     pass_s: float = 0.0
