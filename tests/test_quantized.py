@@ -88,10 +88,37 @@ def test_block_fp8_moe_experts_equal_stock_dequantized(fp8_qwen3_moe: Path) -> N
     assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in keys
     ids = make_ids(2, (2, 7))
     ref = logits_of(_stock_dequantized(fp8_qwen3_moe), ids)
-    for kw in ({}, {"ring_gb": _ring(fp8_qwen3_moe), "io": "direct"}):
+    ring = _ring(fp8_qwen3_moe)
+    for kw in ({}, {"ring_gb": ring, "io": "direct"}, {"ring_gb": ring, "io": "mmap"}, {"ring_gb": ring, "host_gb": 1}):
         with tiered.load(fp8_qwen3_moe, **kw) as m:
             assert torch.equal(logits_of(m, ids), ref), kw
-            assert bool(kw) == (tiered.stats(m).snapshot()["streamed_bytes"] > 0)
+            snap = tiered.stats(m).snapshot()
+            if "io" in kw:  # streamed: the router's experts are read and decoded alone, codes and scales
+                assert snap["experts_read"] > 0 and snap["expert_bytes"] > 0 and snap["streamed_bytes"] > 0, snap
+                spec = m._tiered.experts[0].spec
+                assert spec.expert_src_bytes < spec.expert_bytes  # stored: 1-byte codes + scales; decoded: bf16
+            elif "host_gb" in kw:  # the host tier holds every expert, decoded once at load
+                assert snap["experts_from_host"] > 0 and snap["experts_read"] == 0, snap
+
+
+def test_routed_fp8_experts_keep_their_scales_beside_them_after_reshard(fp8_qwen3_moe: Path, tmp_path: Path) -> None:
+    """``tiered reshard`` writes each FP8 expert's codes and block scales together (one range per expert), and the
+    output streams to the same logits."""
+    from tiered.reshard import reshard
+
+    reshard(fp8_qwen3_moe, tmp_path / "out", quiet=True)
+    order: list[str] = []
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        raw = f.read_bytes()
+        h = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])
+        order += [k for _, k in sorted((v["data_offsets"][0], k) for k, v in h.items() if k != "__metadata__")]
+    for i, k in enumerate(order):
+        if ".experts." in k and k.endswith("proj.weight"):
+            assert order[i + 1] == k + "_scale_inv", order[i: i + 3]
+    ids = make_ids(2, (2, 7))
+    with tiered.load(tmp_path / "out", ring_gb=_ring(tmp_path / "out")) as m:
+        assert torch.equal(logits_of(m, ids), logits_of(_stock_dequantized(fp8_qwen3_moe), ids))
+        assert tiered.stats(m).snapshot()["experts_read"] > 0
 
 
 def test_the_unused_warning_does_not_name_scales(fp8_llama: Path, recwarn: pytest.WarningsRecorder) -> None:
@@ -133,13 +160,15 @@ def _blockwise(codes: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bflo
 
 
 @pytest.mark.parametrize("io", ["mmap", "direct"])
-@pytest.mark.parametrize("rows,cols,block", [(200, 72, (64, 32)), (129, 300, (128, 128)), (4100, 130, (128, 128))],
-                         ids=["200x72", "129x300", "4100x130"])
+@pytest.mark.parametrize("rows,cols,block", [(200, 72, (64, 32)), (129, 300, (128, 128)), (4100, 130, (128, 128)),
+                                             (3000, 1500, (4096, 128))],
+                         ids=["200x72", "129x300", "4100x130", "bands-inside-one-block-row"])
 def test_shapes_the_block_does_not_divide_decode_as_the_block_says(tmp_path: Path, rows: int, cols: int, block,
                                                                     io: str) -> None:
     """The grid is ceil(rows / block) x ceil(cols / block): the last blocks are short. Stock 5.17's dequantize
     derives the block from the grid (rows // grid rows) and refuses or misplaces scales here; the kernels and
-    DeepSeek's reference use the config's block, as tiered does. 4100 rows: several decode bands."""
+    DeepSeek's reference use the config's block, as tiered does. 4100 rows: several decode bands; 3000 x 1500 with a
+    4096-row block: bands of 2 MiB start inside the one block row."""
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.05
     codes, scale = models.quantize_fp8_block(w, block)
     d = _one_tensor_dir(tmp_path / "ckpt", codes, scale, block)
@@ -283,3 +312,154 @@ def test_every_code_decodes_as_stock_decodes_it(code_dtype: torch.dtype, out_dty
         out = torch.empty(96 - row0, 256, dtype=out_dtype)
         decode_rows(codes[row0:], scale, (32, 32), row0, out)
         assert torch.equal(out.view(torch.uint8), ref[row0:].view(torch.uint8))
+
+
+def _split_scales(src: Path, dst: Path) -> Path:
+    """``src`` (one ``model.safetensors``) with its scale tensors moved to a shard of their own, plus an index."""
+    import shutil
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dst / f.name)
+    sd = load_file(src / "model.safetensors")
+    scales = {k: v for k, v in sd.items() if k.endswith("_scale_inv")}
+    save_file({k: v for k, v in sd.items() if k not in scales}, dst / "codes.safetensors", metadata={"format": "pt"})
+    save_file(scales, dst / "scales.safetensors", metadata={"format": "pt"})
+    wmap = {k: ("scales" if k in scales else "codes") + ".safetensors" for k in sd}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    return dst
+
+
+def test_a_scale_shard_rewritten_under_a_loaded_model_is_an_error(tmp_path: Path) -> None:
+    """The shard of the scales is checked like the shard of the codes (a review found it was not: new scales were
+    decoded silently)."""
+    one = models.fp8_block(models.llama(tmp_path / "bf16", max_shard_size=None), tmp_path / "fp8")
+    d = _split_scales(one, tmp_path / "split")
+    ids = make_ids(4, (1, 5))
+    with tiered.load(d, ring_gb=_ring(d), io="pread") as m:
+        assert torch.equal(logits_of(m, ids), logits_of(_stock_dequantized(one), ids))
+        f = d / "scales.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[-4:] = bytes(4)  # another last scale, same size
+        tmp = d / "scales.new"
+        tmp.write_bytes(bytes(raw))
+        tmp.replace(f)
+        with pytest.raises(tiered.ShardChangedError, match="scales.safetensors"):
+            logits_of(m, ids)
+
+
+def test_scales_named_dot_scale_decode_as_stock_renames_them(tmp_path: Path) -> None:
+    """DeepSeek-V4-Flash names a weight's block scales ``X.scale``; stock renames them to ``X.weight_scale_inv``.
+    The loader decodes them, and the converter keeps them exact under --dtype."""
+    from tiered.reshard import reshard
+
+    one = models.fp8_block(models.llama(tmp_path / "bf16", max_shard_size=None), tmp_path / "fp8")
+    d = tmp_path / "dot"
+    d.mkdir()
+    (d / "config.json").write_text((one / "config.json").read_text())
+    sd = load_file(one / "model.safetensors")
+    save_file({(k[: -len("weight_scale_inv")] + "scale" if k.endswith("_scale_inv") else k): v for k, v in sd.items()},
+              d / "model.safetensors", metadata={"format": "pt"})
+    ids = make_ids(5, (1, 6))
+    ref = logits_of(_stock_dequantized(one), ids)
+    assert torch.equal(logits_of(_stock_dequantized(d), ids), ref)
+    with tiered.load(d, ring_gb=_ring(d)) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+    reshard(d, tmp_path / "out", dtype="fp16", quiet=True)
+    out = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    scales = [k for k in out if k.endswith(".scale")]
+    assert len(scales) == 4 * 7 and all(out[k].dtype == torch.float32 and torch.equal(out[k], sd[k[:-5] + "weight_scale_inv"])
+                                        for k in scales)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype, with_scale: bool) -> None:
+        super().__init__()
+        self.proj = torch.nn.Module()
+        self.proj.weight = torch.nn.Parameter(torch.empty(64, 64, dtype=dtype, device="meta"), requires_grad=False)
+        if with_scale:
+            self.proj.weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out = [self.proj.weight.float().clone()]
+        if hasattr(self.proj, "weight_scale_inv"):
+            out.append(self.proj.weight_scale_inv.float().clone())
+        return out
+
+
+class _Raw(torch.nn.Module):
+    """Blocks whose forward returns their weight (and scale) as float32: what was bound, seen from outside."""
+
+    def __init__(self, n: int, dtype: torch.dtype, with_scale: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(dtype, with_scale) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [t for b in self.blocks for t in b(x)]
+
+
+def _raw_dir(path: Path, n: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    sd = {}
+    for i in range(n):
+        codes, scale = models.quantize_fp8_block(torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) * 0.1,
+                                                 (32, 32))
+        sd[f"blocks.{i}.proj.weight"], sd[f"blocks.{i}.proj.weight_scale_inv"] = codes, scale
+    path.mkdir()
+    save_file(sd, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8",
+                                                                          "weight_block_size": [32, 32]}}))
+    return path, sd
+
+
+@pytest.mark.parametrize("kw", [{}, {"io": "mmap", "host_gb": 0}], ids=["ring", "mapped"])
+def test_a_float8_parameter_gets_decoded_codes_wherever_it_streams(tmp_path: Path, kw: dict) -> None:
+    """A module whose weight is itself float8 gets stock's ``_dequantize_one(..., output_dtype=float8)``, also when
+    its unit would compute on the file mapping (CPU zero copy: a review found the raw codes bound there)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    d, sd = _raw_dir(tmp_path / "ckpt", 4)
+    m = tiered.attach(_Raw(4, torch.float8_e4m3fn), d, ring_gb=2 * 4096 / 2**30, **kw)
+    try:
+        with torch.no_grad():
+            got = m(torch.zeros(1))
+        for i in range(4):
+            want = Fp8Dequantize(None)._dequantize_one(sd[f"blocks.{i}.proj.weight"],
+                                                       sd[f"blocks.{i}.proj.weight_scale_inv"],
+                                                       output_dtype=torch.float8_e4m3fn)
+            assert torch.equal(got[i], want.float())
+        assert tiered.stats(m).snapshot()["streamed_bytes"] > 0
+    finally:
+        tiered.close(m)
+
+
+def test_a_module_that_holds_its_scales_gets_the_codes_as_stored(tmp_path: Path) -> None:
+    """An FP8Linear-like module (float8 weight and a ``weight_scale_inv`` parameter) decodes itself: tiered binds
+    codes and scales as stored (a review found them decoded, then scaled again); a bf16 weight beside a scale
+    parameter is refused."""
+    d, sd = _raw_dir(tmp_path / "ckpt", 2)
+    m = tiered.attach(_Raw(2, torch.float8_e4m3fn, with_scale=True), d)
+    try:
+        with torch.no_grad():
+            got = m(torch.zeros(1))
+        for i in range(2):
+            assert torch.equal(got[2 * i], sd[f"blocks.{i}.proj.weight"].float())
+            assert torch.equal(got[2 * i + 1], sd[f"blocks.{i}.proj.weight_scale_inv"])
+    finally:
+        tiered.close(m)
+    with pytest.raises(QuantizationError, match="are a parameter of the model"):
+        tiered.attach(_Raw(2, torch.bfloat16, with_scale=True), d)
+
+
+def test_a_config_object_with_the_method_as_an_enum_is_read(fp8_llama: Path) -> None:
+    """``config.quantization_config`` may be transformers' config object (``quant_method`` an enum), not a dict."""
+    from tiered.meta import meta_model_from_dir
+
+    model = meta_model_from_dir(fp8_llama)
+    model.config.quantization_config = transformers.FineGrainedFP8Config(weight_block_size=[32, 32])
+    ids = make_ids(6, (1, 5))
+    m = tiered.attach(model, fp8_llama)
+    try:
+        assert torch.equal(logits_of(m, ids), logits_of(_stock_dequantized(fp8_llama), ids))
+    finally:
+        tiered.close(m)

@@ -365,11 +365,16 @@ def test_fp8_codes_and_scales_are_kept_bit_for_bit(ckpts, tmp_path: Path) -> Non
         assert torch.equal(m(ids).logits, ref.logits)
 
 
-def test_dtype_of_a_checkpoint_quantized_another_way_is_refused(ckpts, tmp_path: Path) -> None:
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "in-text_config"])
+def test_dtype_of_a_checkpoint_quantized_another_way_is_refused(ckpts, tmp_path: Path, nested: bool) -> None:
     src = tmp_path / "src"
     shutil.copytree(ckpts["llama_fp32"], src)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    qc = {"quant_method": "compressed-tensors"}
+    if nested:  # a multimodal config keeps it in its language model's sub-config (the loader reads it there too)
+        cfg["text_config"] = {"quantization_config": qc}
+    else:
+        cfg["quantization_config"] = qc
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(tiered.UnsupportedCheckpointError, match="quant_method='compressed-tensors'.*without --dtype"):
         _reshard(src, tmp_path / "out", dtype="bf16")

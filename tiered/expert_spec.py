@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import quant
+from .errors import QuantizationError
 from .format import TensorInfo
 from .guard import foreign_forward
 from .plan import Target, Unit
@@ -96,8 +98,8 @@ class ExpertSpec:
 
     @property
     def expert_src_bytes(self) -> int:
-        """Bytes of the checkpoint read for one expert (expert 0)."""
-        return sum(info.nbytes for p in self.parts for info, _ in p.per[0])
+        """Bytes of the checkpoint read for one expert (expert 0; float8 codes with their scales)."""
+        return sum(getattr(info, "stored_bytes", info.nbytes) for p in self.parts for info, _ in p.per[0])
 
 
 def _is_experts_module(m: nn.Module) -> bool:
@@ -158,8 +160,6 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
-    if any(c.decode is not None for c in tgt.copies):  # float8 codes: decoded by the unit's whole read (issue 24)
-        return None
     slab_shape = tuple(tgt.shape[1:]) if rows is None else (rows, *tgt.shape[1:])
     per_el = math.prod(slab_shape)
     out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]
@@ -172,10 +172,20 @@ def _slices(tgt: Target, E: int, converted: set[str],
                 return None
             pb = per_el * s.dtype.itemsize
             for j in range(E):
+                if c.decode is not None:  # float8 codes: expert j's matrix and its scales (tiered.quant)
+                    if rows is not None or len(slab_shape) != 2:
+                        return None
+                    try:
+                        out[j].append((quant.slab(s, c.decode, j), None))
+                    except QuantizationError:
+                        return None
+                    continue
                 out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, slab_shape, s.file, s.offset + j * pb, pb), None))
             continue
         if rows is not None:
             return None  # a flat part is taken from one whole checkpoint tensor only
+        if c.decode is not None:
+            s = quant.CodedInfo(s.name, s.dtype, s.shape, s.file, s.offset, s.nbytes, c.decode)
         try:
             v = c.place(full)
         except (RuntimeError, IndexError, TypeError):
@@ -254,7 +264,7 @@ def route_out(unit: Unit, specs: list[ExpertSpec], align: int) -> None:
         t.offset = off
         off += t.nbytes
     unit.nbytes = _align(off, align)
-    unit.src_bytes = sum(c.src.nbytes for t in unit.targets for c in t.copies) + sum(
+    unit.src_bytes = sum(c.nbytes for t in unit.targets for c in t.copies) + sum(
         s.nbytes for c in unit.converts for ss in c.sources.values() for s in ss)
 
 
@@ -273,7 +283,7 @@ def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[T
     order = sorted(pairs, key=lambda p: (str(p[0].file), p[0].offset))
     out: list[tuple[TensorInfo, torch.Tensor]] = []
     for info, dest in order:
-        if out:
+        if out and getattr(info, "decode", None) is None and getattr(out[-1][0], "decode", None) is None:
             last, ld = out[-1]
             if (info.file == last.file and info.offset == last.offset + last.nbytes and info.dtype == last.dtype
                     and info.numel and last.numel and dest.dtype == ld.dtype and dest.device == ld.device

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from .binding import follow_requires_grad
-from .errors import StreamerError
+from .errors import RingTooSmallError, StreamerError
 from .expert_cache import ExpertCache
 from .expert_spec import Dest as Dest
 from .expert_spec import ExpertPart as ExpertPart
@@ -82,6 +82,7 @@ from .expert_spec import _is_experts_module as _is_experts_module
 from .expert_spec import _slices as _slices
 from .format import TensorInfo
 from .hostmem import page_up
+from .quant import rows_of
 from .ring import Ring
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
@@ -91,6 +92,12 @@ __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExper
 STAGING_BYTES = 256 << 20
 #: Bytes per reader task when reading experts: small enough that one expert keeps every reader thread busy.
 READ_CHUNK = 8 << 20
+
+
+def _files_of(info: TensorInfo) -> tuple:
+    """The shard files a read of ``info`` touches: its own, and its block scales' (float8 codes: tiered.quant)."""
+    dec = getattr(info, "decode", None)
+    return (info.file,) if dec is None else (info.file, dec.scale.file)
 
 
 class HostExperts:
@@ -145,7 +152,7 @@ class HostExperts:
             ShardChangedError / TruncatedShardError: from the reader (names the file, tensor and offset).
         """
         for sp in self.specs:
-            for f in sorted({info.file for p in sp.parts for per in p.per for info, _ in per}):
+            for f in sorted({f for p in sp.parts for per in p.per for info, _ in per for f in _files_of(info)}):
                 reader.maps[f].check()  # a shard truncated or rewritten since load: an error, not SIGBUS or new bytes
             t0 = time.perf_counter()
             reader.copy_all(sp.unit, expert_pairs(sp, [(j, j) for j in range(sp.num_experts)], self.parts(sp)),
@@ -194,7 +201,7 @@ class ExpertGather:
                              else owner._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
         self.host: list[torch.Tensor] | None = None  # the host tier's copy of every expert (HostExperts.parts)
-        self.files = sorted({info.file for p in spec.parts for per in p.per for info, _ in per})
+        self.files = sorted({f for p in spec.parts for per in p.per for info, _ in per for f in _files_of(info)})
 
     # ----------------------------------------------------------------------------------- reading
 
@@ -268,6 +275,17 @@ class ExpertGather:
         for info, d in self._pairs(todo, out):
             flat = d.reshape(-1)
             isz = d.element_size()
+            if getattr(info, "decode", None) is not None:  # float8 codes: bands of whole block rows (tiered.quant)
+                rows, cols = info.shape
+                bm = info.decode.block[0]
+                band = max(bm, half // max(1, cols * isz) // bm * bm)
+                if band * cols * isz > half:
+                    raise RingTooSmallError(f"{self.spec.name}: {bm} rows of {info.name!r} decode to more than half "
+                                            f"the {buf.numel() >> 20} MiB expert staging buffer")
+                for r in range(0, rows, band):
+                    r1 = min(rows, r + band)
+                    chunks.append((rows_of(info, r, r1), flat[r * cols:r1 * cols]))
+                continue
             step = max(1, half // isz)
             for lo in range(0, info.numel, step):
                 hi = min(info.numel, lo + step)

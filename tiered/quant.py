@@ -26,7 +26,9 @@ ceiling grid — equal to stock wherever stock is right — else stock's derivat
 
 On the CPU the reader decodes into the ring slot (the slot holds the model dtype). On CUDA today it does the same: the
 disk and the page cache carry the stored bytes; the ring, host tier and H2D carry the decoded ones (decoding after
-the H2D copy is the next step of issue 24).
+the H2D copy is the next step of issue 24). Routed experts (:mod:`tiered.experts`) read one expert's codes and
+scales as a :class:`CodedInfo` and decode them the same way (on CUDA into the pinned staging, in bands of whole
+block rows: :func:`rows_of`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 from .errors import QuantizationError
 from .tensor_info import TensorInfo
 
-__all__ = ["Fp8Block", "check_config", "attach_decodes", "block_of", "decode_rows", "STREAMED", "SCALE_SUFFIX"]
+__all__ = ["Fp8Block", "CodedInfo", "check_config", "attach_decodes", "block_of", "decode_rows", "STREAMED", "SCALE_SUFFIX"]
 
 #: ``quant_method`` values tiered decodes.
 STREAMED = ("fp8",)
@@ -68,20 +70,84 @@ class Fp8Block:
 
     ``scale``: the checkpoint tensor of scales, shape ``(*lead, grid_rows, grid_cols)`` (or one scale: ``()`` or
     ``(1,)``), dtype float32, bfloat16, float16, float8_e8m0fnu or uint8 (an E8M0 exponent). ``block``: rows and
-    columns of the codes one scale covers (the last block of a row or column may be short).
+    columns of the codes one scale covers (the last block of a row or column may be short). ``row0``: for a band of
+    rows (:func:`rows_of`), how far into its first block row it starts.
     """
 
     scale: TensorInfo
     block: tuple[int, int]
+    row0: int = 0  # the codes' first row lies this many rows into the first block row of ``scale``
+
+
+@dataclass(frozen=True)
+class CodedInfo(TensorInfo):
+    """A range of float8 codes that carries its decode (a routed expert's slab: :mod:`tiered.expert_spec`): read and
+    decoded as one piece (never merged with a neighbour nor split by bytes). ``nbytes`` are the codes';
+    :attr:`stored_bytes` adds the scales."""
+
+    decode: Fp8Block | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.nbytes + (self.decode.scale.nbytes if self.decode is not None else 0)
+
+
+def slab(codes: TensorInfo, dec: Fp8Block, j: int) -> CodedInfo:
+    """Matrix ``j`` of a stacked ``(E, rows, cols)`` code tensor with its ``(E, gr, gc)`` scales, as a
+    :class:`CodedInfo` of shape ``(rows, cols)``.
+
+    Raises:
+        QuantizationError: the scales are not one grid per matrix (a single scale for the whole stack).
+    """
+    rows, cols = codes.shape[-2:]
+    sc = dec.scale
+    if sc.numel == 1 or len(sc.shape) < 3:
+        raise QuantizationError(f"{sc.file}: scale {sc.name!r} at offset {sc.offset} has shape {list(sc.shape)}: one "
+                                f"scale for every expert of {codes.name!r}, which cannot be read one expert at a time")
+    gr, gc = sc.shape[-2:]
+    per, sper = rows * cols * codes.dtype.itemsize, gr * gc * sc.dtype.itemsize
+    s = TensorInfo(f"{sc.name}[{j}]", sc.dtype, (gr, gc), sc.file, sc.offset + j * sper, sper)
+    return CodedInfo(f"{codes.name}[{j}]", codes.dtype, (rows, cols), codes.file, codes.offset + j * per, per,
+                     Fp8Block(s, dec.block))
+
+
+def rows_of(info: CodedInfo, r0: int, r1: int) -> CodedInfo:
+    """Rows ``[r0, r1)`` of a 2-D :class:`CodedInfo` with the scale rows they need (any ``r0``: a band that starts
+    inside a block keeps its offset in :attr:`Fp8Block.row0`)."""
+    rows, cols = info.shape
+    dec = info.decode
+    isz = info.dtype.itemsize
+    name, off, nb = f"{info.name}[{r0}:{r1}]", info.offset + r0 * cols * isz, (r1 - r0) * cols * isz
+    if dec is None or dec.scale.numel == 1:
+        return CodedInfo(name, info.dtype, (r1 - r0, cols), info.file, off, nb, dec)
+    return CodedInfo(name, info.dtype, (r1 - r0, cols), info.file, off, nb, band_block(dec, r0, r1))
+
+
+def band_block(dec: Fp8Block, r0: int, r1: int) -> Fp8Block:
+    """``dec`` (a 2-D grid) for rows ``[r0, r1)`` of its codes: the scale rows they use, and the offset of ``r0``
+    into the first of them."""
+    bm = dec.block[0]
+    sc = dec.scale
+    gc = sc.shape[-1]
+    a0, a1 = dec.row0 + r0, dec.row0 + r1
+    a, b = a0 // bm, -(-a1 // bm)
+    sisz = sc.dtype.itemsize
+    s = TensorInfo(sc.name, sc.dtype, (b - a, gc), sc.file, sc.offset + a * gc * sisz, (b - a) * gc * sisz)
+    return Fp8Block(s, dec.block, a0 - a * bm)
 
 
 def _qc_dict(qc: Any) -> dict | None:
+    """A ``quantization_config`` (a dict, or a transformers config object) as a dict whose ``quant_method`` is a
+    plain string (``QuantizationMethod.FP8`` -> ``"fp8"``)."""
     if qc is None:
         return None
-    if isinstance(qc, dict):
-        return qc
-    to_dict = getattr(qc, "to_dict", None)
-    return to_dict() if callable(to_dict) else dict(vars(qc))
+    if not isinstance(qc, dict):
+        to_dict = getattr(qc, "to_dict", None)
+        qc = to_dict() if callable(to_dict) else dict(vars(qc))
+    m = qc.get("quant_method")
+    if m is not None and hasattr(m, "value"):  # transformers' QuantizationMethod (a str Enum: str() is its name)
+        qc = {**qc, "quant_method": str(m.value)}
+    return qc
 
 
 def config_of(model: Any, root: Path | None = None) -> dict | None:
@@ -171,12 +237,20 @@ def attach_decodes(targets: dict[str, Any], converts: list, unused: list[str], t
     fp8 = qc is not None and str(qc.get("quant_method", "")).lower() == "fp8"
     block = qc.get("weight_block_size") if fp8 else None
     used: set[str] = set()
+    sources = {c.src.name for tgt in targets.values() for c in tgt.copies}
     for tgt in targets.values():
         for c in tgt.copies:
-            scale = tensors.get(c.src.name + SCALE_SUFFIX)
+            scale = scale_of(c.src.name, tensors, fp8)
             if scale is None:
                 continue
             s = c.src
+            if scale.name in sources:  # the module holds its scales itself (an FP8Linear): its codes stay codes
+                if tgt.dtype != s.dtype:
+                    raise QuantizationError(
+                        f"{s.file}: tensor {s.name!r} at offset {s.offset} is float8 codes whose scales "
+                        f"{scale.name!r} are a parameter of the model, but {tgt.key!r} is {tgt.dtype}: the module "
+                        "would compute on undecoded codes; give it a float8 weight or drop the scale parameter")
+                continue
             if not fp8:
                 raise QuantizationError(
                     f"{s.file}: tensor {s.name!r} at offset {s.offset} has block scales ({scale.name!r}) but "
@@ -191,7 +265,7 @@ def attach_decodes(targets: dict[str, Any], converts: list, unused: list[str], t
     for conv, _key in converts:
         for infos in conv.sources.values():
             for s in infos:
-                if s.name + SCALE_SUFFIX in tensors:
+                if scale_of(s.name, tensors, fp8) is not None:
                     raise QuantizationError(
                         f"{s.file}: tensor {s.name!r} at offset {s.offset} is FP8 codes feeding a transformers "
                         f"conversion of {conv.targets}, which tiered does not decode yet; dequantize the checkpoint "
@@ -203,11 +277,32 @@ def attach_decodes(targets: dict[str, Any], converts: list, unused: list[str], t
     return dropped
 
 
+def scale_of(name: str, tensors: dict[str, TensorInfo], fp8: bool) -> TensorInfo | None:
+    """The block scales of checkpoint tensor ``name``: ``name + "_scale_inv"``, or (an ``fp8`` config: stock renames
+    ``X.scale`` to ``X.weight_scale_inv``, DeepSeek-V4-Flash's naming) ``X.scale`` for ``X.weight``."""
+    s = tensors.get(name + SCALE_SUFFIX)
+    if s is None and fp8 and name.endswith(".weight"):
+        alt = tensors.get(name[: -len("weight")] + "scale")
+        if alt is not None and tensors[name].dtype in CODE_DTYPES:
+            s = alt
+    return s
+
+
 def scale_f32(scale: torch.Tensor) -> torch.Tensor:
     """``scale`` as float32, as ``Fp8Dequantize`` converts it (a uint8 is an E8M0 exponent: ``2 ** (byte - 127)``)."""
     if scale.dtype == torch.uint8:
         return (scale.to(torch.float32) - 127.0).exp2()
     return scale.to(torch.float32)
+
+
+def _blocks(n: int, row0: int, bm: int):
+    """(first row, rows, scale row) of each run of ``n`` rows starting at row ``row0`` that one block row covers."""
+    r = 0
+    while r < n:
+        g = (row0 + r) // bm
+        k = min(n - r, (g + 1) * bm - (row0 + r))
+        yield r, k, g
+        r += k
 
 
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
@@ -228,8 +323,9 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
     Args:
         codes: ``(n, cols)`` float8 codes of those rows (CPU or CUDA).
-        scale: float32 ``(grid_rows, grid_cols)`` scales of the whole matrix (:func:`scale_f32`), same device.
-        block: (rows, cols) per scale; ``row0`` is a multiple of ``block[0]``.
+        scale: float32 ``(grid_rows, grid_cols)`` scales (:func:`scale_f32`), same device: row ``r`` of ``codes``
+            uses scale row ``(row0 + r) // block[0]``.
+        block: (rows, cols) per scale; ``row0``: any row.
         out: ``(n, cols)`` of the model dtype; written, bitwise ``(codes.float() * scale_of_block).to(out.dtype)``.
 
     On the CPU, per block: the 256 values ``(code.to(float32) * scale).to(out.dtype)`` are computed with those
@@ -251,10 +347,9 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         q.mul_(scale.reshape(()))
         out.copy_(q)
         return
-    g0 = row0 // bm
-    for i, r in enumerate(range(0, n, bm)):
-        rows = q[r : r + bm]
-        s = scale[g0 + i]
+    for r, k, g in _blocks(n, row0, bm):
+        rows = q[r : r + k]
+        s = scale[g]
         if gcf:
             rows[:, :full].unflatten(1, (gcf, bn)).mul_(s[:gcf].view(1, gcf, 1))
         if full < cols:
@@ -274,14 +369,12 @@ def _decode_rows_table(codes: torch.Tensor, scale: torch.Tensor, block: tuple[in
         lut = (table * scale.reshape(())).to(out.dtype).view(_INT_VIEW[out.dtype.itemsize]).numpy()
         o[...] = lut[u]
         return
-    g0 = row0 // bm
     gc = -(-cols // bn)
     coloff = (np.arange(cols, dtype=np.intp) // bn) * 256  # column -> its block's table, in the tables laid flat
     idx = np.empty((min(bm, n), cols), dtype=np.intp)
-    for i, r in enumerate(range(0, n, bm)):
-        s = scale[g0 + i, :gc]
+    for r, k, g in _blocks(n, row0, bm):
+        s = scale[g, :gc]
         luts = (table[None, :] * s[:, None]).to(out.dtype).view(_INT_VIEW[out.dtype.itemsize]).numpy()  # (gc, 256)
-        k = min(bm, n - r)
         np.add(u[r : r + k], coloff, out=idx[:k])
         if o[r : r + k].flags.c_contiguous:
             np.take(luts.reshape(-1), idx[:k], out=o[r : r + k])

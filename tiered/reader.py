@@ -74,7 +74,7 @@ def zero_copy_eligible(unit: Unit) -> bool:
     if unit.converts or not unit.targets:
         return False
     for t in unit.targets:
-        if len(t.copies) != 1 or t.copies[0].place is not None:
+        if len(t.copies) != 1 or t.copies[0].place is not None or t.copies[0].decode is not None:
             return False
         s = t.copies[0].src
         if s.dtype != t.dtype or tuple(s.shape) != tuple(t.shape) or s.offset % max(1, s.dtype.itemsize):
@@ -335,6 +335,7 @@ class Reader:
 
     def _check_files(self, unit: Unit) -> None:
         for path in {c.src.file for tgt in unit.targets for c in tgt.copies} | {
+            c.decode.scale.file for tgt in unit.targets for c in tgt.copies if c.decode is not None} | {
             s.file for conv in unit.converts for ss in conv.sources.values() for s in ss
         }:
             self.maps[path].check()
@@ -416,8 +417,9 @@ class Reader:
             n = src.numel
             if n == 0:
                 continue
-            if len(pair) > 2:  # float8 codes and their block scales: decoded on the reader threads
-                self._submit_decode(jobs, unit, src, dest, pair[2], backend)
+            dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
+            if dec is not None:  # float8 codes and their block scales: decoded on the reader threads
+                self._submit_decode(jobs, unit, src, dest, dec, backend)
                 continue
             size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
             if self.io != "mmap":  # a piece must fit the per-thread staging buffer
@@ -431,12 +433,15 @@ class Reader:
 
     def _submit_decode(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
                        backend: str) -> None:
-        """Queue the decode of ``src``'s float8 codes into ``dest`` (:mod:`tiered.quant`) in bands of whole blocks of
-        rows, at most :data:`DECODE_CHUNK` code bytes each (a non-contiguous ``dest``: one task for the tensor)."""
+        """Queue the decode of ``src``'s float8 codes into ``dest`` (:mod:`tiered.quant`) in bands of rows, at most
+        :data:`DECODE_CHUNK` code bytes each (whole block rows where a block row fits; a non-contiguous ``dest``: one
+        task for the tensor)."""
         rows, cols = src.shape[-2:]
         lead = src.numel // max(1, rows * cols)
         bm = dec.block[0]
-        band = max(bm, DECODE_CHUNK // max(1, cols * src.dtype.itemsize) // bm * bm)
+        band = max(1, DECODE_CHUNK // max(1, cols * src.dtype.itemsize))
+        if bm <= band:
+            band = band // bm * bm
         if not dest.is_contiguous():
             self._submit(jobs, unit, src, dest, 0, src.numel, backend, dec)
             return
@@ -455,22 +460,21 @@ class Reader:
         codes = torch.empty(n, dtype=src.dtype)
         sc = dec.scale
         if sc.numel == 1:
-            ssub = sc
-        else:
-            bm = dec.block[0]
+            band, ssub = dec, sc
+        else:  # matrix e's grid, then the rows of it this band uses
             gr, gc = sc.shape[-2:]
-            a, b = e * gr + r0 // bm, e * gr + -(-r1 // bm)
             sisz = sc.dtype.itemsize
-            ssub = dataclasses.replace(sc, offset=sc.offset + a * gc * sisz, shape=((b - a) * gc,),
-                                       nbytes=(b - a) * gc * sisz)
+            mat = dataclasses.replace(sc, offset=sc.offset + e * gr * gc * sisz, shape=(gr, gc), nbytes=gr * gc * sisz)
+            band = quant.band_block(dataclasses.replace(dec, scale=mat), r0, r1)
+            ssub = band.scale
         scale = torch.empty(ssub.numel, dtype=sc.dtype)
         t0 = time.perf_counter()
         self._copy(sub, codes, 0, n, backend)
-        self._copy(ssub, scale, 0, ssub.numel, backend)
+        self._copy(dataclasses.replace(ssub, shape=(ssub.numel,)), scale, 0, ssub.numel, backend)
         took = time.perf_counter() - t0
         grid = scale if sc.numel == 1 else scale.view(-1, sc.shape[-1])
         out = dest.reshape(-1, cols)[g0 : g0 + r1 - r0]
-        quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, 0, out)
+        quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, band.row0, out)
         with self._stage_lock:
             self.decoded_bytes += out.numel() * out.element_size()
         return took

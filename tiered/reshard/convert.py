@@ -27,7 +27,7 @@ from ..errors import ConfigError, ShardNotFoundError, TieredError
 from ..format import INDEX_NAME
 from ..format import parse_size as _parse_size
 from ..meta import parse_dtype
-from ..quant import SCALE_SUFFIX, STREAMED
+from ..quant import CODE_DTYPES, SCALE_SUFFIX, STREAMED
 from .errors import DiskFullError, ReshardError, UnsupportedCheckpointError
 from .install import _commit, _fsync_path, _make_tmp, _prepare
 from .layout import _layout, _place, _plan_units
@@ -140,14 +140,20 @@ def reshard(
 
 
 def _quant_config(source: Source) -> dict | None:
-    """The source's ``quantization_config`` (of the config.json it generates, else of ``source.root``'s), or None."""
+    """The source's ``quantization_config`` (of the config.json it generates, else of ``source.root``'s; the top
+    level's, else a language sub-config's, as :func:`tiered.quant.config_of` reads it), or None."""
     gen = source.generated_files.get("config.json")
     try:
         doc = json.loads(gen) if gen is not None else json.loads((source.root / "config.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
-    return qc if isinstance(qc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    for d in (doc, *(doc.get(k) for k in ("text_config", "language_config", "llm_config"))):
+        qc = d.get("quantization_config") if isinstance(d, dict) else None
+        if isinstance(qc, dict):
+            return qc
+    return None
 
 
 def _same_bytes(source: Source, a: str, b: str) -> bool:
@@ -190,7 +196,9 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
                 "and change what it decodes to. Reshard it without --dtype (its tensors are then copied bit for bit)")
     units, arch, tied = _plan_units(source, notes, dtype)
     if qc is not None and dtype is not None:  # fp8: codes are not castable; the scales stay exact (tiered.quant)
-        scales = {n for n in source.infos if n.endswith((SCALE_SUFFIX, "activation_scale"))}
+        scales = {n for n in source.infos if n.endswith((SCALE_SUFFIX, "activation_scale"))
+                  or (n.endswith(".scale") and source.infos.get(n[: -len("scale")] + "weight") is not None
+                      and source.infos[n[: -len("scale")] + "weight"].dtype in CODE_DTYPES)}
         source.keep_dtype = set(getattr(source, "keep_dtype", None) or ()) | scales
         if scales:
             notes.append(f"{len(scales)} FP8 scale tensors kept in their dtype (the decode reads them as they are)")

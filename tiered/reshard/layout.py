@@ -152,6 +152,11 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
     return units, type(model).__name__, tied
 
 
+def _with_scale(name: str, decode) -> list[str]:
+    """``name``, then the name of its block scales when it holds float8 codes (``decode``: a ``tiered.quant.Fp8Block``)."""
+    return [name] if decode is None else [name, decode.scale.name]
+
+
 def _expert_order(unit) -> tuple[list[str], set[int]]:
     """The checkpoint tensors of ``unit``'s routable experts modules (:func:`tiered.experts.find_experts`) in the
     order they are written, and the ids of those modules' targets ({} and [] when there are none).
@@ -171,10 +176,11 @@ def _expert_order(unit) -> tuple[list[str], set[int]]:
         per_expert: list[str] = []
         stacked: list[str] = []
         for p in spec.parts:
-            stacked += [c.src.name for c in p.target.copies if c.place is None]
-        for j in range(spec.num_experts):
-            per_expert += [info.name for p in spec.parts for info, dest in p.per[j] if dest is not None]
-        every = [c.src.name for p in spec.parts for c in p.target.copies]
+            stacked += [n for c in p.target.copies if c.place is None for n in _with_scale(c.src.name, c.decode)]
+        for j in range(spec.num_experts):  # an FP8 expert's codes then their block scales (tiered.quant)
+            per_expert += [n for p in spec.parts for info, dest in p.per[j] if dest is not None
+                           for n in _with_scale(info.name, getattr(info, "decode", None))]
+        every = [n for p in spec.parts for c in p.target.copies for n in _with_scale(c.src.name, c.decode)]
         if sorted(per_expert + stacked) != sorted(every):  # pragma: no cover - find_experts places every copy
             continue  # written in plan order, with the rest of the unit
         targets.update(id(p.target) for p in spec.parts)
