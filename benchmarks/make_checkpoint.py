@@ -35,6 +35,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -67,9 +68,15 @@ INDEX_NAME = "model.safetensors.index.json"
 
 # Elements per random block. Deliberately not a power of two, so that a block tiled over a matrix
 # whose row length is a power of two lands shifted on each repetition (rows do not repeat).
-_BLOCK_ELEMS = {"matrix": (1 << 22) - 3, "norm": (1 << 18) - 5, "bias": (1 << 18) - 5}
-# (mean, std) of each kind of tensor.
-_KIND_STATS = {"matrix": (0.0, 0.02), "norm": (1.0, 0.02), "bias": (0.0, 0.01)}
+_BLOCK_ELEMS = {"matrix": (1 << 22) - 3, "norm": (1 << 18) - 5, "bias": (1 << 18) - 5,
+                "codes": (1 << 22) - 3, "scale": (1 << 18) - 5}
+# (mean, std) of each kind of tensor. ``codes``: float8 e4m3 codes (a weight / its block's scale, so they spread over
+# the e4m3 range); ``scale``: its float32 ``weight_scale_inv`` (0.02 / 100: codes x scale has the matrices' spread).
+_KIND_STATS = {"matrix": (0.0, 0.02), "norm": (1.0, 0.02), "bias": (0.0, 0.01), "codes": (0.0, 100.0),
+               "scale": (2e-4, 2e-5)}
+#: ``quant="fp8"``: the block of DeepSeek-V3 / Qwen3-FP8 checkpoints (``weight_block_size``), and the tensors quantized
+FP8_BLOCK = 128
+_FP8_NAMES = re.compile(r"(proj|\.w[123]|fc_in|fc_out|out_proj)\.weight$")
 
 _DTYPES = {
     "fp16": torch.float16,
@@ -94,6 +101,7 @@ _ST_DTYPE_NAME = {
     torch.float32: "F32",
     torch.float64: "F64",
     torch.int64: "I64",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 _ST_DTYPE_RANK = {
     name: i
@@ -465,6 +473,23 @@ def _kind(name: str, ndim: int) -> str:
     return "norm"
 
 
+def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` as a block-FP8 checkpoint stores them: each 2-D linear weight (``*proj.weight``, ``w1/w2/w3``,
+    GPT-J's ``fc_in/fc_out``) whose sides are multiples of :data:`FP8_BLOCK` becomes e4m3 codes of the same shape plus
+    its float32 ``<name>_scale_inv`` grid; everything else (embeddings, norms, the head) keeps its dtype, as the hub's
+    FP8 checkpoints ship it."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        if (s.kind == "matrix" and len(s.shape) == 2 and _FP8_NAMES.search(s.name)
+                and s.shape[0] % FP8_BLOCK == 0 and s.shape[1] % FP8_BLOCK == 0):
+            out.append(TensorSpec(s.name, s.shape, "codes", torch.float8_e4m3fn))
+            out.append(TensorSpec(s.name + "_scale_inv", (s.shape[0] // FP8_BLOCK, s.shape[1] // FP8_BLOCK), "scale",
+                                  torch.float32))
+        else:
+            out.append(s)
+    return out
+
+
 def weight_specs(config, dtype: str | torch.dtype | None = None) -> list[TensorSpec]:
     """The tensors of the checkpoint of ``config``, in ``state_dict()`` order.
 
@@ -508,9 +533,14 @@ class _Blocks:
         gen = torch.Generator().manual_seed(self.seed)
         base = torch.randn(max(_BLOCK_ELEMS.values()), generator=gen, dtype=torch.float32)
         self.bytes: dict[str, memoryview] = {}
+        kind_dtype = {"codes": torch.float8_e4m3fn, "scale": torch.float32}
         for kind, n in _BLOCK_ELEMS.items():
             mean, std = _KIND_STATS[kind]
-            vals = (base[:n] * std + mean).to(dtype)
+            kd = kind_dtype.get(kind, dtype)
+            vals = (base[:n] * std + mean)
+            if kind == "codes":  # finite codes only: clamp to e4m3's largest (448), never its NaN
+                vals = vals.clamp(-448.0, 448.0)
+            vals = vals.to(kd)
             if kind == "bias":  # make sure no bias element is exactly zero
                 vals[vals == 0] = torch.tensor(std, dtype=dtype)
             self.bytes[kind] = memoryview(vals.view(torch.uint8).numpy()).cast("B")
@@ -526,10 +556,11 @@ class _Blocks:
 
         Yields views into the block (no copies), each at most one block long.
         """
-        if spec.dtype != self.dtype:
+        isz = spec.dtype.itemsize
+        if spec.dtype != self.dtype and spec.kind not in ("codes", "scale"):
             raise ValueError(f"{spec.name}: dtype {spec.dtype} but blocks are {self.dtype}")
         block = self.bytes[spec.kind]
-        pos = self.offset(spec) * self.itemsize
+        pos = self.offset(spec) * isz
         remaining = spec.nbytes
         while remaining:
             n = min(remaining, len(block) - pos)
@@ -641,6 +672,8 @@ class _Result:
     def summary(self) -> str:
         p = self.params
         what = f"{p['arch']} {p['dtype']} layers={p['layers']} scale={p['scale']} seed={p['seed']} tie={p['tie']}"
+        if p.get("quant"):
+            what += f" quant={p['quant']}"
         if self.cached:
             return f"cached: {self.path} already holds {what}; nothing written"
         gb = self.file_bytes / 1e9
@@ -687,6 +720,7 @@ def _generate(
     tie: bool | None = None,
     force: bool = False,
     quiet: bool = True,
+    quant: str | None = None,
 ) -> _Result:
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -706,6 +740,13 @@ def _generate(
         "tie": bool(config.tie_word_embeddings),
         "max_shard_size": shard_limit,
     }
+    if quant is not None:
+        if quant != "fp8":
+            raise ValueError(f"quant={quant!r}: only 'fp8' (block-scaled e4m3, weight_block_size {FP8_BLOCK})")
+        if any(hasattr(config, k) for k in ("num_experts", "num_local_experts")):
+            raise ValueError(f"quant='fp8' for {arch}: MoE experts are written stacked here, and stock transformers "
+                             "does not dequantize stacked FP8 experts; not written yet (dense architectures only)")
+        params["quant"] = quant
 
     if out.exists() or out.is_symlink():
         if out.is_dir() and _marker_matches(out, params):
@@ -729,6 +770,8 @@ def _generate(
         raise FileNotFoundError(f"parent directory {out.parent} does not exist")
 
     specs = weight_specs(config, tdtype)
+    if quant == "fp8":
+        specs = fp8_specs(specs)
     shards = _plan_shards(specs, shard_limit)
     tensor_bytes = sum(s.nbytes for s in specs)
     n = len(shards)
@@ -756,6 +799,9 @@ def _generate(
         cfg = json.loads(config.to_json_string(use_diff=True))  # as save_pretrained
         # "torch_dtype" is the legacy key, read by transformers < 5 and other tools.
         cfg["torch_dtype"] = cfg["dtype"]
+        if quant == "fp8":  # as the hub's block-FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8) declare it
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         _write_text(tmp / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if n > 1:
@@ -845,6 +891,7 @@ def make_checkpoint(
     tie: bool | None = None,
     force: bool = False,
     quiet: bool = True,
+    quant: str | None = None,
 ) -> Path:
     """Generate a Hugging Face model directory for ``arch`` with random weights at ``out_dir``.
 
@@ -867,6 +914,9 @@ def make_checkpoint(
         tie: tie lm_head to the embedding (default: the real model's, untied for all ARCHS).
         force: replace an ``out_dir`` that exists with other parameters or without a marker.
         quiet: no tqdm progress bar (stderr) and no summary line (stdout).
+        quant: ``"fp8"``: a block-scaled FP8 checkpoint (:func:`fp8_specs`: e4m3 codes and float32
+            ``weight_scale_inv`` per 128 x 128 block, ``quantization_config`` as DeepSeek-V3's); dense
+            architectures only.
 
     Returns:
         ``out_dir`` as an absolute ``pathlib.Path``.
@@ -888,6 +938,7 @@ def make_checkpoint(
         tie=tie,
         force=force,
         quiet=quiet,
+        quant=quant,
     )
     if not quiet:
         print(result.summary(), flush=True)
@@ -968,6 +1019,13 @@ def _arg_parser() -> argparse.ArgumentParser:
         help="replace OUT_DIR if it exists with other parameters or was not made by this script",
     )
     parser.add_argument(
+        "--quant",
+        choices=["fp8"],
+        default=None,
+        help="fp8: a block-scaled FP8 checkpoint (e4m3 codes + float32 weight_scale_inv per 128x128 block of each "
+        "linear weight, quantization_config as DeepSeek-V3's; dense archs only)",
+    )
+    parser.add_argument(
         "--quiet",
         action="store_true",
         help="no progress bar (the bar counts bytes, on stderr); the one-line summary is still printed on stdout",
@@ -992,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
             tie=args.tie,
             force=args.force,
             quiet=args.quiet,
+            quant=args.quant,
         )
     except ValueError as e:
         parser.error(str(e))

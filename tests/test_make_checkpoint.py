@@ -416,3 +416,30 @@ def test_peak_rss_is_bounded(tmp_path):
     assert growth < 150e6, f"peak RSS grew by {growth / 1e6:.0f} MB"
     # 2 shards, the index, config.json, generation_config.json, the marker
     assert len(os.listdir(tmp_path / "big")) == 6
+
+
+def test_fp8_checkpoint_decodes_as_stock_dequantizes_it(tmp_path):
+    """``quant="fp8"`` (issue 24's benchmarks): every linear weight is e4m3 codes (no NaN) with a float32 block-scale
+    grid, the rest keeps its dtype; stock's dequantized model and tiered give the same logits, and the decoded weights
+    have the spread of the bf16 checkpoint's matrices."""
+    import transformers
+
+    import tiered
+
+    out = mc.make_checkpoint(tmp_path / "f8", "llama3-8b", layers=2, scale=0.125, quant="fp8")
+    sd = load_file(out / "model.safetensors")
+    codes = {k: v for k, v in sd.items() if v.dtype == torch.float8_e4m3fn}
+    assert len(codes) == 2 * 7 and all(k + "_scale_inv" in sd for k in codes)
+    assert all(((v.view(torch.uint8) & 0x7F) != 0x7F).all() for v in codes.values())
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).eval()
+    assert 0.015 < ref.model.layers[0].mlp.gate_proj.weight.float().std().item() < 0.025
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad(), tiered.load(out) as m:
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="MoE experts"):
+        mc.make_checkpoint(tmp_path / "moe", "qwen3-30b-a3b", layers=1, scale=0.1, quant="fp8")
