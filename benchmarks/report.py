@@ -129,7 +129,8 @@ def markdown(res: dict[str, Any]) -> str:
             rs_txt = "" if rs == "pending" else f", resharded: {rs}"
             if ck.get("reshard_s") and rs == "ok":
                 rs_txt += f" ({ck['reshard_s']:.1f} s)"
-            parts.append(f"`{k}` = {ck['arch']} {ck['dtype']} layers={layers} scale={ck['scale']:g}: "
+            q = f" {ck['quant']} (stock: dequantized at load)" if ck.get("quant") else ""
+            parts.append(f"`{k}` = {ck['arch']} {ck['dtype']}{q} layers={layers} scale={ck['scale']:g}: "
                          f"{ck['bytes'] / 1e9:.3f} GB ({ck['bytes'] / GiB:.2f} GiB) in {ck['max_shard_size']} shards{rs_txt}")
     out.append("**Checkpoints** (random weights, `benchmarks/make_checkpoint.py`): " + "; ".join(parts) + ".  ")
     gpu_txt = f", GPU budget of streamed/accelerate {cfg.get('gpu_gb')} GiB" if cfg.get("device") == "cuda" else ""

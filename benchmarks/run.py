@@ -120,6 +120,7 @@ class Ckpt:
     resharded_dir: Path | None = None
     reshard_status: str = "pending"  # "ok" | "cached" | "not run: ..."
     reshard_s: float | None = None
+    quant: str | None = None  # "fp8": make_checkpoint.py --quant fp8 (stock loads it dequantized)
 
 
 @dataclass
@@ -167,8 +168,10 @@ def scaling_host_gib() -> float:
     return 8.0
 
 
-def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: str) -> str:
+def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: str, quant: str | None = None) -> str:
     name = f"{arch}-{dtype}"  # the plain name: the step suites (steps.py) use the same directories
+    if quant:
+        name += f"-{quant}"
     if layers is not None:
         name += f"-L{layers}"
     if scale != 1.0:
@@ -181,12 +184,13 @@ def _ckpt_name(arch: str, dtype: str, layers: int | None, scale: float, shard: s
 def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list[RunDef]]:
     """The checkpoints and the ordered runs (most important first: the budget may cut the tail)."""
     cache = Path(a.cache_dir)
+    q = a.quant
     ckpts = {"main": Ckpt("main", a.arch, a.dtype, a.layers, a.scale, a.max_shard_size,
-                          cache / _ckpt_name(a.arch, a.dtype, a.layers, a.scale, a.max_shard_size))}
+                          cache / _ckpt_name(a.arch, a.dtype, a.layers, a.scale, a.max_shard_size, q), quant=q)}
     for n in a.sweep_layers:
         if n != a.layers:
             ckpts[f"L{n}"] = Ckpt(f"L{n}", a.arch, a.dtype, n, a.scale, a.max_shard_size,
-                                  cache / _ckpt_name(a.arch, a.dtype, n, a.scale, a.max_shard_size))
+                                  cache / _ckpt_name(a.arch, a.dtype, n, a.scale, a.max_shard_size, q), quant=q)
     fast, slow = a.new_tokens, a.slow_new_tokens
     streamed = {"ring_gb": a.ring_gb, "gpu_gb": a.gpu_gb if cuda else None}
     resident = {"ring_gb": a.ring_gb, "gpu_gb": None} if cuda else {"ring_gb": "fit"}  # CPU: ring >= model
@@ -412,6 +416,8 @@ class Runner:
                str(c.scale), "--max-shard-size", c.max_shard_size, "--quiet", str(c.dir)]
         if c.layers is not None:
             cmd[2:2] = ["--layers", str(c.layers)]
+        if c.quant:
+            cmd[2:2] = ["--quant", c.quant]
         self.log(f"checkpoint {c.key}: {c.dir}")
         t = time.monotonic()
         log = self.work / f"ckpt-{c.key}.log"
@@ -625,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the suite's")
     p.add_argument("--arch", default=None, help="make_checkpoint.py arch (default: the suite's)")
     p.add_argument("--dtype", default=None, choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--quant", default=None, choices=["fp8"],
+                   help="checkpoints in block-scaled FP8 (make_checkpoint.py --quant fp8; dense archs): tiered streams "
+                        "the stored codes, transformers/accelerate/DeepSpeed load them with FineGrainedFP8Config("
+                        "dequantize=True) (issue 24)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--scale", type=float, default=None)
     p.add_argument("--max-shard-size", default=None)

@@ -300,7 +300,7 @@ def run_transformers(spec: Spec) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     size = _checkpoint_bytes(spec.model_dir)
-    kw: dict[str, Any] = {"dtype": "auto"}
+    kw: dict[str, Any] = {"dtype": "auto", **_dequantize_kw(spec.model_dir)}
     if b.cuda:
         free, _ = b.torch.cuda.mem_get_info()
         if size + 2 * GiB > free:
@@ -314,6 +314,21 @@ def run_transformers(spec: Spec) -> dict[str, Any]:
     b.res.update({"model_gb": size / 1e9, "streamed_gb_per_token": 0.0,
                   "load_gbps": size / b.res["load_s"] / 1e9 if b.res["load_s"] else None})
     return b.finish()
+
+
+def _dequantize_kw(model_dir: str) -> dict[str, Any]:
+    """``from_pretrained`` keywords for a block-FP8 checkpoint (``quant_method: "fp8"``): stock's own dequantize
+    (``FineGrainedFP8Config(dequantize=True)``: bf16 weights at load), the one FP8 path stock has offline on the GPU
+    machine (its FP8 kernels are fetched from the hub); {} for any other checkpoint."""
+    try:
+        qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+    if str(qc.get("quant_method", "")).lower() != "fp8":
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    return {"quantization_config": FineGrainedFP8Config(dequantize=True)}
 
 
 def run_accelerate(spec: Spec) -> dict[str, Any]:
@@ -334,7 +349,8 @@ def run_accelerate(spec: Spec) -> dict[str, Any]:
     b.start_load()
     asked = {str(k): v for k, v in max_memory.items()}  # from_pretrained rewrites the dict in place
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto", device_map="auto",
-                                                 max_memory=max_memory, offload_folder=spec.offload_folder)
+                                                 max_memory=max_memory, offload_folder=spec.offload_folder,
+                                                 **_dequantize_kw(spec.model_dir))
     model.eval()
     b.end_load(model)
     dmap: dict[str, Any] = dict(getattr(model, "hf_device_map", {}) or {})
@@ -402,7 +418,7 @@ def run_deepspeed(spec: Spec) -> dict[str, Any]:
     b.start_load()
     deepspeed.init_distributed()
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must be alive while from_pretrained runs (zero.Init)
-    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype, **_dequantize_kw(spec.model_dir))
     engine = deepspeed.initialize(model=model, config_params=ds_config)[0]
     engine.module.eval()
     b.end_load(engine.module)

@@ -248,3 +248,25 @@ def test_scaling_plans_each_limit_and_reports_per_limit_medians(tmp_path: Path) 
     assert next(ln for ln in md.splitlines() if ln.startswith("| none | tiered |")).count("2.00×") == 1
     made, note = report.plots({"suite": "s", "date": "2026-12-02", "runs": runs}, tmp_path / "x")
     assert note is not None or any(p.name == "x-scaling.png" and p.stat().st_size > 0 for p in made)
+
+
+def test_fp8_checkpoints_run_against_stocks_dequantized_model(tmp_path: Path) -> None:
+    """`run.py --quant fp8` (issue 24): the checkpoint is written in block FP8, tiered streams it, transformers loads
+    it dequantized (FineGrainedFP8Config(dequantize=True)), and the greedy tokens agree."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "quick", "--arch", "llama-tall", "--layers", "2",
+           "--scale", "0.125", "--dtype", "bf16", "--quant", "fp8", "--sweep-layers", "", "--ring-gb", "0.01",
+           "--new-tokens", "3", "--slow-new-tokens", "3", "--groups", "core", "--systems", "tiered,transformers",
+           "--runs", "main/tiered-streamed/*,main/transformers-cpu/*", "--no-cold", "--no-limit", "--no-plots",
+           "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--budget-s", "300", "--tag", "fp8"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(next(out.glob("*-quick-fp8.json")).read_text())
+    ck = next(iter((tmp_path / "cache").glob("llama-tall-bf16-fp8-*")))
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "fp8"
+    runs = {x["key"]: x for x in res["runs"]}
+    assert set(runs) == {"main/tiered-streamed/original/mmap/warm", "main/transformers-cpu/original/mmap/warm"}
+    assert all(x["status"] == "ok" and x["tokens_match"] for x in runs.values()), runs
+    assert "fp8 (stock: dequantized at load)" in next(out.glob("*-quick-fp8.md")).read_text()
