@@ -37,6 +37,7 @@ __all__ = [
     "MLPStack",
     "quantize_fp8_block",
     "fp8_block",
+    "mxfp4_experts",
 ]
 
 VOCAB = 256  # token ids of the test inputs are drawn from [0, VOCAB)
@@ -606,5 +607,49 @@ def fp8_block(src: Path, path: Path, *, block: tuple[int, int] = (32, 32), skip:
     if config:
         cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
                                       "activation_scheme": "dynamic", "modules_to_not_convert": list(skip)}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def mxfp4_experts(src: Path, path: Path, *, seed: int = 21) -> Path:
+    """``src`` (a bf16 gpt-oss checkpoint) with its experts in gpt-oss's MXFP4 form: each ``experts.gate_up_proj``
+    ``(E, H, 2I)`` / ``experts.down_proj`` ``(E, I, H)`` replaced by random ``<name>_blocks`` ``(E, R, G, 16)`` uint8
+    (two e2m1 codes per byte) and ``<name>_scales`` ``(E, R, G)`` uint8 E8M0 exponents (117..123), ``R`` the output
+    features and ``G * 32`` the input features, and ``quant_method: "mxfp4"`` in config.json (attention, router, biases
+    and embeddings stay bf16, as gpt-oss ships them). Random codes, not a quantization of ``src``: the test compares
+    decodes, not approximations."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True)
+    index = src / "model.safetensors.index.json"
+    wmap = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for f in src.iterdir():
+        if not f.is_file() or f.name == "config.json":
+            continue
+        if not f.name.endswith(".safetensors"):
+            if f.name != index.name:
+                shutil.copy(f, path / f.name)
+            continue
+        out: dict[str, torch.Tensor] = {}
+        for k, v in load_file(f).items():
+            if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, cin, rows = v.shape  # stored transposed: (E, out features, in features / 32, 16)
+                out[k + "_blocks"] = torch.randint(0, 256, (e, rows, cin // 32, 16), generator=g, dtype=torch.uint8)
+                out[k + "_scales"] = torch.randint(117, 124, (e, rows, cin // 32), generator=g, dtype=torch.uint8)
+                if wmap is not None:
+                    del wmap[k]
+                    wmap[k + "_blocks"] = wmap[k + "_scales"] = f.name
+            else:
+                out[k] = v
+        save_file(out, path / f.name, metadata={"format": "pt"})
+    if wmap is not None:
+        (path / index.name).write_text(json.dumps({"metadata": {}, "weight_map": wmap}, indent=1))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path

@@ -213,8 +213,7 @@ def _truncate_data(path: Path) -> None:
         f.write_bytes(raw[: 8 + n + 16])
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "compressed-tensors", "mxfp4", "gptq", "awq", "fbgemm_fp8",
-                                    "torchao"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "compressed-tensors", "gptq", "awq", "fbgemm_fp8", "torchao"])
 def test_other_quantization_methods_are_refused_before_any_weight_is_read(tmp_path: Path, method: str) -> None:
     d = models.llama(tmp_path / "m", max_shard_size=None)
     cfg = json.loads((d / "config.json").read_text())
@@ -463,3 +462,87 @@ def test_a_config_object_with_the_method_as_an_enum_is_read(fp8_llama: Path) -> 
         assert torch.equal(logits_of(m, ids), logits_of(_stock_dequantized(fp8_llama), ids))
     finally:
         tiered.close(m)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mxfp4")
+    return models.mxfp4_experts(models.gpt_oss(root / "bf16"), root / "mxfp4")
+
+
+def _stock_mxfp4(path: Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    kw: dict = {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "io": "mmap"},
+                                {"dtype": torch.float32}],
+                         ids=["defaults", "streamed-direct", "streamed-mmap", "float32"])
+def test_mxfp4_experts_equal_stock_dequantized(mxfp4_gpt_oss: Path, kw: dict) -> None:
+    """gpt-oss's MXFP4 experts (``_blocks`` + ``_scales``) decode with transformers' own ``convert_moe_packed_tensors``
+    per band of rows on the reader threads: logits equal ``from_pretrained(..., Mxfp4Config(dequantize=True))``. At
+    float32 stock keeps the decoded experts in bf16 (its op returns a bf16 Parameter); so does tiered."""
+    ids = make_ids(7, (2, 6))
+    ref_model = _stock_mxfp4(mxfp4_gpt_oss, kw.get("dtype"))
+    ref = logits_of(ref_model, ids)
+    kw = {**kw, "ring_gb": _ring(mxfp4_gpt_oss)} if kw.get("ring_gb") == "stream" else kw
+    with tiered.load(mxfp4_gpt_oss, **kw) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+        assert not m._tiered.plan.unused
+        e = m.model.layers[0].mlp.experts
+        assert e.gate_up_proj.dtype == ref_model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+        snap = tiered.stats(m).snapshot()
+        assert snap["decoded_bytes"] > 0 and ("io" not in kw or snap["streamed_bytes"] > 0)
+
+
+def test_mxfp4_blocks_without_scales_or_of_the_wrong_shape_are_refused(mxfp4_gpt_oss: Path, tmp_path: Path) -> None:
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(mxfp4_gpt_oss, d)
+    f = next(f for f in d.glob("*.safetensors") if any(k.endswith("gate_up_proj_scales") for k in load_file(f)))
+    sd = load_file(f)
+    key = next(k for k in sd if k.endswith("gate_up_proj_scales"))
+    bad = dict(sd)
+    bad[key] = sd[key][:, :, :1].contiguous() if sd[key].shape[2] > 1 else sd[key][:, :-1].contiguous()
+    save_file(bad, f, metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match=r"does not decode to"):
+        tiered.load(d)
+    del bad[key]
+    save_file(bad, f, metadata={"format": "pt"})
+    idx = d / "model.safetensors.index.json"
+    if idx.is_file():
+        j = json.loads(idx.read_text())
+        del j["weight_map"][key]
+        idx.write_text(json.dumps(j))
+    with pytest.raises(QuantizationError, match=r"holds MXFP4 codes but the checkpoint has no"):
+        tiered.load(d)
+
+
+def test_mxfp4_reshard_keeps_blocks_and_scales(mxfp4_gpt_oss: Path, tmp_path: Path) -> None:
+    from tiered.cli import inspect_dir
+    from tiered.reshard import reshard
+
+    reshard(mxfp4_gpt_oss, tmp_path / "out", dtype="bf16", quiet=True)
+    src = {k: v for f in mxfp4_gpt_oss.glob("*.safetensors") for k, v in load_file(f).items()}
+    out = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(out) == set(src)
+    assert all(torch.equal(out[k], src[k]) for k in src if k.endswith(("_blocks", "_scales")))
+    ids = make_ids(8, (1, 5))
+    with tiered.load(tmp_path / "out") as m:
+        assert torch.equal(logits_of(m, ids), logits_of(_stock_mxfp4(mxfp4_gpt_oss), ids))
+    q = inspect_dir(tmp_path / "out")["quantized"]
+    assert q["method"] == "mxfp4" and q["tensors"] == 3 * 2 and q["stored_bytes"] < q["decoded_bytes"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}], ids=["resident", "streamed"])
+def test_cuda_mxfp4_experts_equal_stock_dequantized_on_the_gpu(mxfp4_gpt_oss: Path, kw: dict) -> None:
+    ids = make_ids(9, (2, 6))
+    ref = logits_of(_stock_mxfp4(mxfp4_gpt_oss).to("cuda"), ids.cuda())
+    kw = {**kw, "ring_gb": _ring(mxfp4_gpt_oss)} if kw.get("ring_gb") == "stream" else kw
+    with tiered.load(mxfp4_gpt_oss, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
+        assert torch.equal(logits_of(m, ids.cuda()), ref)

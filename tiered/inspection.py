@@ -287,7 +287,9 @@ def _print_checkpoint(info: dict, a: Any) -> None:
         print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
     q = info.get("quantized")
     if q:
-        print(f"quantized: {q['method']} (weight_block_size {q['block']}), {q['tensors']} tensors of codes: "
+        how = (f"weight_block_size {q['block']}" if q["method"] == "fp8"
+               else "32 e2m1 codes per E8M0 scale" if q["method"] == "mxfp4" else "")
+        print(f"quantized: {q['method']} ({how}), {q['tensors']} tensors of codes: "
               f"{gib(q['stored_bytes'])} stored (codes and scales), decoded after the read to {gib(q['decoded_bytes'])} "
               f"of {q['dtype']} exactly as transformers dequantizes them; disk and page cache carry the stored bytes")
     print(f"units ({len(info['units'])}, in execution order):")

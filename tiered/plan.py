@@ -412,9 +412,11 @@ def _check_source(model: nn.Module, ckpt: Checkpoint, s: TensorInfo, tgt: Target
 
 
 def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo],
-                  conv: _Conv, unavailable: dict[str, Exception]) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
+                  conv: _Conv, unavailable: dict[str, Exception],
+                  coded: dict[str, Any] | None = None) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
     """Model key -> its :class:`Target` and copies (a tied or shared weight copies its twin's source:
     :func:`_source_key`), in state_dict order; and each conversion that cannot be placed, with the key it fills.
+    ``coded``: model key -> the decode of its packed source in ``direct`` (MXFP4: :func:`tiered.quant.mxfp4_sources`).
 
     Raises:
         MissingTensorError: parameters with no source, all of them named (with the files for a plain module).
@@ -436,7 +438,9 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
                 missing.append(key)
             continue
         tgt = Target(key, mod, attr, is_param, tuple(ref.shape), ref.dtype)
-        if src_key in direct:
+        if coded and src_key in coded:  # packed codes whose decode gives the target's shape (tiered.quant)
+            tgt.copies.append(Copy(direct[src_key], decode=coded[src_key]))
+        elif src_key in direct:
             _check_source(model, ckpt, direct[src_key], tgt)
             tgt.copies.append(Copy(direct[src_key]))
         else:
@@ -507,7 +511,17 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     quant.check_config(qc, where)
     sd = model.state_dict(keep_vars=True)
     direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd)
-    targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable)
+    coded = quant.mxfp4_sources(qc, unused, ckpt.tensors, sd, where)  # gpt-oss: <key>_blocks + <key>_scales
+    for key, (blocks, _) in coded.items():
+        direct[key] = blocks
+        # stock's Mxfp4Dequantize hands back a bf16 Parameter that replaces the module's at any dtype: so here too
+        mod, attr, _ = _owner(model, key)
+        old = mod._parameters[attr]
+        if old is not None and old.dtype != torch.bfloat16:
+            mod._parameters[attr] = sd[key] = nn.Parameter(torch.empty(old.shape, dtype=torch.bfloat16, device="meta"),
+                                                           requires_grad=old.requires_grad)
+    targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable,
+                                      {k: d for k, (_, d) in coded.items()})
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     units = _group_units(model, targets, converts, align)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too

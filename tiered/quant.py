@@ -6,7 +6,8 @@ were weights they give silently wrong numbers. So:
 * :func:`check_config` runs while the plan is built (before any weight byte is read) and refuses, with a
   :class:`~tiered.errors.QuantizationError` naming the method and what would work, every method tiered does not
   decode. Decoded today: ``quant_method="fp8"`` (transformers' ``FineGrainedFP8Config``: DeepSeek-V3/R1 and
-  Qwen3-*-FP8, e4m3 codes with a ``weight_scale_inv`` per block).
+  Qwen3-*-FP8, e4m3 codes with a ``weight_scale_inv`` per block) and ``"mxfp4"`` (gpt-oss's experts:
+  :func:`mxfp4_sources`, :func:`decode_mxfp4`, transformers' own ``convert_moe_packed_tensors`` per band of rows).
 * :func:`attach_decodes` gives every copy of a plan whose checkpoint tensor ``X`` has a sibling ``X_scale_inv`` an
   :class:`Fp8Block` decode. A sibling scale without a ``quantization_config`` (a config stripped of it) is refused
   too: stock would load the codes as weights.
@@ -47,15 +48,13 @@ from .tensor_info import TensorInfo
 __all__ = ["Fp8Block", "CodedInfo", "check_config", "attach_decodes", "block_of", "decode_rows", "STREAMED", "SCALE_SUFFIX"]
 
 #: ``quant_method`` values tiered decodes.
-STREAMED = ("fp8",)
+STREAMED = ("fp8", "mxfp4")
 #: the checkpoint name of a tensor's block scales: ``X`` -> ``X + SCALE_SUFFIX`` (transformers' ``Fp8Dequantize``)
 SCALE_SUFFIX = "_scale_inv"
 #: float8 code dtypes an ``fp8`` checkpoint stores (``Fp8Dequantize`` casts any of them to float32)
 CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: what stock does with each method, and what would work instead (the refusal's advice)
 _ADVICE = {
-    "mxfp4": "dequantize it once with transformers (from_pretrained(dir, quantization_config=Mxfp4Config("
-             "dequantize=True)), then save_pretrained) and load that copy",
     "compressed-tensors": "decompress it once with transformers (from_pretrained(dir, quantization_config="
                           "CompressedTensorsConfig(run_compressed=False)), then save_pretrained) and load that copy",
     "bitsandbytes": "load the unquantized checkpoint it was made from (bitsandbytes quantizes at load time)",
@@ -77,6 +76,16 @@ class Fp8Block:
     scale: TensorInfo
     block: tuple[int, int]
     row0: int = 0  # the codes' first row lies this many rows into the first block row of ``scale``
+
+
+@dataclass(frozen=True)
+class Mxfp4Block:
+    """A copy's MXFP4 decode (gpt-oss experts): the copy's ``src`` is ``<name>_blocks`` ``(E, R, G, 16)`` uint8 (two
+    e2m1 codes per byte), ``scale`` is ``<name>_scales`` ``(E, R, G)`` uint8 (E8M0 exponents, one per 32 codes); the
+    target is ``(E, G * 32, R)``: transformers' ``convert_moe_packed_tensors`` (bf16), transposed, as stock's
+    ``Mxfp4Dequantize`` produces it."""
+
+    scale: TensorInfo
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,52 @@ def attach_decodes(targets: dict[str, Any], converts: list, unused: list[str], t
     if used:
         unused[:] = [n for n in unused if n not in used]
     return dropped
+
+
+def mxfp4_sources(qc: dict | None, unused: list[str], tensors: dict[str, TensorInfo], sd: dict[str, Any],
+                  where: str) -> dict[str, tuple[TensorInfo, Mxfp4Block]]:
+    """An ``mxfp4`` checkpoint's packed experts: model key -> (its ``_blocks`` tensor, its decode), for each pair
+    ``<key>_blocks`` / ``<key>_scales`` of checkpoint tensors no model key takes (stock's ``Mxfp4Dequantize``
+    converters); the pairs leave ``unused``. {} for any other checkpoint.
+
+    Raises:
+        QuantizationError: a ``_blocks`` tensor without its ``_scales``, or shapes that do not fit the parameter.
+    """
+    if qc is None or str(qc.get("quant_method", "")).lower() != "mxfp4":
+        return {}
+    out: dict[str, tuple[TensorInfo, Mxfp4Block]] = {}
+    for name in [n for n in unused if n.endswith("_blocks")]:
+        key = name[: -len("_blocks")]
+        if key not in sd:
+            continue
+        b, s = tensors[name], tensors.get(key + "_scales")
+        if s is None:
+            raise QuantizationError(f"{b.file}: tensor {name!r} at offset {b.offset} holds MXFP4 codes but the "
+                                    f"checkpoint has no {key + '_scales'!r}; the checkpoint is incomplete")
+        want = tuple(sd[key].shape)
+        ok = (len(b.shape) == 4 and b.shape[-1] == 16 and b.dtype == torch.uint8 and s.dtype == torch.uint8
+              and tuple(s.shape) == tuple(b.shape[:-1]) and len(want) == 3
+              and want == (b.shape[0], b.shape[2] * 32, b.shape[1]))
+        if not ok:
+            raise QuantizationError(
+                f"{b.file}: tensor {name!r} at offset {b.offset} ({b.dtype} {list(b.shape)}) with {s.name!r} "
+                f"({s.dtype} {list(s.shape)}) does not decode to {key!r} {list(want)} (blocks (E, R, G, 16) and scales "
+                f"(E, R, G) uint8 give (E, G * 32, R)); {where} does not match the checkpoint")
+        out[key] = (b, Mxfp4Block(s))
+    if out:
+        gone = {n for b, d in out.values() for n in (b.name, d.scale.name)}
+        unused[:] = [n for n in unused if n not in gone]
+    return out
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """``blocks`` ``(1, r, G, 16)`` uint8 and ``scales`` ``(1, r, G)`` uint8 decoded into ``out`` ``(G * 32, r)``
+    (any strides, any float dtype): transformers' own ``convert_moe_packed_tensors`` (a bf16 table of the 16 e2m1
+    values, ``torch.ldexp`` by the exponent), then cast as ``from_pretrained`` casts it into the parameter. Its
+    temporaries: a few copies of the ``r`` rows (bf16 and int32)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out.copy_(convert_moe_packed_tensors(blocks, scales)[0])
 
 
 def scale_of(name: str, tensors: dict[str, TensorInfo], fp8: bool) -> TensorInfo | None:

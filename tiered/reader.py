@@ -300,7 +300,10 @@ class Reader:
         t0 = time.perf_counter()  # the fault seam inside the timed span: a test can make one backend slow
         if dec is not None:  # lo: the matrix; hi: its rows (r0, r1) — or, for a non-contiguous dest, (0, numel)
             faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset, io=backend or self.io)
-            if isinstance(hi, tuple):
+            if isinstance(hi, tuple) and hi[0] == "mxfp4":
+                took = self._decode_mxfp4(t, dest, lo, hi[1], hi[2], backend or self.io, dec)
+                nbytes = (hi[2] - hi[1]) * t.shape[2] * 16
+            elif isinstance(hi, tuple):
                 took = self._decode(t, dest, lo, hi[0], hi[1], backend or self.io, dec)
                 nbytes = (hi[1] - hi[0]) * t.shape[-1] * t.dtype.itemsize
             else:  # decode the whole tensor into a contiguous buffer, then copy it into place
@@ -418,6 +421,9 @@ class Reader:
             if n == 0:
                 continue
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
+            if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
+                self._submit_mxfp4(jobs, unit, src, dest, dec, backend)
+                continue
             if dec is not None:  # float8 codes and their block scales: decoded on the reader threads
                 self._submit_decode(jobs, unit, src, dest, dec, backend)
                 continue
@@ -448,6 +454,38 @@ class Reader:
         for e in range(lead):
             for r in range(0, rows, band):
                 self._submit(jobs, unit, src, dest, e, (r, min(rows, r + band)), backend, dec)
+
+    def _submit_mxfp4(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
+                      backend: str) -> None:
+        """Queue the MXFP4 decode of ``src`` (``(E, R, G, 16)`` blocks) into ``dest`` (``(E, G * 32, R)``): per expert,
+        bands of rows ``R`` of at most :data:`DECODE_CHUNK` block bytes (their bf16 temporaries: 4x that)."""
+        E, R, G, _ = src.shape
+        band = max(1, DECODE_CHUNK // (G * 16))
+        for e in range(E):
+            for r in range(0, R, band):
+                self._submit(jobs, unit, src, dest, e, ("mxfp4", r, min(R, r + band)), backend, dec)
+
+    def _decode_mxfp4(self, src: TensorInfo, dest: torch.Tensor, e: int, r0: int, r1: int, backend: str,
+                      dec: Any) -> float:
+        """Read rows ``[r0, r1)`` of expert ``e``'s blocks and scales with ``backend``; decode them into columns
+        ``[r0, r1)`` of ``dest[e]`` (:func:`tiered.quant.decode_mxfp4`). Returns the seconds spent reading."""
+        E, R, G, _ = src.shape
+        n = r1 - r0
+        b_off = src.offset + (e * R + r0) * G * 16
+        s_off = dec.scale.offset + (e * R + r0) * G
+        bsub = dataclasses.replace(src, offset=b_off, shape=(n * G * 16,), nbytes=n * G * 16)
+        ssub = dataclasses.replace(dec.scale, offset=s_off, shape=(n * G,), nbytes=n * G)
+        blocks = torch.empty(n * G * 16, dtype=torch.uint8)
+        scales = torch.empty(n * G, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self._copy(bsub, blocks, 0, blocks.numel(), backend)
+        self._copy(ssub, scales, 0, scales.numel(), backend)
+        took = time.perf_counter() - t0
+        out = dest[e][:, r0:r1]
+        quant.decode_mxfp4(blocks.view(1, n, G, 16), scales.view(1, n, G), out)
+        with self._stage_lock:
+            self.decoded_bytes += out.numel() * out.element_size()
+        return took
 
     def _decode(self, src: TensorInfo, dest: torch.Tensor, e: int, r0: int, r1: int, backend: str, dec: Any) -> float:
         """Read rows ``[r0, r1)`` of matrix ``e`` of ``src`` (float8 codes) and the scales of their blocks with
