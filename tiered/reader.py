@@ -67,6 +67,13 @@ PROBE_MARGIN = 1.10
 DECODE_CHUNK = 2 << 20
 
 
+def _decode_band(row_bytes: int, bm: int) -> int:
+    """Rows of float8 codes per decode task: :data:`DECODE_CHUNK` bytes of rows of ``row_bytes``, whole block rows
+    (``bm``) where one fits."""
+    band = max(1, DECODE_CHUNK // max(1, row_bytes))
+    return band // bm * bm if bm <= band else band
+
+
 def zero_copy_eligible(unit: Unit) -> bool:
     """Whether ``unit`` can compute on views of the file mapping as it is (CPU zero copy): every target is one
     checkpoint tensor of the same dtype and shape, at an offset that is a multiple of its itemsize (as
@@ -306,12 +313,14 @@ class Reader:
             elif isinstance(hi, tuple):
                 took = self._decode(t, dest, lo, hi[0], hi[1], backend or self.io, dec)
                 nbytes = (hi[1] - hi[0]) * t.shape[-1] * t.dtype.itemsize
-            else:  # decode the whole tensor into a contiguous buffer, then copy it into place
+            else:  # decode the whole tensor into a contiguous buffer (in bands: reads stay <= DECODE_CHUNK), copy it in
                 tmp = torch.empty(t.shape, dtype=dest.dtype)
-                rows = t.shape[-2]
+                rows, cols = t.shape[-2:]
+                band = _decode_band(cols * t.dtype.itemsize, dec.block[0])
                 took = 0.0
-                for e in range(t.numel // max(1, rows * t.shape[-1])):
-                    took += self._decode(t, tmp, e, 0, rows, backend or self.io, dec)
+                for e in range(t.numel // max(1, rows * cols)):
+                    for r in range(0, rows, band):
+                        took += self._decode(t, tmp, e, r, min(rows, r + band), backend or self.io, dec)
                 dest.copy_(tmp.view(dest.shape))
                 nbytes = t.nbytes
             if self.adapt and self.choice is None:
@@ -444,10 +453,7 @@ class Reader:
         task for the tensor)."""
         rows, cols = src.shape[-2:]
         lead = src.numel // max(1, rows * cols)
-        bm = dec.block[0]
-        band = max(1, DECODE_CHUNK // max(1, cols * src.dtype.itemsize))
-        if bm <= band:
-            band = band // bm * bm
+        band = _decode_band(cols * src.dtype.itemsize, dec.block[0])
         if not dest.is_contiguous():
             self._submit(jobs, unit, src, dest, 0, src.numel, backend, dec)
             return
