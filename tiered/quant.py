@@ -1,4 +1,4 @@
-"""Quantized checkpoints: which ``quantization_config`` tiered loads, and block-scaled FP8 decoded exactly.
+"""Quantized checkpoints: which ``quantization_config`` tiered loads; block-scaled FP8 and MXFP4 decoded exactly.
 
 Issue 24. A checkpoint whose ``config.json`` has a ``quantization_config`` stores codes, not weights: read as if they
 were weights they give silently wrong numbers. So:
