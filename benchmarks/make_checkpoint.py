@@ -673,7 +673,7 @@ class _Result:
         p = self.params
         what = f"{p['arch']} {p['dtype']} layers={p['layers']} scale={p['scale']} seed={p['seed']} tie={p['tie']}"
         if p.get("quant"):
-            what += f" quant={p['quant']}"
+            what += f" quant={p['quant']} ({p.get('fp8_weights', '?')} linear weights quantized)"
         if self.cached:
             return f"cached: {self.path} already holds {what}; nothing written"
         gb = self.file_bytes / 1e9
@@ -771,7 +771,16 @@ def _generate(
 
     specs = weight_specs(config, tdtype)
     if quant == "fp8":
+        plain = specs
         specs = fp8_specs(specs)
+        n_codes = sum(s.kind == "codes" for s in specs)
+        n_linear = sum(s.kind == "matrix" and len(s.shape) == 2 and bool(_FP8_NAMES.search(s.name)) for s in plain)
+        if n_codes == 0:
+            raise ValueError(f"quant='fp8' for {arch} at scale {scale}: none of its {n_linear} linear weights has both "
+                             f"sides a multiple of {FP8_BLOCK}; use a larger scale (1.0: the real shapes)")
+        shown = {**params, "fp8_weights": f"{n_codes}/{n_linear}"}  # for the summary (not the cache key)
+    else:
+        shown = params
     shards = _plan_shards(specs, shard_limit)
     tensor_bytes = sum(s.nbytes for s in specs)
     n = len(shards)
@@ -831,7 +840,7 @@ def _generate(
     seconds = time.perf_counter() - t0
     if not installed:  # a concurrent run with the same parameters finished first
         return _Result(out, True, params)
-    return _Result(out, False, params, tensor_bytes, sum(files.values()), n, seconds)
+    return _Result(out, False, shown, tensor_bytes, sum(files.values()), n, seconds)
 
 
 def _write_text(path: Path, text: str) -> None:

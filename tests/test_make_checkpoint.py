@@ -443,3 +443,6 @@ def test_fp8_checkpoint_decodes_as_stock_dequantizes_it(tmp_path):
         assert torch.equal(m(ids).logits, ref(ids).logits)
     with pytest.raises(ValueError, match="MoE experts"):
         mc.make_checkpoint(tmp_path / "moe", "qwen3-30b-a3b", layers=1, scale=0.1, quant="fp8")
+    with pytest.raises(ValueError, match="none of its 7 linear weights"):  # nothing would be FP8: refused
+        mc.make_checkpoint(tmp_path / "tiny", "tinyllama-1.1b", layers=1, scale=0.1, quant="fp8")
+    assert mc.make_checkpoint(tmp_path / "f8", "llama3-8b", layers=2, scale=0.125, quant="fp8") == out  # cached

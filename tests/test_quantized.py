@@ -546,3 +546,77 @@ def test_cuda_mxfp4_experts_equal_stock_dequantized_on_the_gpu(mxfp4_gpt_oss: Pa
     kw = {**kw, "ring_gb": _ring(mxfp4_gpt_oss)} if kw.get("ring_gb") == "stream" else kw
     with tiered.load(mxfp4_gpt_oss, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
         assert torch.equal(logits_of(m, ids.cuda()), ref)
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+@pytest.mark.parametrize("layout", ["column-slice", "transposed", "other-shape"])
+def test_a_strided_destination_is_decoded_band_by_band(tmp_path: Path, io: str, layout: str) -> None:
+    """A placed FP8 source whose slice of the fused tensor is not contiguous (a concatenation along a later dim) is
+    decoded band by band into its strided rows (a review found a whole-tensor temporary per thread); a destination
+    whose strides cannot take the source's shape goes through one temporary. Equal to stock's ``_dequantize_one``."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tiered.format import open_checkpoint
+    from tiered.quant import Fp8Block
+    from tiered.reader import Reader
+
+    g = torch.Generator().manual_seed(11)
+    codes = (torch.randn(2, 96, 64, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, 2, generator=g) * 0.01 + 1e-4
+    d = _one_tensor_dir(tmp_path / "ckpt", codes, scale, (32, 32))
+    ref = Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=torch.bfloat16)
+    if layout == "column-slice":
+        base = torch.zeros(2, 96, 128, dtype=torch.bfloat16)
+        dest = base[:, :, 32:96]
+    elif layout == "transposed":
+        base = torch.zeros(2, 64, 96, dtype=torch.bfloat16)
+        dest = base.transpose(1, 2)
+    else:
+        base = torch.zeros(64, 192, dtype=torch.bfloat16)
+        dest = base.t()  # (192, 64), strides that (2, 96, 64) cannot view
+    assert not dest.is_contiguous()
+    ck = open_checkpoint(d)
+    r = Reader(ck, io=io)
+    try:
+        src = ck.tensors["proj.weight"]
+        r.copy_all(type("U", (), {"name": "u"})(), [(src, dest, Fp8Block(ck.tensors["proj.weight_scale_inv"],
+                                                                           (32, 32)))])
+    finally:
+        r.close()
+    assert torch.equal(dest.reshape(ref.shape), ref)
+    if layout == "column-slice":
+        assert not base[:, :, :32].any() and not base[:, :, 96:].any()
+
+
+def test_a_plain_tensor_beside_mxfp4_blocks_wins_as_in_stock(mxfp4_gpt_oss: Path, tmp_path: Path) -> None:
+    """A checkpoint holding both ``experts.gate_up_proj`` and its ``_blocks``/``_scales``: stock loads the plain
+    tensor and leaves the blocks unused; so does tiered (a review found the blocks decoded instead)."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(mxfp4_gpt_oss, d)
+    f = next(f for f in d.glob("*.safetensors") if any(k.endswith("layers.0.mlp.experts.gate_up_proj_blocks")
+                                                        for k in load_file(f)))
+    sd = load_file(f)
+    key = next(k for k in sd if k.endswith("layers.0.mlp.experts.gate_up_proj_blocks"))[: -len("_blocks")]
+    e, rows, groups, _ = sd[key + "_blocks"].shape
+    sd[key] = torch.randn(e, groups * 32, rows, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16) * 0.1
+    save_file(sd, f, metadata={"format": "pt"})
+    idx = d / "model.safetensors.index.json"
+    if idx.is_file():
+        j = json.loads(idx.read_text())
+        j["weight_map"][key] = f.name
+        idx.write_text(json.dumps(j))
+    ids = make_ids(10, (1, 5))
+    with pytest.warns(UserWarning, match="gate_up_proj_blocks"), tiered.load(d) as m:
+        assert torch.equal(logits_of(m, ids), logits_of(_stock_mxfp4(d), ids))
+        assert key + "_blocks" in m._tiered.plan.unused
+
+
+def test_stats_count_decoded_bytes_live(fp8_llama: Path) -> None:
+    """``tiered.stats(m)`` is the live object: a held one sees the decodes of later passes."""
+    with tiered.load(fp8_llama, ring_gb=_ring(fp8_llama)) as m:
+        held = tiered.stats(m)
+        before = held.decoded_bytes
+        logits_of(m, make_ids(11, (1, 4)))
+        assert held.decoded_bytes > before

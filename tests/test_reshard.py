@@ -365,6 +365,17 @@ def test_fp8_codes_and_scales_are_kept_bit_for_bit(ckpts, tmp_path: Path) -> Non
         assert torch.equal(m(ids).logits, ref.logits)
 
 
+def test_fp8_scales_are_kept_without_a_quantization_config(ckpts, tmp_path: Path) -> None:
+    """A stripped config (no quantization_config) still has float8 codes beside their ``_scale_inv``: --dtype keeps
+    those scales (a review found them rounded to fp16, wrong once the config is restored)."""
+    src = models.fp8_block(ckpts["llama_fp32"], tmp_path / "fp8", config=False)
+    _reshard(src, tmp_path / "out", dtype="fp16")
+    got, inp = _tensors(tmp_path / "out"), _tensors(src)
+    scales = [k for k in inp if k.endswith("_scale_inv")]
+    assert scales and all(got[k].dtype == torch.float32 and torch.equal(got[k], inp[k]) for k in scales)
+    assert got["model.norm.weight"].dtype == torch.float16
+
+
 @pytest.mark.parametrize("nested", [False, True], ids=["top-level", "in-text_config"])
 def test_dtype_of_a_checkpoint_quantized_another_way_is_refused(ckpts, tmp_path: Path, nested: bool) -> None:
     src = tmp_path / "src"

@@ -249,6 +249,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     h.reader = Reader(h.ckpt, threads=opts.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
                       io=p.io, adapt=p.io_probe)
     h.reader.on_choice = h.stats.set_io_choice
+    h.reader.on_decoded = h.stats.add_decoded
     _check_linear_pieces(h, p)
     specs = p.specs
     if p.host_ring_bytes or p.host_experts:
@@ -436,8 +437,6 @@ def stats(model: nn.Module) -> Stats:
     h = _handle(model)
     if h.ring is not None:
         h.stats.ring_high_water = h.ring.high_water
-    if h.reader is not None:
-        h.stats.decoded_bytes = h.reader.decoded_bytes
     return h.stats
 
 

@@ -290,7 +290,8 @@ def mxfp4_sources(qc: dict | None, unused: list[str], tensors: dict[str, TensorI
                   where: str) -> dict[str, tuple[TensorInfo, Mxfp4Block]]:
     """An ``mxfp4`` checkpoint's packed experts: model key -> (its ``_blocks`` tensor, its decode), for each pair
     ``<key>_blocks`` / ``<key>_scales`` of checkpoint tensors no model key takes (stock's ``Mxfp4Dequantize``
-    converters); the pairs leave ``unused``. {} for any other checkpoint.
+    converters) and no plain ``<key>`` tensor provides (stock then loads the plain one); the pairs leave ``unused``.
+    {} for any other checkpoint.
 
     Raises:
         QuantizationError: a ``_blocks`` tensor without its ``_scales``, or shapes that do not fit the parameter.
@@ -300,8 +301,8 @@ def mxfp4_sources(qc: dict | None, unused: list[str], tensors: dict[str, TensorI
     out: dict[str, tuple[TensorInfo, Mxfp4Block]] = {}
     for name in [n for n in unused if n.endswith("_blocks")]:
         key = name[: -len("_blocks")]
-        if key not in sd:
-            continue
+        if key not in sd or key in tensors:
+            continue  # (a plain tensor of that name too: stock loads it and leaves the blocks unused; so here)
         b, s = tensors[name], tensors.get(key + "_scales")
         if s is None:
             raise QuantizationError(f"{b.file}: tensor {name!r} at offset {b.offset} holds MXFP4 codes but the "

@@ -44,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import faults, quant
@@ -171,8 +172,10 @@ class Reader:
         self.choice: dict[str, Any] | None = None
         #: called once with :attr:`choice` when it is made (on a reader thread)
         self.on_choice: Any = None
-        #: bytes of the model dtype decoded from float8 codes so far (tiered.quant; Stats.decoded_bytes)
+        #: bytes of the model dtype decoded from stored codes so far (tiered.quant); ``on_decoded(n)`` is called with
+        #: each band's bytes on the reader thread that decoded it (the loader passes ``Stats.add_decoded``)
         self.decoded_bytes = 0
+        self.on_decoded: Any = None
 
     def _stage(self) -> tuple[mmap.mmap, torch.Tensor]:
         st = getattr(self._local, "stage", None)
@@ -311,17 +314,26 @@ class Reader:
                 took = self._decode_mxfp4(t, dest, lo, hi[1], hi[2], backend or self.io, dec)
                 nbytes = (hi[2] - hi[1]) * t.shape[2] * 16
             elif isinstance(hi, tuple):
-                took = self._decode(t, dest, lo, hi[0], hi[1], backend or self.io, dec)
+                g0, cols = lo * t.shape[-2] + hi[0], t.shape[-1]
+                took = self._decode(t, dest.reshape(-1, cols)[g0 : g0 + hi[1] - hi[0]], lo, hi[0], hi[1],
+                                    backend or self.io, dec)
                 nbytes = (hi[1] - hi[0]) * t.shape[-1] * t.dtype.itemsize
-            else:  # decode the whole tensor into a contiguous buffer (in bands: reads stay <= DECODE_CHUNK), copy it in
-                tmp = torch.empty(t.shape, dtype=dest.dtype)
+            else:  # a non-contiguous destination: band by band into its strided rows (a placed slice of a stack)
                 rows, cols = t.shape[-2:]
                 band = _decode_band(cols * t.dtype.itemsize, dec.block[0])
                 took = 0.0
+                lead = tuple(t.shape[:-2])
+                try:
+                    dv, temp = dest.view(t.shape), False
+                except RuntimeError:  # strides that cannot take the source's shape: through one whole temporary
+                    dv, temp = torch.empty(t.shape, dtype=dest.dtype), True
                 for e in range(t.numel // max(1, rows * cols)):
+                    mat = dv[tuple(int(i) for i in np.unravel_index(e, lead))] if lead else dv
                     for r in range(0, rows, band):
-                        took += self._decode(t, tmp, e, r, min(rows, r + band), backend or self.io, dec)
-                dest.copy_(tmp.view(dest.shape))
+                        r1 = min(rows, r + band)
+                        took += self._decode(t, mat[r:r1], e, r, r1, backend or self.io, dec)
+                if temp:
+                    dest.copy_(dv.view(dest.shape))
                 nbytes = t.nbytes
             if self.adapt and self.choice is None:
                 self._measured(backend or self.io, nbytes, took)
@@ -446,6 +458,12 @@ class Reader:
             else:
                 self._submit(jobs, unit, src, dest, 0, n, backend)
 
+    def _decoded(self, n: int) -> None:
+        with self._stage_lock:
+            self.decoded_bytes += n
+        if self.on_decoded is not None:
+            self.on_decoded(n)
+
     def _submit_decode(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
                        backend: str) -> None:
         """Queue the decode of ``src``'s float8 codes into ``dest`` (:mod:`tiered.quant`) in bands of rows, at most
@@ -489,13 +507,12 @@ class Reader:
         took = time.perf_counter() - t0
         out = dest[e][:, r0:r1]
         quant.decode_mxfp4(blocks.view(1, n, G, 16), scales.view(1, n, G), out)
-        with self._stage_lock:
-            self.decoded_bytes += out.numel() * out.element_size()
+        self._decoded(out.numel() * out.element_size())
         return took
 
-    def _decode(self, src: TensorInfo, dest: torch.Tensor, e: int, r0: int, r1: int, backend: str, dec: Any) -> float:
+    def _decode(self, src: TensorInfo, out: torch.Tensor, e: int, r0: int, r1: int, backend: str, dec: Any) -> float:
         """Read rows ``[r0, r1)`` of matrix ``e`` of ``src`` (float8 codes) and the scales of their blocks with
-        ``backend``, decode them into the same rows of ``dest`` (contiguous). Returns the seconds spent reading."""
+        ``backend``, decode them into ``out`` (``(r1 - r0, cols)``, any strides). Returns the seconds spent reading."""
         rows, cols = src.shape[-2:]
         isz = src.dtype.itemsize
         n = (r1 - r0) * cols
@@ -517,10 +534,8 @@ class Reader:
         self._copy(dataclasses.replace(ssub, shape=(ssub.numel,)), scale, 0, ssub.numel, backend)
         took = time.perf_counter() - t0
         grid = scale if sc.numel == 1 else scale.view(-1, sc.shape[-1])
-        out = dest.reshape(-1, cols)[g0 : g0 + r1 - r0]
         quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, band.row0, out)
-        with self._stage_lock:
-            self.decoded_bytes += out.numel() * out.element_size()
+        self._decoded(out.numel() * out.element_size())
         return took
 
     def _convert(self, unit: Unit, conv, slot: torch.Tensor) -> None:

@@ -261,6 +261,11 @@ class Stats:
                 self.load_bytes += nbytes
                 self.load_read_s += seconds
 
+    def add_decoded(self, nbytes: int) -> None:
+        """A reader thread decoded ``nbytes`` of the model dtype from stored codes (tiered/quant.py)."""
+        with self._lock:
+            self.decoded_bytes += nbytes
+
     def add_pass(self, seconds: float) -> None:
         """One outermost call of the model took ``seconds`` (the caller's thread)."""
         with self._lock:

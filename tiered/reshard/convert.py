@@ -156,6 +156,24 @@ def _quant_config(source: Source) -> dict | None:
     return None
 
 
+def _scales_of_codes(source: Source, *, fp8: bool) -> set[str]:
+    """The scale tensors of float8 codes in ``source``: ``X_scale_inv`` and ``X.scale`` beside float8 ``X`` /
+    ``X.weight`` (with or without a ``quantization_config``: a stripped config must not get its scales rounded), and,
+    for an fp8 config, its ``activation_scale`` tensors."""
+    infos = source.infos
+
+    def codes(name: str) -> bool:
+        return name in infos and infos[name].dtype in CODE_DTYPES
+
+    out = set()
+    for n in infos:
+        if (n.endswith(SCALE_SUFFIX) and codes(n[: -len(SCALE_SUFFIX)])) \
+                or (n.endswith(".scale") and codes(n[: -len("scale")] + "weight")) \
+                or (fp8 and n.endswith("activation_scale")):
+            out.add(n)
+    return out
+
+
 def _same_bytes(source: Source, a: str, b: str) -> bool:
     """True when tensors ``a`` and ``b`` have the same dtype, shape and bytes (read in chunks)."""
     ia, ib = source.infos[a], source.infos[b]
@@ -195,10 +213,8 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
                 f"{source.root / 'config.json'}: a quant_method={method!r} checkpoint; --dtype would cast its scales "
                 "and change what it decodes to. Reshard it without --dtype (its tensors are then copied bit for bit)")
     units, arch, tied = _plan_units(source, notes, dtype)
-    if qc is not None and dtype is not None:  # fp8: codes are not castable; the scales stay exact (tiered.quant)
-        scales = {n for n in source.infos if n.endswith((SCALE_SUFFIX, "activation_scale"))
-                  or (n.endswith(".scale") and source.infos.get(n[: -len("scale")] + "weight") is not None
-                      and source.infos[n[: -len("scale")] + "weight"].dtype in CODE_DTYPES)}
+    if dtype is not None:  # float8 codes are not castable; their scales stay exact too, config or not (tiered.quant)
+        scales = _scales_of_codes(source, fp8=qc is not None)
         source.keep_dtype = set(getattr(source, "keep_dtype", None) or ()) | scales
         if scales:
             notes.append(f"{len(scales)} FP8 scale tensors kept in their dtype (the decode reads them as they are)")
