@@ -570,13 +570,10 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     return codes, scale
 
 
-def fp8_block(src: Path, path: Path, *, block: tuple[int, int] = (32, 32), skip: tuple[str, ...] = ("lm_head",),
-              scale_dtype: torch.dtype = torch.float32, config: bool = True) -> Path:
-    """``src`` rewritten as a block-FP8 checkpoint (``quant_method="fp8"``, ``weight_block_size=block``): every 2-D
-    ``*proj.weight`` / ``*w1|w2|w3.weight`` not under a name in ``skip`` becomes codes plus ``..._scale_inv`` (in
-    ``scale_dtype``), in the shard it was in; other tensors and files are kept. ``config=False`` leaves the
-    ``quantization_config`` out of config.json (a stripped config)."""
-    import re
+def _rewrite(src: Path, path: Path, tensor: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+             config: Callable[[dict], None]) -> Path:
+    """``src`` copied to ``path`` with each checkpoint tensor replaced by ``tensor(name, value)`` (a dict of the
+    tensors to write in its place, in the same shard; the index follows) and config.json edited by ``config``."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -593,22 +590,41 @@ def fp8_block(src: Path, path: Path, *, block: tuple[int, int] = (32, 32), skip:
             continue
         out: dict[str, torch.Tensor] = {}
         for k, v in load_file(f).items():
-            if v.dim() == 2 and re.search(r"(proj|w[123])\.weight$", k) and not any(s in k for s in skip):
-                out[k], sc = quantize_fp8_block(v, block)
-                out[k + "_scale_inv"] = sc.to(scale_dtype)
-                if wmap is not None:
-                    wmap[k + "_scale_inv"] = f.name
-            else:
-                out[k] = v
+            new = tensor(k, v)
+            out.update(new)
+            if wmap is not None:
+                if k not in new:
+                    del wmap[k]
+                wmap.update({n: f.name for n in new})
         save_file(out, path / f.name, metadata={"format": "pt"})
     if wmap is not None:
         (path / index.name).write_text(json.dumps({"metadata": {}, "weight_map": wmap}, indent=1))
     cfg = json.loads((src / "config.json").read_text())
-    if config:
-        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
-                                      "activation_scheme": "dynamic", "modules_to_not_convert": list(skip)}
+    config(cfg)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def fp8_block(src: Path, path: Path, *, block: tuple[int, int] = (32, 32), skip: tuple[str, ...] = ("lm_head",),
+              scale_dtype: torch.dtype = torch.float32, config: bool = True) -> Path:
+    """``src`` rewritten as a block-FP8 checkpoint (``quant_method="fp8"``, ``weight_block_size=block``): every 2-D
+    ``*proj.weight`` / ``*w1|w2|w3.weight`` not under a name in ``skip`` becomes codes plus ``..._scale_inv`` (in
+    ``scale_dtype``), in the shard it was in; other tensors and files are kept. ``config=False`` leaves the
+    ``quantization_config`` out of config.json (a stripped config)."""
+    import re
+
+    def tensor(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if v.dim() == 2 and re.search(r"(proj|w[123])\.weight$", k) and not any(s in k for s in skip):
+            codes, sc = quantize_fp8_block(v, block)
+            return {k: codes, k + "_scale_inv": sc.to(scale_dtype)}
+        return {k: v}
+
+    def cfg(c: dict) -> None:
+        if config:
+            c["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                        "activation_scheme": "dynamic", "modules_to_not_convert": list(skip)}
+
+    return _rewrite(src, path, tensor, cfg)
 
 
 def mxfp4_experts(src: Path, path: Path, *, seed: int = 21) -> Path:
@@ -618,38 +634,18 @@ def mxfp4_experts(src: Path, path: Path, *, seed: int = 21) -> Path:
     features and ``G * 32`` the input features, and ``quant_method: "mxfp4"`` in config.json (attention, router, biases
     and embeddings stay bf16, as gpt-oss ships them). Random codes, not a quantization of ``src``: the test compares
     decodes, not approximations."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     g = torch.Generator().manual_seed(seed)
-    path.mkdir(parents=True)
-    index = src / "model.safetensors.index.json"
-    wmap = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    for f in src.iterdir():
-        if not f.is_file() or f.name == "config.json":
-            continue
-        if not f.name.endswith(".safetensors"):
-            if f.name != index.name:
-                shutil.copy(f, path / f.name)
-            continue
-        out: dict[str, torch.Tensor] = {}
-        for k, v in load_file(f).items():
-            if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                e, cin, rows = v.shape  # stored transposed: (E, out features, in features / 32, 16)
-                out[k + "_blocks"] = torch.randint(0, 256, (e, rows, cin // 32, 16), generator=g, dtype=torch.uint8)
-                out[k + "_scales"] = torch.randint(117, 124, (e, rows, cin // 32), generator=g, dtype=torch.uint8)
-                if wmap is not None:
-                    del wmap[k]
-                    wmap[k + "_blocks"] = wmap[k + "_scales"] = f.name
-            else:
-                out[k] = v
-        save_file(out, path / f.name, metadata={"format": "pt"})
-    if wmap is not None:
-        (path / index.name).write_text(json.dumps({"metadata": {}, "weight_map": wmap}, indent=1))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4",
-                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                             "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    return path
+
+    def tensor(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return {k: v}
+        e, cin, rows = v.shape  # stored transposed: (E, out features, in features / 32, 16)
+        return {k + "_blocks": torch.randint(0, 256, (e, rows, cin // 32, 16), generator=g, dtype=torch.uint8),
+                k + "_scales": torch.randint(117, 124, (e, rows, cin // 32), generator=g, dtype=torch.uint8)}
+
+    def cfg(c: dict) -> None:
+        c["quantization_config"] = {"quant_method": "mxfp4",
+                                    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                               "model.embed_tokens", "lm_head"]}
+
+    return _rewrite(src, path, tensor, cfg)
