@@ -108,8 +108,9 @@ def cli(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
 _REFS: dict[Path, tuple] = {}
 
 
-def reference(d: Path, prompt: str, *, chat: bool = False, ids: list[int] | None = None, **gen) -> tuple[str, list[int]]:
-    """Stock transformers: (decoded new text, new ids) for ``prompt`` (or ``ids``)."""
+def reference(d: Path, prompt: str, *, chat: bool = False, ids: list[int] | None = None, system: str | None = None,
+              **gen) -> tuple[str, list[int]]:
+    """Stock transformers: (decoded new text, new ids) for ``prompt`` (or ``ids``; with ``chat``, after ``system``)."""
     if d not in _REFS:
         tok = transformers.AutoTokenizer.from_pretrained(d) if (d / "tokenizer.json").exists() else None
         _REFS[d] = (tok, transformers.AutoModelForCausalLM.from_pretrained(d).eval())
@@ -117,8 +118,9 @@ def reference(d: Path, prompt: str, *, chat: bool = False, ids: list[int] | None
     if ids is not None:
         enc = {"input_ids": torch.tensor([ids])}
     elif chat:
-        enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_dict=True, return_tensors="pt")
+        msgs = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]
+        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
     else:
         enc = tok(prompt, return_tensors="pt")
     seed = gen.pop("seed", None)
@@ -395,6 +397,42 @@ def test_chat_text_equals_transformers_resident(dirs: dict[str, Path], facts: di
     assert f"all {facts['units']} units resident in the ring" in err and "nothing streamed per token" in err, err
     assert not ZERO_GB.search(err), err  # no "streamed 0.00 GB at 0.00 GB/s"
     assert "(--ring-gb 1 capped: the whole model fits in less)" in err, err  # a tiny model: the ring was capped
+
+
+def test_chat_with_a_system_message_equals_transformers(dirs: dict[str, Path]) -> None:
+    """``--system`` (issue 26) goes before the user's message in the chat template, as stock's template renders it;
+    without ``--chat`` it is a usage error."""
+    d = dirs["chat"]
+    r = cli("generate", d, "--chat", "--system", "be terse", "--prompt", "you and I", "--max-new-tokens", NEW,
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    want, _ = reference(d, "you and I", chat=True, system="be terse", do_sample=False)
+    assert r.stdout == want + "\n", (r.stdout, want)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    plain = tok.apply_chat_template([{"role": "user", "content": "you and I"}], add_generation_prompt=True)
+    with_sys = tok.apply_chat_template([{"role": "system", "content": "be terse"}, {"role": "user", "content": "you and I"}],
+                                       add_generation_prompt=True)
+    assert plain != with_sys  # the template renders the system message: the test can fail
+    r = cli("generate", d, "--system", "be terse", "--prompt", "you and I", "--device", "cpu")
+    assert r.returncode == 2 and "--system" in r.stderr and "--chat" in r.stderr, r.stderr
+
+
+def test_ids_output_streams_one_id_at_a_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ids`` output is printed as each id is generated (issue 26), not all at the end: the streamer skips the
+    prompt, writes every new id at once, then a newline."""
+    import torch
+
+    from tiered.cli import _IdStreamer
+
+    s = _IdStreamer()
+    s.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    assert capsys.readouterr().out == ""
+    s.put(torch.tensor([42]))
+    assert capsys.readouterr().out == "42"
+    s.put(torch.tensor([7]))
+    assert capsys.readouterr().out == " 7"
+    s.end()
+    assert capsys.readouterr().out == "\n"
 
 
 def test_ids_in_ids_out_without_a_tokenizer(dirs: dict[str, Path]) -> None:

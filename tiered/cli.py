@@ -64,6 +64,27 @@ def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------------------------------- generate
 
 
+class _IdStreamer:
+    """A ``generate()`` streamer (transformers' ``BaseStreamer`` interface: ``put``, ``end``) that prints each new token
+    id on stdout as soon as it is generated, space-separated, then a newline: ``--ids`` output streams like text does.
+    The first ``put`` is the prompt (skipped)."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.first = True
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for i in value.reshape(-1).tolist():
+            print(("" if self.first else " ") + str(i), end="", flush=True)
+            self.first = False
+
+    def end(self) -> None:
+        print(flush=True)
+
+
 def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if a.prompt == "-":  # the prompt from standard input, as `cat prompt.txt | tiered generate DIR --prompt -`
         a.prompt = sys.stdin.read()
@@ -108,11 +129,12 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         for k in ("temperature", "top_p", "top_k"):
             if getattr(a, k) is not None:
                 kw[k] = getattr(a, k)
-        streamer = None
         if tok is not None:
             from transformers import TextStreamer
 
-            streamer = kw["streamer"] = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+            kw["streamer"] = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        else:  # --ids: each new id printed as it is generated
+            kw["streamer"] = _IdStreamer()
         if a.seed is not None:
             from transformers import set_seed
 
@@ -123,8 +145,6 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             out = model.generate(**inputs, **kw)
         gen_s = time.perf_counter() - t1
         new = out[0, n_in:].tolist()
-        if streamer is None:
-            print(" ".join(map(str, new)))
         sys.stdout.flush()
         after = stats(model).snapshot()
         for line in _summary(d, model, before, after, n_new=len(new), load_s=load_s, gen_s=gen_s):
@@ -205,6 +225,7 @@ _GENERATE_EPILOG = """\
 examples:
   tiered generate ~/models/TinyLlama-1.1B-Chat --prompt "The capital of France is" --max-new-tokens 20
   tiered generate ~/models/TinyLlama-1.1B-Chat --chat --prompt "Write a haiku about disks" --ring-gb 1
+  tiered generate ~/models/TinyLlama-1.1B-Chat --chat --system "Answer in one line" --prompt "What is a page cache?"
   tiered generate ~/models/llama --do-sample --temperature 0.7 --top-p 0.9 --seed 0 --prompt "Once upon a time"
   tiered generate ~/models/llama --ids --prompt "1 15043 29892"      (token ids in, token ids out)
   tiered generate ~/models/llama --prompt "Hello" 2>/dev/null        (only the text)
@@ -280,6 +301,8 @@ def _add_generate_parser(sub: Any) -> None:
     t.add_argument("--chat", action="store_true",
                    help="wrap --prompt as a user message in the tokenizer's chat template (with the assistant's "
                    "generation prompt)")
+    t.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before the user's (as llama.cpp's and vLLM's chat clients send)")
     t.add_argument("--ids", action="store_true",
                    help="--prompt is token ids ('1 2 3'), and token ids are printed; needs no tokenizer")
     s = g.add_argument_group("generation (greedy unless --do-sample)")

@@ -158,6 +158,8 @@ def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser)
             _fail(parser, f"{', '.join(given)} {verb} only when sampling: add --do-sample (the default is greedy)")
     if a.chat and a.ids:
         _fail(parser, "--chat formats text with the tokenizer's chat template; it cannot be used with --ids")
+    if getattr(a, "system", None) is not None and not a.chat:
+        _fail(parser, "--system is the system message of a chat: add --chat (it needs the tokenizer's chat template)")
     if a.gpu_gb is not None and a.device == "cpu":
         _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
 
@@ -195,8 +197,10 @@ def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Pa
             _fail(parser, f"--chat: the tokenizer in {d} has no chat template; drop --chat to continue the prompt as "
                           "plain text")
         try:
-            enc = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
-                                          return_dict=True)
+            system = getattr(a, "system", None)
+            msgs = ([{"role": "system", "content": system}] if system is not None else []) + [
+                {"role": "user", "content": a.prompt}]
+            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
         except Exception as e:  # noqa: BLE001 - a template that fails to render is the template's problem
             _fail(parser, f"--chat: the chat template of {d} fails on this prompt ({type(e).__name__}: {e})")
     else:
