@@ -490,6 +490,40 @@ def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     return out
 
 
+#: ``experts="per-expert"``: a stacked experts parameter -> the per-expert tensors its hub checkpoint stores, as
+#: (stacked suffix, [(per-expert name, row range as fractions of the stacked rows)]) — Qwen3-MoE's ``gate_up_proj``
+#: ``(E, 2I, D)`` is ``gate_proj`` (rows ``[0, I)``) then ``up_proj`` (``[I, 2I)``), transformers' concatenation order
+_PER_EXPERT = {".mlp.experts.gate_up_proj": [("gate_proj.weight", 0, 2), ("up_proj.weight", 1, 2)],
+               ".mlp.experts.down_proj": [("down_proj.weight", 0, 1)]}
+
+
+def per_expert_specs(specs: list[TensorSpec], arch: str) -> list[TensorSpec]:
+    """``specs`` with each stacked experts parameter split into the per-expert tensors the hub's Qwen3-MoE checkpoints
+    store (``mlp.experts.<j>.gate_proj.weight`` ``(I, D)``, ``up_proj``, ``down_proj`` ``(D, I)``), which
+    ``from_pretrained`` stacks back (its conversion mapping) and which FP8 checkpoints quantize one by one.
+
+    Raises:
+        ValueError: ``arch`` stores no stacked experts of that layout.
+    """
+    out: list[TensorSpec] = []
+    hit = False
+    for s in specs:
+        rule = next(((k, v) for k, v in _PER_EXPERT.items() if s.name.endswith(k)), None)
+        if rule is None or len(s.shape) != 3:
+            out.append(s)
+            continue
+        hit = True
+        prefix = s.name[: -len(rule[0])] + ".mlp.experts"
+        E, R, C = s.shape
+        for j in range(E):
+            for name, _, parts in rule[1]:
+                out.append(TensorSpec(f"{prefix}.{j}.{name}", (R // parts, C), "matrix", s.dtype))
+    if not hit:
+        raise ValueError(f"experts='per-expert' for {arch}: it has no stacked experts of Qwen3-MoE's layout "
+                         "(mlp.experts.gate_up_proj / down_proj)")
+    return out
+
+
 def weight_specs(config, dtype: str | torch.dtype | None = None) -> list[TensorSpec]:
     """The tensors of the checkpoint of ``config``, in ``state_dict()`` order.
 
@@ -721,6 +755,7 @@ def _generate(
     force: bool = False,
     quiet: bool = True,
     quant: str | None = None,
+    experts: str = "stacked",
 ) -> _Result:
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -740,12 +775,17 @@ def _generate(
         "tie": bool(config.tie_word_embeddings),
         "max_shard_size": shard_limit,
     }
+    if experts not in ("stacked", "per-expert"):
+        raise ValueError(f"experts={experts!r}: 'stacked' or 'per-expert'")
+    if experts == "per-expert":
+        params["experts"] = experts
     if quant is not None:
         if quant != "fp8":
             raise ValueError(f"quant={quant!r}: only 'fp8' (block-scaled e4m3, weight_block_size {FP8_BLOCK})")
-        if any(hasattr(config, k) for k in ("num_experts", "num_local_experts")):
-            raise ValueError(f"quant='fp8' for {arch}: MoE experts are written stacked here, and stock transformers "
-                             "does not dequantize stacked FP8 experts; not written yet (dense architectures only)")
+        if experts == "stacked" and any(hasattr(config, k) for k in ("num_experts", "num_local_experts")):
+            raise ValueError(f"quant='fp8' for {arch}: stock transformers does not dequantize stacked FP8 experts; "
+                             "pass experts='per-expert' (--experts per-expert: one tensor per expert, as the hub's "
+                             "Qwen3-*-FP8 checkpoints store them)")
         params["quant"] = quant
 
     if out.exists() or out.is_symlink():
@@ -770,6 +810,8 @@ def _generate(
         raise FileNotFoundError(f"parent directory {out.parent} does not exist")
 
     specs = weight_specs(config, tdtype)
+    if experts == "per-expert":
+        specs = per_expert_specs(specs, arch)
     if quant == "fp8":
         plain = specs
         specs = fp8_specs(specs)
@@ -901,6 +943,7 @@ def make_checkpoint(
     force: bool = False,
     quiet: bool = True,
     quant: str | None = None,
+    experts: str = "stacked",
 ) -> Path:
     """Generate a Hugging Face model directory for ``arch`` with random weights at ``out_dir``.
 
@@ -924,8 +967,10 @@ def make_checkpoint(
         force: replace an ``out_dir`` that exists with other parameters or without a marker.
         quiet: no tqdm progress bar (stderr) and no summary line (stdout).
         quant: ``"fp8"``: a block-scaled FP8 checkpoint (:func:`fp8_specs`: e4m3 codes and float32
-            ``weight_scale_inv`` per 128 x 128 block, ``quantization_config`` as DeepSeek-V3's); dense
-            architectures only.
+            ``weight_scale_inv`` per 128 x 128 block, ``quantization_config`` as DeepSeek-V3's); a MoE
+            architecture needs ``experts="per-expert"``.
+        experts: ``"stacked"`` (the model's own parameters) or ``"per-expert"`` (:func:`per_expert_specs`: one
+            tensor per expert and projection, as the hub's Qwen3-MoE checkpoints; Qwen3-MoE layouts only).
 
     Returns:
         ``out_dir`` as an absolute ``pathlib.Path``.
@@ -948,6 +993,7 @@ def make_checkpoint(
         force=force,
         quiet=quiet,
         quant=quant,
+        experts=experts,
     )
     if not quiet:
         print(result.summary(), flush=True)
@@ -1032,7 +1078,14 @@ def _arg_parser() -> argparse.ArgumentParser:
         choices=["fp8"],
         default=None,
         help="fp8: a block-scaled FP8 checkpoint (e4m3 codes + float32 weight_scale_inv per 128x128 block of each "
-        "linear weight, quantization_config as DeepSeek-V3's; dense archs only)",
+        "linear weight, quantization_config as DeepSeek-V3's; a MoE arch needs --experts per-expert)",
+    )
+    parser.add_argument(
+        "--experts",
+        choices=["stacked", "per-expert"],
+        default="stacked",
+        help="MoE experts as the model's stacked parameters (default) or one tensor per expert and projection, as "
+        "the hub's Qwen3-MoE (and Qwen3-*-FP8) checkpoints store them",
     )
     parser.add_argument(
         "--quiet",
@@ -1060,6 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             quiet=args.quiet,
             quant=args.quant,
+            experts=args.experts,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -282,6 +282,11 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "streamed_gb_per_token": streamed / 1e9 / n,
         "read_gbps": streamed / rd_s / 1e9 if rd_s > 0 else None,
         "h2d_gbps": h2d_b / h2d_s / 1e9 if h2d_s > 0 else None,
+        # bytes per generated token over PCIe from the ring and the host tier (stored bytes for a stored unit), out
+        # of the host tier's routed experts, and decoded from stored codes (issue 24)
+        "h2d_gb_per_token": h2d_b / 1e9 / n,
+        "host_expert_gb_per_token": (s1.get("host_expert_bytes", 0) - s0.get("host_expert_bytes", 0)) / 1e9 / n,
+        "decoded_gb_per_token": (s1.get("decoded_bytes", 0) - s0.get("decoded_bytes", 0)) / 1e9 / n,
         "stall_s": s1["stall_s"] - s0["stall_s"],
         "hits": s1["hits"] - s0["hits"],
         "misses": s1["misses"] - s0["misses"],

@@ -441,8 +441,33 @@ def test_fp8_checkpoint_decodes_as_stock_dequantizes_it(tmp_path):
     ids = torch.tensor([[1, 5, 9, 200, 33]])
     with torch.no_grad(), tiered.load(out) as m:
         assert torch.equal(m(ids).logits, ref(ids).logits)
-    with pytest.raises(ValueError, match="MoE experts"):
+    with pytest.raises(ValueError, match="stacked FP8 experts"):
         mc.make_checkpoint(tmp_path / "moe", "qwen3-30b-a3b", layers=1, scale=0.1, quant="fp8")
     with pytest.raises(ValueError, match="none of its 7 linear weights"):  # nothing would be FP8: refused
         mc.make_checkpoint(tmp_path / "tiny", "tinyllama-1.1b", layers=1, scale=0.1, quant="fp8")
     assert mc.make_checkpoint(tmp_path / "f8", "llama3-8b", layers=2, scale=0.125, quant="fp8") == out  # cached
+
+
+def test_per_expert_fp8_moe_loads_as_stock_dequantizes_it(tmp_path):
+    """``experts="per-expert"`` writes Qwen3-MoE's experts one tensor per expert and projection, as the hub's
+    Qwen3-*-FP8 checkpoints; with ``quant="fp8"`` each expert's projections are codes with their own block scales
+    (issue 24's MoE target). Stock's dequantized model and tiered (experts routed, decoded per expert) agree."""
+    import transformers
+
+    import tiered
+
+    out = mc.make_checkpoint(tmp_path / "q8", "qwen3-30b-a3b", layers=1, scale=0.1875, quant="fp8", experts="per-expert")
+    sd = load_file(out / "model.safetensors")
+    for j in (0, 127):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            k = f"model.layers.0.mlp.experts.{j}.{proj}.weight"
+            assert sd[k].dtype == torch.float8_e4m3fn and k + "_scale_inv" in sd
+    assert not any(k.endswith("experts.gate_up_proj") for k in sd)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad(), tiered.load(out, ring_gb=0.2) as m:
+        assert tiered.stats(m).expert_modules == 1
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="no stacked experts"):
+        mc.make_checkpoint(tmp_path / "d", "llama3-8b", layers=1, scale=0.125, experts="per-expert")

@@ -620,3 +620,78 @@ def test_stats_count_decoded_bytes_live(fp8_llama: Path) -> None:
         before = held.decoded_bytes
         logits_of(m, make_ids(11, (1, 4)))
         assert held.decoded_bytes > before
+
+
+def _meta_model(path: Path) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+@pytest.mark.parametrize("name", ["fp8_llama", "fp8_qwen3_moe", "mxfp4_gpt_oss"])
+def test_a_stored_unit_decodes_after_the_copy_to_the_reader_decodes_bytes(request: pytest.FixtureRequest, name: str,
+                                                                          io: str) -> None:
+    """CUDA's layout (``build_plan(stored=True)``): the slot carries the codes and scales as stored — fewer bytes than
+    the decoded layout — and :func:`tiered.quant.decode_stored` (what the device stage runs after the H2D copy, here
+    on CPU tensors) writes a device buffer whose every target is byte for byte the target the reader decodes into
+    a slot of the CPU layout."""
+    from tiered.format import open_checkpoint
+    from tiered.plan import build_plan
+    from tiered.quant import decode_stored
+    from tiered.reader import Reader
+
+    path = request.getfixturevalue(name)
+    ck = open_checkpoint(path)
+    flat, stored = build_plan(_meta_model(path), ck, align=512), build_plan(_meta_model(path), ck, align=512, stored=True)
+    r = Reader(ck, io=io)
+    try:
+        n_stored = 0
+        for a, b in zip(flat.units, stored.units, strict=True):
+            assert [t.key for t in a.targets] == [t.key for t in b.targets]
+            ref = torch.full((a.nbytes,), 0xA5, dtype=torch.uint8)
+            r.read_unit(a, ref)
+            slot = torch.full((b.nbytes,), 0x5A, dtype=torch.uint8)
+            r.read_unit(b, slot)
+            if b.coded_at is None:
+                assert b.nbytes == b.dev_bytes == a.nbytes
+                dev = slot
+            else:
+                n_stored += 1
+                assert b.nbytes < b.dev_bytes == a.nbytes  # stored bytes move; the device holds the decoded ones
+                dev = torch.full((b.dev_bytes,), 0x5A, dtype=torch.uint8)
+                dev[: b.coded_at] = slot[: b.coded_at]
+                written = decode_stored(b, slot[b.coded_at : b.nbytes].clone(), dev)
+                assert written == sum(t.nbytes for t in b.targets if t.offset >= b.coded_at) > 0
+            for ta, tb in zip(a.targets, b.targets, strict=True):
+                assert torch.equal(dev[tb.offset : tb.offset + tb.nbytes], ref[ta.offset : ta.offset + ta.nbytes]), tb.key
+        assert n_stored >= 2
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("rows,cols,block,row0", [(200, 72, (64, 32), 0), (129, 300, (128, 128), 0),
+                                                  (77, 130, (32, 128), 40), (256, 256, (128, 128), 128)])
+def test_the_vectorised_decode_equals_the_table_decode(rows: int, cols: int, block, row0: int) -> None:
+    """:func:`tiered.quant.decode_rows` on the GPU path (torch ops on whole bands: each row's scale row gathered,
+    here reached on the CPU with codes that are not contiguous) equals its CPU table path and stock's
+    ``_dequantize_one`` bit for bit, for bands that start inside a block row."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tiered.quant import decode_rows
+
+    g = torch.Generator().manual_seed(rows * cols)
+    wide = torch.randint(0, 256, (rows + row0, 2 * cols), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    wide = torch.where(wide.float().isnan(), torch.zeros_like(wide.float()), wide.float()).to(torch.float8_e4m3fn)
+    gr, gc = -(-(rows + row0) // block[0]), -(-cols // block[1])
+    scale = torch.rand(gr, gc, generator=g) * 4 + 0.01
+    strided = wide[row0:, :cols]  # not contiguous: the torch path
+    assert not strided.is_contiguous()
+    a = torch.empty(rows, cols, dtype=torch.bfloat16)
+    b = torch.empty(rows, cols, dtype=torch.bfloat16)
+    decode_rows(strided, scale, block, row0, a)
+    decode_rows(strided.contiguous(), scale, block, row0, b)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if (rows + row0) % block[0] == 0 and cols % block[1] == 0:  # stock's reshape needs whole blocks
+        full = Fp8Dequantize(None)._dequantize_one(wide[:, :cols].contiguous(), scale, torch.bfloat16)
+        assert torch.equal(a.view(torch.int16), full[row0:].view(torch.int16))

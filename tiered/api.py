@@ -189,7 +189,7 @@ def attach(
     check_config(config_of(module, Path(model_dir)), f"{Path(model_dir) / 'config.json'}")
     ckpt = open_checkpoint(model_dir)
     warn_mmap_thrash(choose_io(io, ckpt.nbytes, machine), ckpt.nbytes, ckpt.root, machine)
-    plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64)
+    plan = build_plan(module, ckpt, align=512 if dev.type == "cuda" else 64, stored=dev.type == "cuda")
     job.check_same_plan(plan, (dev.type, embedding_rows, routed_experts))  # the ranks' all-gathers must match
     opts = dataclasses.replace(opts, device=str(dev), distributed=job.world > 1)
     p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=getattr(module, "config", None), job=job)

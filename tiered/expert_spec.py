@@ -39,7 +39,7 @@ from . import quant
 from .errors import QuantizationError
 from .format import TensorInfo
 from .guard import foreign_forward
-from .plan import Target, Unit
+from .plan import Target, Unit, lay_out
 
 __all__ = ["ExpertPart", "ExpertSpec", "find_experts", "route_out", "merge_adjacent", "expert_pairs", "slot_layout",
            "top_k_of"]
@@ -256,18 +256,12 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def route_out(unit: Unit, specs: list[ExpertSpec], align: int) -> None:
-    """Take the experts' targets out of ``unit`` and lay out what is left (offsets, ``nbytes``, ``src_bytes``)."""
+def route_out(unit: Unit, specs: list[ExpertSpec], align: int, *, stored: bool = False) -> None:
+    """Take the experts' targets out of ``unit`` and lay out what is left (:func:`tiered.plan.lay_out`; ``stored``:
+    the plan's :attr:`~tiered.plan.Plan.stored`)."""
     gone = {id(p.target) for s in specs for p in s.parts}
     unit.targets = [t for t in unit.targets if id(t) not in gone]
-    off = 0
-    for t in unit.targets:
-        off = _align(off, align)
-        t.offset = off
-        off += t.nbytes
-    unit.nbytes = _align(off, align)
-    unit.src_bytes = sum(c.nbytes for t in unit.targets for c in t.copies) + sum(
-        s.nbytes for c in unit.converts for ss in c.sources.values() for s in ss)
+    lay_out(unit, align, stored=stored)
 
 
 def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[TensorInfo, torch.Tensor]]:

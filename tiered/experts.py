@@ -82,7 +82,7 @@ from .expert_spec import _is_experts_module as _is_experts_module
 from .expert_spec import _slices as _slices
 from .format import TensorInfo
 from .hostmem import page_up
-from .quant import rows_of
+from .quant import DEVICE_BAND, decode_rows, rows_of, scale_f32
 from .ring import Ring
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
@@ -267,53 +267,90 @@ class ExpertGather:
             self._read_cuda(todo, out)
 
     def _read_cuda(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
-        """Read into the pinned staging halves, H2D on the current stream from each (double-buffered)."""
+        """Read into the pinned staging halves, H2D on the current stream from each (double-buffered).
+
+        Float8 codes (a :class:`~tiered.quant.CodedInfo`) move as stored: each band of whole block rows is read with
+        its scale rows, copied to the device as codes and scales, and decoded there (:func:`tiered.quant.decode_rows`,
+        on the current stream, into the call's tensor): the staging and PCIe carry the stored bytes."""
         buf, lock, events = self.staging  # type: ignore[misc]
         half = buf.numel() // 2
-        # (source, device destination) in chunks of at most half the staging, each a 1-D element range
-        chunks: list[tuple[TensorInfo, torch.Tensor]] = []
+        # (sources, device destination, decode) in chunks of at most half the staging: a 1-D element range of a
+        # plain source; or a band of rows of codes and the scale rows it uses
+        chunks: list[tuple[list[TensorInfo], torch.Tensor, Any]] = []
         for info, d in self._pairs(todo, out):
             flat = d.reshape(-1)
             isz = d.element_size()
-            if getattr(info, "decode", None) is not None:  # float8 codes: bands of whole block rows (tiered.quant)
+            dec = getattr(info, "decode", None)
+            if dec is not None:  # float8 codes: bands of whole block rows (tiered.quant)
                 rows, cols = info.shape
-                bm = info.decode.block[0]
-                band = max(bm, half // max(1, cols * isz) // bm * bm)
-                if band * cols * isz > half:
-                    raise RingTooSmallError(f"{self.spec.name}: {bm} rows of {info.name!r} decode to more than half "
-                                            f"the {buf.numel() >> 20} MiB expert staging buffer")
+                bm = dec.block[0]
+                cisz = info.dtype.itemsize
+                srow = dec.scale.nbytes // max(1, dec.scale.shape[0]) if dec.scale.numel > 1 else 0
+                # whole block rows whose codes and scale rows fit half the staging, and whose float32 decode
+                # temporary on the device is at most DEVICE_BAND
+                fit = min((half - 4096) // max(1, cols * cisz + srow), DEVICE_BAND // max(1, cols * 4))
+                band = max(bm, fit // bm * bm)
+                if _align(band * cols * cisz, 512) + _align((band // bm + 2) * srow + 64, 512) > half:
+                    raise RingTooSmallError(f"{self.spec.name}: {bm} rows of {info.name!r} and their scales are more "
+                                            f"than half the {buf.numel() >> 20} MiB expert staging buffer")
                 for r in range(0, rows, band):
                     r1 = min(rows, r + band)
-                    chunks.append((rows_of(info, r, r1), flat[r * cols:r1 * cols]))
+                    ci = rows_of(info, r, r1)
+                    sc = ci.decode.scale
+                    codes = TensorInfo(ci.name, ci.dtype, (ci.numel,), ci.file, ci.offset, ci.nbytes)
+                    scale = TensorInfo(sc.name, sc.dtype, (sc.numel,), sc.file, sc.offset, sc.nbytes)
+                    chunks.append(([codes, scale], flat[r * cols:r1 * cols].view(r1 - r, cols), ci.decode))
                 continue
             step = max(1, half // isz)
             for lo in range(0, info.numel, step):
                 hi = min(info.numel, lo + step)
                 sub = TensorInfo(info.name, info.dtype, (hi - lo,), info.file, info.offset + lo * info.dtype.itemsize,
                                  (hi - lo) * info.dtype.itemsize)
-                chunks.append((sub, flat[lo:hi]))
+                chunks.append(([sub], flat[lo:hi], None))
         stream = torch.cuda.current_stream(self.device)
+
+        def room(c: tuple) -> int:
+            srcs, d, dec = c
+            if dec is None:
+                return _align(d.numel() * d.element_size(), 512)
+            return sum(_align(s.nbytes, 512) for s in srcs)
+
         with lock:
             h, i = 0, 0
             while i < len(chunks):
                 base = buf[h * half:(h + 1) * half]
                 batch, used = [], 0
-                while i < len(chunks) and used + _align(chunks[i][1].numel() * chunks[i][1].element_size(), 512) <= half:
-                    d = chunks[i][1]
-                    n = d.numel() * d.element_size()
-                    batch.append((chunks[i][0], base[used:used + n].view(d.dtype), d))
-                    used += _align(n, 512)
+                while i < len(chunks) and used + room(chunks[i]) <= half:
+                    srcs, d, dec = chunks[i]
+                    hosts = []
+                    for s in srcs:
+                        dt = d.dtype if dec is None else s.dtype
+                        n = s.numel * dt.itemsize if dec is not None else d.numel() * d.element_size()
+                        hosts.append(base[used:used + n].view(dt))
+                        used += _align(n, 512)
+                    batch.append((srcs, hosts, d, dec))
                     i += 1
                 ev = events[h]
                 if ev is not None:
                     ev.synchronize()  # the H2D that last read this half (any experts module's) is done
-                self.reader.copy_all(self.spec.unit, [(src, host) for src, host, _ in batch], chunk=READ_CHUNK)
-                for _, host, d in batch:
-                    d.copy_(host, non_blocking=True)
+                self.reader.copy_all(self.spec.unit, [(s, host) for srcs, hosts, _, _ in batch
+                                                      for s, host in zip(srcs, hosts, strict=True)], chunk=READ_CHUNK)
+                decoded = 0
+                for _srcs, hosts, d, dec in batch:
+                    if dec is None:
+                        d.copy_(hosts[0], non_blocking=True)
+                        continue
+                    codes = hosts[0].to(self.device, non_blocking=True)  # the stored bytes over PCIe
+                    scale = hosts[1].to(self.device, non_blocking=True)
+                    grid = scale if dec.scale.numel == 1 else scale.view(dec.scale.shape)
+                    decode_rows(codes.view(d.shape), scale_f32(grid), dec.block, dec.row0, d)
+                    decoded += d.numel() * d.element_size()
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events[h] = ev
                 h ^= 1
+                if decoded:
+                    self.stats.add_decoded(decoded)
 
     # ----------------------------------------------------------------------------------- the call
 

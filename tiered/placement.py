@@ -106,7 +106,7 @@ class Placement:
     host_why: str = ""  # where host_gb came from ("given", or why tiered chose it: policy.auto_split)
 
     def resident_bytes_of(self, plan: Plan) -> int:
-        return sum(plan.units[i].nbytes for i in self.resident)
+        return sum(plan.units[i].dev_bytes for i in self.resident)
 
     @property
     def specs(self) -> list[ExpertSpec]:
@@ -169,7 +169,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     if experts and job.min(int(policy.fits_whole(plan, opts.ring_bytes, cpu, local))):  # fits on every rank
         experts = {}
     for i, ss in experts.items():
-        route_out(plan.units[i], ss, plan.align)
+        route_out(plan.units[i], ss, plan.align, stored=plan.stored)
     host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
     if split and machine.host_available is not None and (experts or not policy.fits_whole(plan, opts.ring_bytes, cpu,
                                                                                           local)):
@@ -434,9 +434,9 @@ def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: A
     distributed: gathered whole) and the expert cache in what ``gpu_gb`` leaves."""
     if not cpu:
         copied = [u.index for u in plan.units if u.index not in set(p.resident) | set(p.rows)]
-        full = ([q.full if q.gathered else u.nbytes for q, u in
+        full = ([q.full if q.gathered else u.dev_bytes for q, u in
                  zip(_dist.io_plans(plan.units, dist, _device(opts), plan.align), plan.units, strict=True)]
-                if dist is not None else [u.nbytes for u in plan.units])
+                if dist is not None else [u.dev_bytes for u in plan.units])
         p.device_buffer_bytes = (opts.prefetch + 1) * max(full[i] for i in copied) if copied else 0
     specs = p.specs
     if not specs:

@@ -33,7 +33,7 @@ from .format import Checkpoint, TensorInfo
 from .meta import regenerate_param
 from .units import find_unit_roots, layer_index, weight_readers
 
-__all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "find_unit_roots", "layer_index"]
+__all__ = ["Copy", "Target", "Unit", "Plan", "build_plan", "lay_out", "find_unit_roots", "layer_index"]
 
 
 def _align(n: int, a: int) -> int:
@@ -48,6 +48,10 @@ class Copy:
     src: TensorInfo
     place: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: the whole target
     decode: Any = None  # tiered.quant.Fp8Block: src holds float8 codes, decode.scale their block scales
+    # a unit laid out stored (:func:`lay_out`, CUDA): where the codes and the scales lie in its slot (bytes); the
+    # device stage decodes them into the target after the H2D copy. None: the reader decodes into the target.
+    at: int | None = None
+    scale_at: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +94,13 @@ class Target:
 class Unit:
     """The streaming granule: the targets bound while ``module`` runs.
 
-    ``nbytes`` is the layout size in bytes (targets at ``align``-byte offsets); ``src_bytes`` is
-    what is read from disk for it.
+    ``nbytes`` is the layout size in bytes (targets at ``align``-byte offsets): what its ring or host-tier slot
+    holds and the H2D copy moves; ``src_bytes`` is what is read from disk for it.
+
+    Stored (:func:`lay_out` with ``stored``; CUDA, a unit with decoded copies): the slot holds the plain targets in
+    ``[0, coded_at)`` and the codes and scales of the decoded ones in ``[coded_at, nbytes)`` (``Copy.at``,
+    ``Copy.scale_at``); the device buffer (``dev_bytes``) holds the plain targets at the same offsets and the decoded
+    ones after them (``Target.offset``). Otherwise ``dev_bytes == nbytes`` and both layouts are one.
     """
 
     index: int
@@ -102,6 +111,57 @@ class Unit:
     nbytes: int = 0
     src_bytes: int = 0
     readers: list[nn.Module] = field(default_factory=list)  # modules that read its weights past its call (units.py)
+    coded_at: int | None = None  # stored: where the codes begin in the slot (None: not stored)
+    dev_nbytes: int = 0  # stored: the device layout's bytes
+
+    @property
+    def dev_bytes(self) -> int:
+        """Bytes of the unit's device buffer (its decoded layout)."""
+        return self.dev_nbytes if self.coded_at is not None else self.nbytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """Stored: the codes and scales the device stage decodes (the slot's ``[coded_at, nbytes)``); else 0."""
+        return self.nbytes - self.coded_at if self.coded_at is not None else 0
+
+
+def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
+    """Give ``u``'s targets their offsets (``align``-byte aligned, in order) and set ``nbytes`` and ``src_bytes``.
+
+    ``stored`` (a CUDA plan: :attr:`Plan.stored`): a unit whose every decoded target (a copy with ``decode``) has
+    only decoded copies is laid out *stored* (:class:`Unit`): its slot carries the codes and scales as the
+    checkpoint stores them — the ring, the host tier and the H2D copy move those bytes — and the device stage
+    decodes them after the copy (:meth:`tiered.stage.CudaStage.put`). Otherwise the reader decodes into the slot.
+    """
+    coded = [t for t in u.targets if any(c.decode is not None for c in t.copies)]
+    stored = stored and bool(coded) and not u.converts and all(c.decode is not None for t in coded for c in t.copies)
+    plain = [t for t in u.targets if t not in coded] if stored else u.targets
+    off = 0
+    for t in plain:
+        off = _align(off, align)
+        t.offset = off
+        off += t.nbytes
+    for t in u.targets:
+        for c in t.copies:
+            c.at = c.scale_at = None
+    if stored:
+        off = u.coded_at = _align(off, align)
+        dev = off
+        for t in coded:
+            dev = _align(dev, align)
+            t.offset = dev
+            dev += t.nbytes
+            for c in t.copies:
+                c.at = off = _align(off, align)
+                off += c.src.nbytes
+                c.scale_at = off = _align(off, align)
+                off += c.decode.scale.nbytes
+        u.dev_nbytes = _align(dev, align)
+    else:
+        u.coded_at, u.dev_nbytes = None, 0
+    u.nbytes = _align(off, align)
+    u.src_bytes = sum(c.nbytes for t in u.targets for c in t.copies) + sum(
+        s.nbytes for c in u.converts for ss in c.sources.values() for s in ss)
 
 
 def same_bytes_key(u: Unit) -> tuple | None:
@@ -151,6 +211,7 @@ class Plan:
     unused_skipped: list[str] = field(default_factory=list)
     unused_index_missing: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # read and dropped by stock too (FP8 activation scales)
+    stored: bool = False  # units with decoded copies laid out stored (CUDA: decoded after the H2D copy; lay_out)
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +232,11 @@ class Plan:
                     seen.add(key)
                     n += t.nbytes
         return n
+
+    @property
+    def dev_bytes(self) -> int:
+        """Bytes of every unit's device layout (decoded; :attr:`Unit.dev_bytes`)."""
+        return sum(u.dev_bytes for u in self.units)
 
     @property
     def max_unit(self) -> Unit:
@@ -456,8 +522,9 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
     return targets, converts
 
 
-def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tuple[Convert, str]], align: int) -> list[Unit]:
-    """The targets grouped by unit root (:func:`find_unit_roots`), each unit laid out at ``align``-byte offsets."""
+def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tuple[Convert, str]], align: int,
+                 stored: bool = False) -> list[Unit]:
+    """The targets grouped by unit root (:func:`find_unit_roots`), each unit laid out (:func:`lay_out`)."""
     roots = find_unit_roots(model)
     owner_of: dict[int, int] = {}
     for i, (_, mod, direct_only) in enumerate(roots):
@@ -476,15 +543,7 @@ def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tu
         keys = {t.key for t in own}
         u = Unit(len(units), name, mod, own)
         u.converts = [c for c, k in converts if k in keys]
-        off = 0
-        for t in own:
-            off = _align(off, align)
-            t.offset = off
-            off += t.nbytes
-        u.nbytes = _align(off, align)
-        u.src_bytes = sum(c.nbytes for t in own for c in t.copies) + sum(
-            s.nbytes for c in u.converts for ss in c.sources.values() for s in ss
-        )
+        lay_out(u, align, stored=stored)
         units.append(u)
     rest = [k for k in targets if k not in claimed]
     if rest:  # pragma: no cover - find_unit_roots covers every parameter
@@ -492,14 +551,15 @@ def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tu
     return units
 
 
-def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
+def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: bool = False) -> Plan:
     """Map every checkpoint tensor onto ``model`` (built on ``meta``) and group targets into units.
 
     Target dtype is the meta parameter's dtype (what ``from_pretrained`` casts to).
     Persistent buffers found in the checkpoint are targets too.
 
     A quantized checkpoint (``quantization_config``) is checked first, before anything else is matched, and copies of
-    float8 codes get their decode (:mod:`tiered.quant`).
+    float8 codes get their decode (:mod:`tiered.quant`). ``stored`` (CUDA): units with decoded copies carry the stored
+    codes and are decoded on the device after the H2D copy (:func:`lay_out`).
 
     Raises:
         QuantizationError: a quantization method tiered does not decode, or codes it cannot decode exactly.
@@ -523,8 +583,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64) -> Plan:
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable,
                                       {k: d for k, (_, d) in coded.items()})
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
-    units = _group_units(model, targets, converts, align)
+    units = _group_units(model, targets, converts, align, stored)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,
-                dropped=dropped)
+                dropped=dropped, stored=stored)
 

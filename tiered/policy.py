@@ -118,7 +118,7 @@ def fits_whole(plan: Plan, ring_bytes: int, cpu: bool, budget: int) -> bool:
     fitting the ring to be loaded through it (CUDA). Then nothing is routed: every expert stays."""
     if cpu:
         return sum(page_up(u.nbytes) for u in plan.units) <= ring_bytes
-    return plan.nbytes <= budget and page_up(plan.max_unit.nbytes) <= ring_bytes
+    return plan.dev_bytes <= budget and page_up(plan.max_unit.nbytes) <= ring_bytes
 
 
 def buffers_counted(gpu_gb: float | None, prefetch: int) -> int:
@@ -143,17 +143,17 @@ def choose_resident(plan: Plan, ring: int, cpu: bool, budget: int, buffers: int,
         need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
         return {u.index for u in plan.units} if need <= ring else set()
     too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
-    if plan.nbytes <= budget and not too_big:
+    if plan.dev_bytes <= budget and not too_big:
         return {u.index for u in plan.units}
     # Largest units first: what streams then needs the smallest device buffers. Embeddings that read their
     # rows on demand are never chosen: a token costs them a few rows, so the budget goes to units that
     # would stream whole (and they need no device buffer either).
     chosen: set[int] = set()
-    order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.nbytes)
-    for u in order:
-        streamed_max = max((v.nbytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
+    order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.dev_bytes)
+    for u in order:  # device bytes: a stored unit (decoded after the H2D copy) takes its decoded layout there
+        streamed_max = max((v.dev_bytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
         pool = buffers * streamed_max
-        used = sum(plan.units[i].nbytes for i in chosen) + u.nbytes
+        used = sum(plan.units[i].dev_bytes for i in chosen) + u.dev_bytes
         if used + pool <= budget:
             chosen.add(u.index)
     return chosen

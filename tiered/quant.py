@@ -397,20 +397,86 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     n, cols = codes.shape
     bm, bn = block
     q = codes.to(torch.float32)
-    gcf = cols // bn  # whole column blocks
-    full = gcf * bn
     if scale.numel() == 1:  # one scale for the whole tensor
         q.mul_(scale.reshape(()))
         out.copy_(q)
         return
-    for r, k, g in _blocks(n, row0, bm):
-        rows = q[r : r + k]
-        s = scale[g]
-        if gcf:
-            rows[:, :full].unflatten(1, (gcf, bn)).mul_(s[:gcf].view(1, gcf, 1))
-        if full < cols:
-            rows[:, full:].mul_(s[gcf])
+    gc = -(-cols // bn)
+    gcf = cols // bn  # whole column blocks
+    full = gcf * bn
+    # each row's scale row, gathered on the device (one kernel): the products are those of stock's reshape into blocks
+    s = scale[:, :gc].index_select(0, torch.arange(row0, row0 + n, device=scale.device).floor_divide_(bm))
+    if gcf:
+        q[:, :full].unflatten(1, (gcf, bn)).mul_(s[:, :gcf, None])
+    if full < cols:
+        q[:, full:].mul_(s[:, gcf:gcf + 1])
     out.copy_(q)
+
+
+#: float32 bytes of one band decoded on a device after the H2D copy (:func:`decode_stored`): its temporaries
+DEVICE_BAND = 64 << 20
+
+
+def decode_stored(unit: Any, stored: torch.Tensor, base: torch.Tensor) -> int:
+    """Decode a stored unit's codes (:func:`tiered.plan.lay_out`) into its device buffer; returns the bytes written.
+
+    Args:
+        unit: a :class:`~tiered.plan.Unit` with ``coded_at`` set.
+        stored: ``(unit.nbytes - unit.coded_at,)`` uint8, the slot's coded region on the device (after the H2D copy).
+        base: ``(unit.dev_bytes,)`` uint8, the unit's device buffer; the decoded targets are written at their offsets.
+
+    Runs on the current stream (the device stage's copy stream), in bands of rows of at most :data:`DEVICE_BAND`
+    float32 bytes; the arithmetic is :func:`decode_rows`' (FP8) and :func:`decode_mxfp4`'s (MXFP4), so the result is
+    bitwise what the reader's decode into the slot gives, and stock's dequantize.
+    """
+    p0 = unit.coded_at
+    done = 0
+    for t in unit.targets:
+        whole = None
+        for c in t.copies:
+            if c.at is None:
+                continue
+            if whole is None:
+                whole = base[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
+            dest = whole if c.place is None else c.place(whole)
+            src, sc = c.src, c.decode.scale
+            codes = stored[c.at - p0 : c.at - p0 + src.nbytes].view(src.dtype).view(src.shape)
+            scales = stored[c.scale_at - p0 : c.scale_at - p0 + sc.nbytes].view(sc.dtype).view(sc.shape)
+            if isinstance(c.decode, Mxfp4Block):
+                E, R, G, _ = src.shape
+                band = max(1, DEVICE_BAND // (G * 32 * 4 * 4))
+                for e in range(E):
+                    for r in range(0, R, band):
+                        r1 = min(R, r + band)
+                        decode_mxfp4(codes[e : e + 1, r:r1], scales[e : e + 1, r:r1], dest[e][:, r:r1])
+            else:
+                try:
+                    dv, temp = dest.view(src.shape), None
+                except RuntimeError:  # strides that cannot take the codes' shape: through one temporary
+                    dv = temp = torch.empty(src.shape, dtype=dest.dtype, device=dest.device)
+                rows, cols = src.shape[-2:] if len(src.shape) >= 2 else (1, src.numel)
+                mats = codes.reshape(-1, rows, cols)
+                outs = dv.view(-1, rows, cols) if dv.is_contiguous() else None
+                grid = scale_f32(scales)
+                one = grid.numel() == 1
+                grids = grid if one else grid.reshape(-1, *grid.shape[-2:])
+                bm = c.decode.block[0]
+                band = max(1, DEVICE_BAND // max(1, cols * 4))
+                band = max(bm, band // bm * bm) if band >= bm else band
+                lead = tuple(src.shape[:-2])
+                for e in range(mats.shape[0]):
+                    if outs is not None:
+                        o = outs[e]
+                    else:
+                        o = dv[tuple(int(i) for i in np.unravel_index(e, lead))] if lead else dv
+                    g = grids if one else grids[e]
+                    for r in range(0, rows, band):
+                        r1 = min(rows, r + band)
+                        decode_rows(mats[e, r:r1], g, c.decode.block, r, o[r:r1])
+                if temp is not None:
+                    dest.copy_(temp.view(dest.shape))
+            done += dest.numel() * dest.element_size()
+    return done
 
 
 def _decode_rows_table(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int,

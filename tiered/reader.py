@@ -368,6 +368,12 @@ class Reader:
     def _pairs(unit: Unit, slot: torch.Tensor) -> list[tuple[TensorInfo, torch.Tensor]]:
         pairs: list = []
         for tgt in unit.targets:
+            if tgt.copies and tgt.copies[0].at is not None:  # stored (plan.lay_out): codes and scales as they lie
+                for c in tgt.copies:
+                    sc = c.decode.scale
+                    pairs.append((c.src, slot[c.at : c.at + c.src.nbytes].view(c.src.dtype).view(c.src.shape)))
+                    pairs.append((sc, slot[c.scale_at : c.scale_at + sc.nbytes].view(sc.dtype).view(sc.shape)))
+                continue
             whole = slot[tgt.offset : tgt.offset + tgt.nbytes].view(tgt.dtype).view(tgt.shape)
             for c in tgt.copies:
                 dest = whole if c.place is None else c.place(whole)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import quant
 from .dist import Dist, IoPlan, all_gather_bytes
 from .plan import Unit
 from .ring import Ring, Slot
@@ -179,10 +180,10 @@ class CudaStage:
         Raises (before taking ``slot``; the caller frees it): whatever ``abort`` returns.
         """
         gather = io if io is not None and io.gathered else None
-        size = gather.full if gather is not None else unit.nbytes
+        size = gather.full if gather is not None else unit.dev_bytes
         at, n = (gather.at, gather.chunk) if gather is not None else (0, unit.nbytes)
         buf = self.buffer(size, resident=resident, abort=abort)
-        ready = self.put(buf, slot, at, n, keep=keep)
+        ready = self.put(buf, slot, at, n, keep=keep, unit=unit if unit.coded_at is not None else None)
         return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
 
     def buffer(self, size: int, *, resident: bool, abort: Callable[[], BaseException | None]) -> DevBuf:
@@ -190,22 +191,45 @@ class CudaStage:
         one, polling ``abort``). Loader thread."""
         return DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
 
-    def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False) -> torch.cuda.Event:
+    def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False, unit: Unit | None = None
+            ) -> torch.cuda.Event:
         """Issue the H2D copy ``slot.view[:n]`` -> ``buf.t[at:at + n]`` on the copy stream, after the compute
         stream is done with ``buf`` (its ``free`` event); returns the copy's *ready* event. The slot is freed
         by :meth:`retire` once the copy has finished (``keep``: a host-tier slot, which stays). Loader thread.
 
+        ``unit``: a stored unit (:func:`tiered.plan.lay_out`): the slot's plain bytes ``[0, coded_at)`` are copied to
+        the same offsets, its codes and scales ``[coded_at, n)`` into a staging tensor allocated on the copy stream
+        (the caching allocator hands it to that stream's next allocation only, so it is reused in stream order), and
+        :func:`tiered.quant.decode_stored` decodes them into the buffer, on the copy stream, before *ready*: the ring,
+        the host tier and PCIe carry the stored bytes (``Stats.h2d_bytes``), the device the decoded ones
+        (``Stats.decoded_bytes``). Device memory beside the buffers, transient: the largest stored region and
+        :data:`tiered.quant.DEVICE_BAND` of float32 decode temporaries.
+
         A unit larger than the ring is put piece by piece into one buffer (:meth:`tiered.loader.Loader`):
         the copy stream runs in order, so the last piece's event says the whole unit is there."""
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        copied = torch.cuda.Event(enable_timing=True) if unit is not None else ready
+        decoded = 0
         with torch.cuda.stream(self.copy_stream):
             if buf.free is not None:
                 self.copy_stream.wait_event(buf.free)
             start.record(self.copy_stream)
-            buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
+            if unit is None:
+                buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
+            else:
+                p0 = unit.coded_at
+                if p0:
+                    buf.t[:p0].copy_(slot.view[:p0], non_blocking=True)  # type: ignore[operator]
+                stored = torch.empty(n - p0, dtype=torch.uint8, device=self.device)
+                stored.copy_(slot.view[p0:n], non_blocking=True)  # type: ignore[operator]
+                copied.record(self.copy_stream)
+                decoded = quant.decode_stored(unit, stored, buf.t)
+                del stored  # back to the copy stream's pool: its next allocation runs after these kernels
             ready.record(self.copy_stream)
         with self._lock:
-            self._inflight.append((start, ready, None if keep else slot, n))
+            self._inflight.append((start, copied, None if keep else slot, n))
+        if decoded:
+            self.stats.add_decoded(decoded)
         return ready
 
     def give_back(self, buf: DevBuf, after: torch.cuda.Event | None) -> None:
