@@ -695,3 +695,41 @@ def test_the_vectorised_decode_equals_the_table_decode(rows: int, cols: int, blo
     if (rows + row0) % block[0] == 0 and cols % block[1] == 0:  # stock's reshape needs whole blocks
         full = Fp8Dequantize(None)._dequantize_one(wide[:, :cols].contiguous(), scale, torch.bfloat16)
         assert torch.equal(a.view(torch.int16), full[row0:].view(torch.int16))
+
+
+def test_host_tier_fp8_experts_are_kept_as_stored_and_decode_as_stock(fp8_qwen3_moe: Path) -> None:
+    """CUDA's host tier of FP8 experts (``ExpertSpec.stored``) keeps each expert's codes and block scales as stored —
+    fewer pinned bytes than decoded — and a call decodes the routed ones after the copy; here on the CPU (the layout,
+    the fill, the per-call decode). Logits equal stock's dequantized model; nothing is read after the fill."""
+    from tiered.experts import HostExperts
+
+    ref = _stock_dequantized(fp8_qwen3_moe)
+    ids = make_ids(5, (2, 7))
+    want = logits_of(ref, ids)
+    with tiered.load(fp8_qwen3_moe, ring_gb=_ring(fp8_qwen3_moe), device="cpu") as m:
+        h = m._tiered
+        specs = [eg.spec for eg in h.experts]
+        assert specs and all(any(getattr(i, "decode", None) for p in sp.parts for i, _ in p.per[0]) for sp in specs)
+        decoded_size = sum(HostExperts.bytes_for(sp) for sp in specs)
+        for sp in specs:
+            sp.stored = True
+        stored_size = sum(HostExperts.bytes_for(sp) for sp in specs)
+        assert stored_size < decoded_size  # (page-rounded regions: the tiny model saves less than half)
+        hx = HostExperts(specs, torch.device("cpu"))
+        try:
+            hx.fill(h.reader, h.stats)
+            assert hx.nbytes == stored_size
+            for eg in h.experts:
+                eg.host = hx.parts(eg.spec)
+                assert all(isinstance(x, list) for x in eg.host)
+            before = tiered.stats(m).snapshot()
+            assert torch.equal(logits_of(m, ids), want)
+            after = tiered.stats(m).snapshot()
+            assert after["experts_read"] == before["experts_read"] and after["experts_from_host"] > 0
+            assert after["decoded_bytes"] > before["decoded_bytes"]
+            n = after["experts_from_host"] - before["experts_from_host"]
+            assert after["host_expert_bytes"] - before["host_expert_bytes"] == n * specs[0].expert_src_bytes
+        finally:
+            for eg in h.experts:
+                eg.host = None
+            hx.close()

@@ -86,6 +86,7 @@ class ExpertSpec:
     parts: list[ExpertPart] = field(default_factory=list)
     owner: nn.Module | None = None
     dense: bool = False  # Llama 4: every expert runs on zero-scaled input, the picked ones read (module docstring)
+    stored: bool = False  # CUDA, float8 codes: the host tier keeps them as stored (tiered.experts.HostExperts)
 
     def __post_init__(self) -> None:
         if self.owner is None:
@@ -262,6 +263,9 @@ def route_out(unit: Unit, specs: list[ExpertSpec], align: int, *, stored: bool =
     gone = {id(p.target) for s in specs for p in s.parts}
     unit.targets = [t for t in unit.targets if id(t) not in gone]
     lay_out(unit, align, stored=stored)
+    for s in specs:
+        s.stored = stored and any(getattr(info, "decode", None) is not None
+                                  for p in s.parts for info, _ in p.per[0])
 
 
 def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[TensorInfo, torch.Tensor]]:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,6 +101,22 @@ def _files_of(info: TensorInfo) -> tuple:
     return (info.file,) if dec is None else (info.file, dec.scale.file)
 
 
+def _plain(info: TensorInfo) -> TensorInfo:
+    """``info`` as a plain byte range (a :class:`~tiered.quant.CodedInfo` without its decode: read as stored)."""
+    return TensorInfo(info.name, info.dtype, tuple(info.shape), info.file, info.offset, info.nbytes)
+
+
+@dataclass(frozen=True)
+class _StoredSource:
+    """One source of a stored experts part in the host tier: ``codes`` ``(E, *shape)`` as the checkpoint stores them
+    (float8 codes, or a plain tensor in its checkpoint dtype), ``scale`` ``(E, *grid)`` its block scales (None: a plain
+    tensor, cast on the device), ``dest`` where it lands in an expert's slab (None: the whole slab)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    dest: Any
+
+
 class HostExperts:
     """The host tier's routed experts (``host_gb``). Every expert of each chosen experts module, read once at load,
     cast as the module wants, into host memory (one mapping, page-locked on CUDA, a ``(E, ...)`` region per part,
@@ -121,28 +138,54 @@ class HostExperts:
         self.specs = specs
         self.device = device
         self.ring = Ring(sum(self.bytes_for(sp) for sp in specs), pin=device.type == "cuda")
-        self._parts: dict[str, list[torch.Tensor]] = {}
+        self._parts: dict[str, list[Any]] = {}
         for sp in specs:
-            views = []
+            views: list[Any] = []
             for p in sp.parts:
-                slot = self.ring.alloc(sp.num_experts * p.slab_bytes, sp.name, wait=False)
-                n = sp.num_experts * math.prod(p.slab_shape)
-                views.append(slot.view[:n * p.target.dtype.itemsize].view(p.target.dtype)
-                             .view(sp.num_experts, *p.slab_shape))
+                if sp.stored:  # each source of a slab as stored: (E, *shape) of its dtype, and its scales
+                    regions = []
+                    for info, dest in p.per[0]:
+                        sc = getattr(info, "decode", None)
+                        codes = self._region(sp, info.dtype, tuple(info.shape))
+                        scale = self._region(sp, sc.scale.dtype, tuple(sc.scale.shape)) if sc is not None else None
+                        regions.append(_StoredSource(codes, scale, dest))
+                    views.append(regions)
+                    continue
+                views.append(self._region(sp, p.target.dtype, tuple(p.slab_shape)))
             self._parts[sp.name] = views
+
+    def _region(self, sp: ExpertSpec, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = sp.num_experts * math.prod(shape) * dtype.itemsize
+        slot = self.ring.alloc(n, sp.name, wait=False)
+        return slot.view[:n].view(dtype).view(sp.num_experts, *shape)
 
     @staticmethod
     def bytes_for(spec: ExpertSpec) -> int:
-        """Pinned bytes one experts module takes (each part's ``E`` slabs, page-rounded)."""
-        return sum(page_up(spec.num_experts * p.slab_bytes) for p in spec.parts)
+        """Pinned bytes one experts module takes: each part's ``E`` slabs in the model dtype, or (``spec.stored``)
+        each source's ``E`` codes and scales as stored; every region page-rounded."""
+        if not spec.stored:
+            return sum(page_up(spec.num_experts * p.slab_bytes) for p in spec.parts)
+        n = 0
+        for p in spec.parts:
+            for info, _ in p.per[0]:
+                n += page_up(spec.num_experts * info.nbytes)
+                dec = getattr(info, "decode", None)
+                if dec is not None:
+                    n += page_up(spec.num_experts * dec.scale.nbytes)
+        return n
+
+    @staticmethod
+    def expert_bytes(spec: ExpertSpec) -> int:
+        """Bytes one expert takes in the host tier (what a call copies out of it per expert)."""
+        return spec.expert_src_bytes if spec.stored else spec.expert_bytes
 
     @property
     def nbytes(self) -> int:
         return self.ring.size
 
-    def parts(self, spec: ExpertSpec) -> list[torch.Tensor] | None:
-        """``spec``'s parts in pinned host memory, each ``(E, *slab_shape)`` in the model dtype; None when the
-        host tier does not hold that module."""
+    def parts(self, spec: ExpertSpec) -> list[Any] | None:
+        """``spec``'s parts in pinned host memory, each ``(E, *slab_shape)`` in the model dtype, or (``spec.stored``)
+        a list of :class:`_StoredSource` per part; None when the host tier does not hold that module."""
         return self._parts.get(spec.name)
 
     def fill(self, reader: Any, stats: Any) -> None:
@@ -155,8 +198,19 @@ class HostExperts:
             for f in sorted({f for p in sp.parts for per in p.per for info, _ in per for f in _files_of(info)}):
                 reader.maps[f].check()  # a shard truncated or rewritten since load: an error, not SIGBUS or new bytes
             t0 = time.perf_counter()
-            reader.copy_all(sp.unit, expert_pairs(sp, [(j, j) for j in range(sp.num_experts)], self.parts(sp)),
-                            chunk=READ_CHUNK)
+            todo = [(j, j) for j in range(sp.num_experts)]
+            if sp.stored:
+                pairs = []
+                for p, regions in zip(sp.parts, self.parts(sp), strict=True):  # type: ignore[arg-type]
+                    for k, r in enumerate(regions):
+                        for j in range(sp.num_experts):
+                            info = p.per[j][k][0]
+                            pairs.append((_plain(info), r.codes[j]))
+                            if r.scale is not None:
+                                pairs.append((_plain(info.decode.scale), r.scale[j]))
+                reader.copy_all(sp.unit, merge_adjacent(pairs), chunk=READ_CHUNK)
+            else:
+                reader.copy_all(sp.unit, expert_pairs(sp, todo, self.parts(sp)), chunk=READ_CHUNK)
             n = sp.num_experts * sp.expert_src_bytes
             stats.add_read(n, time.perf_counter() - t0, resident=True)
             stats.add_host_experts_loaded(self.bytes_for(sp))
@@ -247,7 +301,7 @@ class ExpertGather:
                             cache.view(s, off, p.slab_shape, p.target.dtype).copy_(t[u])
                         cache.commit(self.block, j, s)  # only now can a lookup find it (an interrupt leaves it free)
         if self.host is not None:
-            self.stats.add_host_experts(len(todo) * self.spec.expert_bytes, len(todo))
+            self.stats.add_host_experts(len(todo) * HostExperts.expert_bytes(self.spec), len(todo))
         else:
             self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
         return out
@@ -258,9 +312,25 @@ class ExpertGather:
         if not todo:
             return
         if self.host is not None:  # the host tier: H2D straight from pinned memory, on the current stream
-            for h, t in zip(self.host, out, strict=True):
+            decoded = 0
+            for p, h, t in zip(self.spec.parts, self.host, out, strict=True):
                 for u, j in todo:
-                    t[u].copy_(h[j], non_blocking=True)
+                    if not isinstance(h, list):
+                        t[u].copy_(h[j], non_blocking=True)
+                        continue
+                    for k, r in enumerate(h):  # stored: the codes and scales over PCIe, decoded on the device
+                        dst = t[u] if r.dest is None else r.dest(t[u])
+                        codes = r.codes[j].to(self.device, non_blocking=True)
+                        if r.scale is None:
+                            dst.copy_(codes.view(dst.shape))
+                            continue
+                        dec = p.per[j][k][0].decode
+                        scale = r.scale[j].to(self.device, non_blocking=True)
+                        decode_rows(codes.view(-1, codes.shape[-1]), scale_f32(scale), dec.block, dec.row0,
+                                    dst.view(-1, codes.shape[-1]) if dst.is_contiguous() else dst)
+                        decoded += dst.numel() * dst.element_size()
+            if decoded:
+                self.stats.add_decoded(decoded)
         elif self.device.type == "cpu":
             self.reader.copy_all(self.spec.unit, self._pairs(todo, out), chunk=READ_CHUNK)
         else:
