@@ -255,6 +255,7 @@ class ExpertGather:
                              else owner._buffers.get(p.target.attr) for p in spec.parts}
         self.closed = False
         self.host: list[torch.Tensor] | None = None  # the host tier's copy of every expert (HostExperts.parts)
+        self._scale_grids: list | None = None  # CUDA, float8 experts: their scales on the device (_grids)
         self.files = sorted({f for p in spec.parts for per in p.per for info, _ in per for f in _files_of(info)})
 
     # ----------------------------------------------------------------------------------- reading
@@ -303,7 +304,11 @@ class ExpertGather:
         if self.host is not None:
             self.stats.add_host_experts(len(todo) * HostExperts.expert_bytes(self.spec), len(todo))
         else:
-            self.stats.add_experts(len(todo) * self.spec.expert_src_bytes, len(todo))
+            per = self.spec.expert_src_bytes
+            if self._scale_grids:  # the scales were read once, at first use: a call reads the codes
+                per -= sum(info.decode.scale.nbytes for pi, p in enumerate(self.spec.parts)
+                           for k, (info, _) in enumerate(p.per[0]) if self._scale_grids[pi][k] is not None)
+            self.stats.add_experts(len(todo) * per, len(todo))
         return out
 
     def _read_into(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
@@ -336,18 +341,70 @@ class ExpertGather:
         else:
             self._read_cuda(todo, out)
 
+    def _grids(self) -> list[list[torch.Tensor | None]] | None:
+        """CUDA, float8 experts: every expert's block scales on the device, as float32 (``scale_f32``), read once on
+        first use: ``[part][source]`` -> ``(E, grid_rows, grid_cols)`` (None: a plain source, or one scale per
+        tensor). A call then reads only its experts' codes: the scales are ~1/4096 of the codes' bytes but would be
+        one more small read per expert and projection (on a cold disk, a request as slow as the codes'). Device
+        memory: ``E`` grids per source (Qwen3-30B-A3B: 128 x 3 x 384 bytes of float32 per layer)."""
+        if self._scale_grids is not None or self.device.type != "cuda":
+            return self._scale_grids or None
+        grids: list[list[torch.Tensor | None]] = []
+        any_coded = False
+        E = self.spec.num_experts
+        for p in self.spec.parts:
+            row: list[torch.Tensor | None] = []
+            for k, (info0, _) in enumerate(p.per[0]):
+                dec = getattr(info0, "decode", None)
+                if dec is None or dec.scale.numel == 1 or len(info0.shape) != 2:
+                    row.append(None)
+                    continue
+                host = torch.empty((E, *dec.scale.shape), dtype=dec.scale.dtype)
+                pairs = [(_plain(p.per[j][k][0].decode.scale), host[j]) for j in range(E)]
+                self.reader.copy_all(self.spec.unit, merge_adjacent(pairs), chunk=READ_CHUNK)
+                self.stats.add_read(host.numel() * host.element_size(), 0.0, resident=True)
+                row.append(scale_f32(host).to(self.device))
+                any_coded = True
+            grids.append(row)
+        self._scale_grids = grids if any_coded else []
+        return self._scale_grids or None
+
     def _read_cuda(self, todo: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
         """Read into the pinned staging halves, H2D on the current stream from each (double-buffered).
 
-        Float8 codes (a :class:`~tiered.quant.CodedInfo`) move as stored: each band of whole block rows is read with
-        its scale rows, copied to the device as codes and scales, and decoded there (:func:`tiered.quant.decode_rows`,
-        on the current stream, into the call's tensor): the staging and PCIe carry the stored bytes."""
+        Float8 codes (a :class:`~tiered.quant.CodedInfo`) move as stored: each band of whole block rows is read, copied
+        to the device and decoded there with its expert's scales, which :meth:`_grids` keeps on the device
+        (:func:`tiered.quant.decode_rows`, on the current stream, into the call's tensor; a tensor with one scale: the
+        scale is read with each band): the staging and PCIe carry the stored bytes."""
         buf, lock, events = self.staging  # type: ignore[misc]
         half = buf.numel() // 2
         # (sources, device destination, decode) in chunks of at most half the staging: a 1-D element range of a
         # plain source; or a band of rows of codes and the scale rows it uses
         chunks: list[tuple[list[TensorInfo], torch.Tensor, Any]] = []
-        for info, d in self._pairs(todo, out):
+        grids = self._grids()
+        pairs: list[tuple[TensorInfo, torch.Tensor]] = []
+        for pi, (p, t) in enumerate(zip(self.spec.parts, out, strict=True)):
+            for u, j in todo:
+                for k, (info, dest) in enumerate(p.per[j]):
+                    d = t[u] if dest is None else dest(t[u])
+                    g = grids[pi][k] if grids is not None else None
+                    if g is None:
+                        pairs.append((info, d))
+                        continue
+                    # float8 codes whose scales are on the device already: bands of whole block rows of codes
+                    rows, cols = info.shape
+                    bm = info.decode.block[0]
+                    fit = min((half - 4096) // max(1, cols * info.dtype.itemsize), DEVICE_BAND // max(1, cols * 4))
+                    band = max(bm, fit // bm * bm)
+                    flat = d.reshape(-1)
+                    for r in range(0, rows, band):
+                        r1 = min(rows, r + band)
+                        n = (r1 - r) * cols
+                        codes = TensorInfo(f"{info.name}[{r}:{r1}]", info.dtype, (n,), info.file,
+                                           info.offset + r * cols * info.dtype.itemsize, n * info.dtype.itemsize)
+                        chunks.append(([codes], flat[r * cols:r1 * cols].view(r1 - r, cols),
+                                       ("grid", g[j], info.decode.block, r)))
+        for info, d in merge_adjacent(pairs):
             flat = d.reshape(-1)
             isz = d.element_size()
             dec = getattr(info, "decode", None)
@@ -411,6 +468,11 @@ class ExpertGather:
                         d.copy_(hosts[0], non_blocking=True)
                         continue
                     codes = hosts[0].to(self.device, non_blocking=True)  # the stored bytes over PCIe
+                    if isinstance(dec, tuple):  # its scales are on the device (_grids)
+                        _, grid, block, r0 = dec
+                        decode_rows(codes.view(d.shape), grid, block, r0, d)
+                        decoded += d.numel() * d.element_size()
+                        continue
                     scale = hosts[1].to(self.device, non_blocking=True)
                     grid = scale if dec.scale.numel == 1 else scale.view(dec.scale.shape)
                     decode_rows(codes.view(d.shape), scale_f32(grid), dec.block, dec.row0, d)
