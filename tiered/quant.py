@@ -25,11 +25,12 @@ and the FP8 matmul kernels read it so), and stock either refuses (``rows`` not a
 some scales to the wrong rows. :func:`block_of` takes the config's ``weight_block_size`` where the grid is its
 ceiling grid — equal to stock wherever stock is right — else stock's derivation, else refuses.
 
-On the CPU the reader decodes into the ring slot (the slot holds the model dtype). On CUDA today it does the same: the
-disk and the page cache carry the stored bytes; the ring, host tier and H2D carry the decoded ones (decoding after
-the H2D copy is the next step of issue 24). Routed experts (:mod:`tiered.experts`) read one expert's codes and
-scales as a :class:`CodedInfo` and decode them the same way (on CUDA into the pinned staging, in bands of whole
-block rows: :func:`rows_of`).
+On the CPU the reader decodes into the ring slot (the slot holds the model dtype). On CUDA a unit with decoded copies
+is laid out *stored* (:func:`tiered.plan.lay_out`): the disk, the page cache, the ring, the host tier and the H2D copy
+carry the codes and scales, and :func:`decode_stored` (the device stage, on the copy stream) decodes them into the
+unit's device buffer. Routed experts (:mod:`tiered.experts`) read one expert's codes as a :class:`CodedInfo` and
+decode them the same way: on the CPU on the reader threads; on CUDA after the H2D copy, with every expert's scales kept
+on the device; the CUDA host tier keeps them as stored (``ExpertSpec.stored``).
 """
 
 from __future__ import annotations
