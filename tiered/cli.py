@@ -1,4 +1,4 @@
-"""The ``tiered`` command: ``generate``, ``inspect`` and ``reshard`` (:mod:`tiered.reshard`).
+"""The ``tiered`` command: ``generate``, ``serve`` (:mod:`tiered.serve`), ``inspect`` and ``reshard`` (:mod:`tiered.reshard`).
 
 Every argument is checked before any weight is read, and before torch or transformers is imported
 where the check does not need them (this module imports neither at import time; building the parser
@@ -107,17 +107,10 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         if isinstance(name, str):
             getattr(transformers, name, None)
 
-    from .api import load, stats
+    from .api import stats
 
-    if a.device is not None and a.device.startswith("cuda:"):  # (no CUDA at all: tiered.load says so)
-        n_dev, index = torch.cuda.device_count(), int(a.device.partition(":")[2])
-        if 0 < n_dev <= index:
-            _fail(parser, f"--device {a.device}: this machine has {n_dev} CUDA device(s), cuda:0 to cuda:{n_dev - 1}")
     t0 = time.perf_counter()
-    with _option_errors_as_usage(parser):
-        model = load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
-                     threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb,
-                     trust_remote_code=a.trust_remote_code)
+    model = _load_for_cli(a, parser, d)
     load_s = time.perf_counter() - t0
     with model:
         if not callable(getattr(model, "generate", None)) or not model.can_generate():
@@ -275,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tiered {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_generate_parser(sub)
+    _add_serve_parser(sub)
     _add_inspect_parser(sub)
     from .reshard import add_parser as add_reshard_parser
 
@@ -317,6 +311,12 @@ def _add_generate_parser(sub: Any) -> None:
                    help="keep the K most likely tokens (0: no limit)")
     s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
                    help="seed the random generators, for a reproducible sample")
+    _add_streaming_args(g)
+    g.set_defaults(fn=_cmd_generate, cli_parser=g)
+
+
+def _add_streaming_args(g: argparse.ArgumentParser) -> None:
+    """The options a load takes (``generate``, ``serve``), as ``tiered.load``'s keywords."""
     r = g.add_argument_group("streaming")
     r.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
                    help="host ring size in GiB; peak RSS ~ ring + runtime (default: 4, or what the host's memory and "
@@ -346,7 +346,70 @@ def _add_generate_parser(sub: Any) -> None:
                    "nothing mapped; direct: O_DIRECT, bypasses the page cache; "
                    "auto (default): direct when the model does not fit in the page cache (RAM or cgroup memory.max), "
                    "else mmap")
-    g.set_defaults(fn=_cmd_generate, cli_parser=g)
+
+
+def _load_for_cli(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path) -> Any:
+    """``tiered.load`` with the streaming options of ``a`` (their errors as usage errors naming the flag)."""
+    import torch
+
+    from .api import load
+
+    if a.device is not None and a.device.startswith("cuda:"):  # (no CUDA at all: tiered.load says so)
+        n_dev, index = torch.cuda.device_count(), int(a.device.partition(":")[2])
+        if 0 < n_dev <= index:
+            _fail(parser, f"--device {a.device}: this machine has {n_dev} CUDA device(s), cuda:0 to cuda:{n_dev - 1}")
+    with _option_errors_as_usage(parser):
+        return load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
+                    threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb,
+                    trust_remote_code=a.trust_remote_code)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    """``tiered serve``'s arguments."""
+    g = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+                       description="Serve MODEL_DIR over OpenAI's HTTP API (/v1/models, /v1/chat/completions, "
+                       "/v1/completions; streaming with server-sent events), one generation at a time, its weights "
+                       "streamed as `tiered generate` streams them. Needs the serve extra: pip install 'tiered[serve]'.",
+                       epilog="example:\n  tiered serve ~/models/smollm2 --port 8000\n  curl localhost:8000/v1/chat/"
+                       "completions -H 'Content-Type: application/json' \\\n    -d '{\"messages\": [{\"role\": \"user\", "
+                       "\"content\": \"Hi\"}]}'", formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="local Hugging Face model directory: config.json, *.safetensors and a tokenizer")
+    g.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
+    h = g.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0: all)")
+    h.add_argument("--port", type=_number(int, low=0, high=65535), default=8000, help="port (default %(default)s)")
+    h.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: MODEL_DIR's directory name)")
+    _add_streaming_args(g)
+    g.set_defaults(fn=_cmd_serve, cli_parser=g)
+
+
+def _cmd_serve(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        _fail(parser, f"tiered serve needs {' and '.join(missing)}: pip install 'tiered[serve]' "
+                      "(or pip install fastapi uvicorn)")
+    d = _check_model_dir(parser, a.model_dir)
+    _read_config(parser, d)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(d, trust_remote_code=a.trust_remote_code)
+    except (OSError, ValueError) as e:
+        _fail(parser, f"MODEL_DIR {d}: no tokenizer could be loaded ({e}); tiered serve needs one")
+    model = _load_for_cli(a, parser, d)
+    with model:
+        if not callable(getattr(model, "generate", None)) or not model.can_generate():
+            _fail(parser, f"MODEL_DIR {d}: {type(model).__name__} cannot generate text (not a causal LM)")
+        from .serve import Server, run
+
+        print(f"[tiered] serving {d} as {a.model_name or d.name!r} on http://{a.host}:{a.port}/v1 "
+              f"({model._tiered.stats})", file=sys.stderr, flush=True)
+        run(Server(model, tok, a.model_name or d.name), a.host, a.port)
+    return 0
 
 
 def _add_inspect_parser(sub: Any) -> None:

