@@ -699,3 +699,16 @@ def test_generate_trust_remote_code(ckpts: Checkpoints, tmp_path: Path) -> None:
     r = cli(*args, "--trust-remote-code")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(i) for i in want], (r.stdout, want)
+
+
+def test_compute_threads_flag(dirs: dict[str, Path], facts: dict) -> None:
+    """``--compute-threads N`` reaches torch (a streamed run equals stock's text), and a bad value is a usage error
+    naming the flag, before torch is imported."""
+    d = dirs["chat"]
+    r = cli("generate", d, "--prompt", "I was at one", "--max-new-tokens", NEW, "--ring-gb", facts["ring_gb"],
+            "--device", "cpu", "--compute-threads", 1)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == reference(d, "I was at one")[0] + "\n"
+    for bad in ("0", "x"):
+        r = cli("generate", d, "--compute-threads", bad)
+        assert r.returncode == 2 and "--compute-threads" in r.stderr and "auto" in r.stderr

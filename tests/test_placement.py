@@ -519,3 +519,47 @@ def test_cpu_with_an_index_is_placed_as_the_cpu(dirs):
                 got.append({k: v for k, v in tiered.stats(m).placement.as_dict().items() if k != "device"})
         assert got[0] == got[1] == got[2], ring_gb
         assert bool(got[0]["mapped"]) == (ring_gb < 1), got[0]
+
+
+def test_compute_threads_policy() -> None:
+    """``compute_threads``: None leaves torch's setting; "auto" takes the cores the readers leave where units stream on
+    the CPU (the readers take at most half), at least 1; a number is kept; bad values are refused naming the option."""
+    assert policy.compute_threads(None, 4, 2, True) is None
+    assert policy.compute_threads("auto", 4, 2, True) == 1
+    assert policy.compute_threads("auto", 4, 16, True) == 12
+    assert policy.compute_threads("auto", 2, 16, True) == 14
+    assert policy.compute_threads("auto", 4, 1, True) == 1
+    assert policy.compute_threads("auto", 4, 16, False) is None  # nothing streams on the CPU: torch left alone
+    assert policy.compute_threads("auto", 4, None, True) is None  # cores unknown
+    assert policy.compute_threads(3, 4, 2, True) == 3
+    for bad in (0, -1, "two", 1.5, True):
+        with pytest.raises(ConfigError) as e:
+            tiered.Options(compute_threads=bad)
+        assert e.value.option == "compute_threads"
+
+
+def test_compute_threads_reach_torch_and_oversubscription_is_said(ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU model that streams: ``compute_threads="auto"`` lowers torch's threads to what the readers leave (never
+    raises them) and the placement says so; the default leaves torch's setting (stock's bits in the same process) and
+    warns, once, when the threads oversubscribe the cores."""
+    import tiered.api as api
+
+    d = ckpts["llama"]
+    before = torch.get_num_threads()
+    monkeypatch.setattr(api, "usable_cores", lambda: 2)
+    monkeypatch.setattr(tiered.machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(api, "_warned_oversubscribed", [False])
+    try:
+        torch.set_num_threads(2)
+        with pytest.warns(api.OversubscribedWarning, match="compute_threads='auto' \\(here 1\\)"):
+            m = tiered.load(d, device="cpu", ring_gb=0.0002, threads=4)
+        with m:
+            assert torch.get_num_threads() == 2 and tiered.stats(m).placement.compute_threads is None
+        with tiered.load(d, device="cpu", ring_gb=0.0002, threads=4, compute_threads="auto") as m:
+            assert torch.get_num_threads() == 1 == tiered.stats(m).placement.compute_threads
+        torch.set_num_threads(2)
+        with tiered.load(d, device="cpu", ring_gb=1, compute_threads="auto") as m:  # stays whole: torch left alone
+            assert not m._tiered.streamer.streamed
+            assert torch.get_num_threads() == 2 and tiered.stats(m).placement.compute_threads is None
+    finally:
+        torch.set_num_threads(before)

@@ -22,6 +22,7 @@ from torch import nn
 from . import dist as _dist
 from . import expert_cache as _expert_cache_mod
 from . import experts as _experts_mod
+from . import policy as _policy
 from .errors import ConfigError, RingTooSmallError
 from .expert_cache import ExpertCache
 from .experts import ExpertGather, HostExperts
@@ -31,7 +32,7 @@ from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
 from .hostmem import page_up
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
 from .linear_pieces import LinearPieces, pieces_exact
-from .machine import gather
+from .machine import gather, usable_cores
 from .meta import build_meta_model, load_generation_config, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
 from .placeholder import install_placeholders
@@ -152,6 +153,7 @@ def attach(
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
     expert_prefetch: bool = False,
+    compute_threads: int | None = None,
     _rss_before: int | None = None,
 ) -> nn.Module:
     """Stream ``model_dir``'s weights into ``module`` (built on ``meta``) through a pinned ring.
@@ -180,7 +182,7 @@ def attach(
                    drop_page_cache=drop_page_cache,
                    embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
                    routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
-                   expert_prefetch=bool(expert_prefetch))
+                   expert_prefetch=bool(expert_prefetch), compute_threads=compute_threads)
     dev = _check_device(opts, device)
     job = _dist.resolve(distributed, dev)  # the distribution strategy: one process (a no-op) or torchrun's ranks
     rss0 = _rss_before if _rss_before is not None else proc_status().get("VmRSS", 0)
@@ -243,6 +245,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     plan, dev, opts, dist = h.plan, h.device, h.opts, h.dist
     cuda = dev.type == "cuda"
     _stats_from(h.stats, plan, p, dist or _dist.SINGLE, rss0)
+    _set_compute_threads(p, opts)
     h.ring = _allocate(lambda: Ring(p.ring_bytes, pin=cuda), f"a {p.ring_bytes / GiB:.3f} GiB ring",
                        f"lower ring_gb (>= {gib_up(p.largest_unit_bytes)} GiB is enough to run)")
     h.stats.ring_bytes = h.ring.size
@@ -278,6 +281,37 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
                                    f"an expert cache of {n} experts ({n * slot / GiB:.3f} GiB) on {dev}",
                                    "pass a smaller expert_cache_gb (0: none) or gpu_gb", errors=(RuntimeError, MemoryError))
         h.stats.expert_cache_slots, h.stats.expert_cache_bytes = h.expert_cache.slots, h.expert_cache.nbytes
+
+
+class OversubscribedWarning(UserWarning):
+    """torch's compute threads and tiered's reader threads share too few cores while units stream on the CPU
+    (:func:`_set_compute_threads`). Said once per process."""
+
+
+_warned_oversubscribed = [False]
+
+
+def _set_compute_threads(p: Placement, opts: Options) -> None:
+    """Apply ``p.compute_threads`` (:func:`tiered.policy.compute_threads`): torch's intra-op threads, process-wide
+    (``"auto"`` never raises torch's own setting). Warns when compute and reader threads oversubscribe the cores
+    while units stream on the CPU (``compute_threads=None`` leaves torch's setting: the warning says what to pass)."""
+    n = p.compute_threads
+    if n is not None:
+        if opts.compute_threads == "auto":
+            n = p.compute_threads = min(n, torch.get_num_threads())
+        torch.set_num_threads(n)
+    if p.device != "cpu" or not (p.streamed or p.routed) or opts.compute_threads == "auto":
+        return
+    cores = usable_cores()
+    busy = min(opts.threads, (cores or 0) // 2)
+    have = torch.get_num_threads()
+    if cores and have + busy > cores and not _warned_oversubscribed[0]:
+        _warned_oversubscribed[0] = True
+        auto = _policy.compute_threads("auto", opts.threads, cores, True)
+        warnings.warn(f"{have} torch compute threads and {opts.threads} reader threads share {cores} cores while units "
+                      "stream: torch's spinning threads can starve the readers (10x slower decode measured on 2 cores); "
+                      f"pass compute_threads='auto' (here {auto}) or a number, or set OMP_NUM_THREADS (said once)",
+                      OversubscribedWarning, stacklevel=4)
 
 
 def _check_linear_pieces(h: Handle, p: Placement) -> None:
@@ -389,6 +423,7 @@ def load(
     zero_copy: bool = True,
     expert_cache_gb: float | None = None,
     expert_prefetch: bool = False,
+    compute_threads: int | None = None,
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build a ``transformers`` model from ``model_dir/config.json`` on ``meta`` and stream its weights.
@@ -422,7 +457,7 @@ def load(
                   threads=threads, drop_pages=drop_pages, drop_page_cache=drop_page_cache, progress=progress,
                   embedding_rows=embedding_rows, distributed=distributed, host_gb=host_gb,
                   routed_experts=routed_experts, zero_copy=zero_copy, expert_cache_gb=expert_cache_gb,
-                  expert_prefetch=expert_prefetch, _rss_before=rss0)
+                  expert_prefetch=expert_prefetch, compute_threads=compute_threads, _rss_before=rss0)
 
 
 def _handle(model: nn.Module) -> Handle:

@@ -317,6 +317,19 @@ def _add_generate_parser(sub: Any) -> None:
     g.set_defaults(fn=_cmd_generate, cli_parser=g)
 
 
+def _compute_threads(s: str) -> str | int:
+    """``--compute-threads``: 'auto' or an integer >= 1."""
+    if s == "auto":
+        return s
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {s!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {n}")
+    return n
+
+
 def _add_streaming_args(g: argparse.ArgumentParser) -> None:
     """The options a load takes (``generate``, ``serve``), as ``tiered.load``'s keywords."""
     r = g.add_argument_group("streaming")
@@ -343,6 +356,10 @@ def _add_streaming_args(g: argparse.ArgumentParser) -> None:
                    help="units loaded ahead of the one running (default %(default)s)")
     r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
                    help="reader threads (default %(default)s)")
+    r.add_argument("--compute-threads", type=_compute_threads, default="auto", metavar="N",
+                   help="torch's CPU compute threads (llama.cpp's -t), or 'auto' (default): where units stream on the "
+                   "CPU, the cores less those the reader threads take (min(--threads, cores / 2)), so the two do not "
+                   "oversubscribe the cores")
     r.add_argument("--io", choices=["mmap", "pread", "direct", "auto"], default="auto",
                    help="mmap: through the page cache; pread: the page cache copied by read(2), "
                    "nothing mapped; direct: O_DIRECT, bypasses the page cache; "
@@ -363,7 +380,7 @@ def _load_for_cli(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Pat
     with _option_errors_as_usage(parser):
         return load(d, ring_gb=a.ring_gb, device=a.device, dtype=a.dtype, prefetch=a.prefetch, gpu_gb=a.gpu_gb,
                     threads=a.threads, io=a.io, host_gb=a.host_gb, expert_cache_gb=a.expert_cache_gb,
-                    trust_remote_code=a.trust_remote_code)
+                    compute_threads=a.compute_threads, trust_remote_code=a.trust_remote_code)
 
 
 def _add_serve_parser(sub: Any) -> None:

@@ -9,6 +9,7 @@ before eviction (:func:`tiered.stats.page_cache_room`), the GPU's free memory (`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .hostmem import PAGE_SIZE, host_memory_available
@@ -27,6 +28,28 @@ class Machine:
     page_cache_where: str = "unknown"
     gpu_free: int | None = None  # free memory of the device placed on (CUDA only)
     page_size: int = PAGE_SIZE
+    cores: int | None = None  # CPUs this process may run on: sched_getaffinity, capped by the cgroup's cpu.max
+
+
+def usable_cores() -> int | None:
+    """CPUs this process may run on: ``os.sched_getaffinity(0)`` (``os.cpu_count()`` where it does not exist), capped
+    by a cgroup v2 ``cpu.max`` quota (``ceil(quota / period)``) of this process's cgroup. None: unknown."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count()
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().splitlines()
+        path = next((ln.split(":", 2)[2] for ln in rel if ln.startswith("0::")), None)
+        if path is not None:
+            quota, period = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text().split()[:2]
+            if quota != "max" and n is not None:
+                n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError, IndexError):
+        pass
+    return n
 
 
 def gather(device: Any = None, *, gpu_free: int | None = None) -> Machine:
@@ -38,4 +61,4 @@ def gather(device: Any = None, *, gpu_free: int | None = None) -> Machine:
         import torch
 
         gpu_free = torch.cuda.mem_get_info(device)[0]
-    return Machine(avail, where, room, room_where, gpu_free)
+    return Machine(avail, where, room, room_where, gpu_free, cores=usable_cores())

@@ -69,6 +69,16 @@ OPTION_DOCS = """\
             ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
             ``tiered/reader.py``).
         threads: reader threads.
+        compute_threads: torch's CPU compute threads (``torch.set_num_threads``, process-wide) for a model on the CPU.
+            Default ``None``: torch's setting is left as it is — results are then stock's bit for bit in the same
+            process (torch's float32 matmuls can round differently with another thread count: measured on the 2-core
+            machine, ``linear`` of (7, 4096) x (4096, 4096)) — and a warning says when it oversubscribes the cores
+            beside the reader threads while units stream. ``"auto"`` (``tiered generate/chat/serve``'s default):
+            where units stream on the CPU, the cores this process may use (``sched_getaffinity``, the cgroup's
+            ``cpu.max``) less those the readers take, ``min(threads, cores // 2)``, at least 1 and never more than
+            torch had (torch's default beside busy readers made SmolLM2 decode at 0.4-0.7 tokens/s on the 2-core
+            machine, one compute thread at 7.5-8.2: issue 26). ``N``: set N (a warning when N plus the reader
+            threads exceed the cores). ``tiered.stats(model).placement.compute_threads`` says what was set.
         drop_pages: after copying a span of the file mapping, ``madvise(MADV_DONTNEED)`` it, so the process never
             keeps the checkpoint's pages mapped (what bounds RSS with ``io="mmap"``). Keep True; False is the naive
             loader, kept to show what the bound is worth.
@@ -121,6 +131,7 @@ class Options:
     gpu_gb: float | None = None  # GPU budget: resident units + one device buffer (None: free - 4 GiB, all buffers)
     io: str = "auto"  # reader: "mmap"/"pread" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
     threads: int = 4  # reader threads (one stream does not saturate NVMe)
+    compute_threads: int | str | None = None  # torch's CPU threads: None leaves torch's; "auto"; N
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
     embedding_rows: bool = True  # a streamed embedding reads only the rows looked up (tiered/rows.py)
@@ -150,6 +161,10 @@ class Options:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (name == "threads"):
                 raise _bad(name, f"{name} must be an {what}, got {v!r}")
+        c = self.compute_threads
+        if c is not None and c != "auto" and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise _bad("compute_threads", f"compute_threads must be an integer >= 1 (torch's CPU threads), 'auto' "
+                                          f"(cores less the readers') or None (torch's setting left), got {c!r}")
         for name, none in (("gpu_gb", "or None (all that fits)"), ("host_gb", "(0: no host tier) or None (automatic)"),
                            ("expert_cache_gb", "or None (what gpu_gb leaves)")):
             v = getattr(self, name)

@@ -104,6 +104,7 @@ class Placement:
     ring_why: str = ""  # where ring_gb came from ("given", or policy.auto_ring_bytes's reason)
     host_gb: float = 0.0  # the host tier asked for (GiB): host_gb, or what host_gb=None resolved to
     host_why: str = ""  # where host_gb came from ("given", or why tiered chose it: policy.auto_split)
+    compute_threads: int | None = None  # torch's CPU threads to set (None: left as they are; policy.compute_threads)
 
     def resident_bytes_of(self, plan: Plan) -> int:
         return sum(plan.units[i].dev_bytes for i in self.resident)
@@ -228,6 +229,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     _host_tier(plan, opts, machine, p, need, cpu, strict)
     _device_memory(plan, opts, p, config, dist, cpu)
     _per_token(plan, p, config)
+    p.compute_threads = policy.compute_threads(opts.compute_threads, opts.threads, machine.cores,
+                                               cpu and bool(p.streamed or p.routed))
     return p
 
 
