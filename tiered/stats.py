@@ -358,6 +358,17 @@ class Stats:
         d["rss_anon"] = st.get("RssAnon", 0)
         return d
 
+    def brief(self) -> str:
+        """A short line for people: the model's size, what stays and what streams, bytes used per forward pass and
+        peak RSS (``str(stats)`` has every figure). Bytes in GB (1e9), memory in GiB (2**30)."""
+        s = self.snapshot()
+        passes = max(1, s["passes"])
+        where = (f"all {s['units']} units resident" if s["units"] and s["resident_units"] == s["units"]
+                 else f"{s['units'] - s['resident_units']} of {s['units']} units streamed, "
+                      f"{gb(s['streamed_bytes'] / passes)} per forward pass")
+        return (f"tiered: model {gib(s['model_bytes'])}, {where}; ring {gib(s['ring_bytes'])}; "
+                f"peak RSS {gib(s['peak_rss'])}")
+
     def __str__(self) -> str:
         """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
         s = self.snapshot()
