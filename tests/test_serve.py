@@ -165,6 +165,41 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(served, stock) -> 
     assert r.choices[0].message.content == answer(_chat_ids(tok), 4)[1]
 
 
+def test_a_client_that_leaves_a_whole_answer_stops_its_generation(served) -> None:
+    """Not streamed: the client gives up (a timeout) long before ``max_tokens``; its generation stops too."""
+    server, _, base = served
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+            "max_tokens": 400}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base}/chat/completions", json=body, timeout=1.5)
+    for _ in range(600):
+        if server.history and server.history[-1][1]:
+            break
+        time.sleep(0.05)
+    n, stopped = server.history[-1]
+    assert stopped and n < 400
+    assert server.lock.acquire(timeout=30)
+    server.lock.release()
+
+
+def test_content_parts_and_stops_that_overlap_the_prompt(served, stock) -> None:
+    """A message's content as OpenAI's list of text parts is its text; a stop string is matched in the answer only,
+    never across the end of the prompt (stock's answer here does not contain it)."""
+    _, client, _ = served
+    tok, answer = stock
+    want = answer(_chat_ids(tok))[1]
+    r = client.chat.completions.create(model="smol", max_tokens=N, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text",
+                                                                                      "text": "of France?"}]}])
+    assert r.choices[0].message.content == want
+    prompt = "Count to ten: 1, 2, 3"
+    new, text = answer(tok(prompt)["input_ids"])
+    stop = "3" + text[:3]  # spans the prompt's end and the answer's start
+    assert stop not in text
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=N, stop=stop)
+    assert r.choices[0].text == text
+
+
 def test_bad_requests_get_openai_errors(served) -> None:
     server, client, base = served
     r = httpx.post(f"{base}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
@@ -181,6 +216,12 @@ def test_bad_requests_get_openai_errors(served) -> None:
         client.chat.completions.create(model="smol", messages="hi")  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smol", prompt="hi", temperature=7)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smol", prompt="hi", seed=2**70)
+    r = httpx.get(f"{base}/nowhere")
+    assert r.status_code == 404 and "error" in r.json()
     big = json.dumps({"model": "smol", "prompt": "x" * (MAX_BODY_BYTES + 10)})
     r = httpx.post(f"{base}/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "error" in r.json()

@@ -396,6 +396,9 @@ class ExpertGather:
                     bm = info.decode.block[0]
                     fit = min((half - 4096) // max(1, cols * info.dtype.itemsize), DEVICE_BAND // max(1, cols * 4))
                     band = max(bm, fit // bm * bm)
+                    if _align(band * cols * info.dtype.itemsize, 512) > half:
+                        raise RingTooSmallError(f"{self.spec.name}: {bm} rows of {info.name!r} are more than half the "
+                                                f"{buf.numel() >> 20} MiB expert staging buffer")
                     flat = d.reshape(-1)
                     for r in range(0, rows, band):
                         r1 = min(rows, r + band)

@@ -125,15 +125,15 @@ class Server:
             raise ApiError(400, "'n' > 1 is not supported: one choice per request", param="n")
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise ApiError(400, "'messages' must be a non-empty list of {'role': str, 'content': str}",
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "'messages' must be a non-empty list of {'role': ..., 'content': ...}",
                                param="messages")
+            turns = [{"role": m["role"], "content": _content(m, k)} for k, m in enumerate(msgs)
+                     if _content(m, k) is not None or m.get("role") != "assistant"]
             if getattr(self.tok, "chat_template", None) is None:
                 raise ApiError(400, f"'{self.name}' has no chat template; use /v1/completions", param="messages")
-            ids = self.tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            ids = self.tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
         else:
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -168,7 +168,7 @@ class Server:
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
         temperature = _field(body, "temperature", (int, float), None, low=0, high=2)
         top_p = _field(body, "top_p", (int, float), None, low=0, high=1)
-        seed = _field(body, "seed", (int,), None)
+        seed = _field(body, "seed", (int,), None, low=-(2**63), high=2**64 - 1)  # torch.manual_seed's range
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise ApiError(400, f"'stream' must be true or false, got {json.dumps(stream)[:80]}", param="stream")
@@ -188,6 +188,8 @@ class Server:
         return t
 
     def _run(self, job: Job) -> None:
+        server = self
+
         def emit(kind: str, value: Any) -> None:
             job.loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
 
@@ -205,8 +207,8 @@ class Server:
                                           device=input_ids.device)
 
                 class _Out:
-                    first = True
-                    n = 0
+                    def __init__(self) -> None:
+                        self.first, self.n, self.new = True, 0, []
 
                     def put(self, value: Any) -> None:
                         if self.first:  # generate() hands the prompt first
@@ -214,7 +216,12 @@ class Server:
                             return
                         for i in value.reshape(-1).tolist():
                             self.n += 1
+                            self.new.append(int(i))
                             emit("token", int(i))
+                        # stop strings are matched in the completion's text only (as OpenAI's): the generation
+                        # stops at the token that completes one (the request cuts the text there)
+                        if job.stop and _cut(server.text(self.new), job.stop)[1]:
+                            job.cancel.set()
 
                     def end(self) -> None:
                         pass
@@ -231,8 +238,6 @@ class Server:
                         kw["top_p"] = job.top_p
                 else:
                     kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-                if job.stop:
-                    kw.update(stop_strings=job.stop, tokenizer=self.tok)
                 pad = getattr(self.tok, "pad_token_id", None)
                 kw["pad_token_id"] = pad if pad is not None else next(iter(self.eos), 0)
                 if job.seed is not None:
@@ -248,6 +253,21 @@ class Server:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+def _content(m: Any, k: int) -> str | None:
+    """A chat message's text: a string, or OpenAI's list of parts whose ``text`` parts are joined; ``None`` (an
+    assistant turn that only called tools) stays None. Raises :class:`ApiError` for anything else."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{k}] must be an object with a 'role' string", param=f"messages[{k}]")
+    c = m.get("content")
+    if isinstance(c, str) or (c is None and m["role"] == "assistant"):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise ApiError(400, f"messages[{k}].content must be a string or a list of text parts "
+                        "([{'type': 'text', 'text': ...}]); this server reads text only", param=f"messages[{k}].content")
+
+
 def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string (excluded), and whether one was found."""
     at = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
@@ -260,6 +280,7 @@ def create_app(server: Server) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="tiered", docs_url=None, redoc_url=None)
 
@@ -270,6 +291,15 @@ def create_app(server: Server) -> Any:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404 route, 405 method...
+        return JSONResponse(ApiError(e.status_code, str(e.detail), type_="invalid_request_error").body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", type_="server_error").body(), status_code=500)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -307,22 +337,27 @@ def create_app(server: Server) -> Any:
 
         if not stream:
             new: list[int] = []
+
+            async def watch() -> None:  # the client left: its generation stops at the next token
+                while not job.cancel.is_set():
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                        return
+                    await asyncio.sleep(0.2)
+
+            watcher = asyncio.create_task(watch())
             try:
                 while True:
-                    try:
-                        kind, v = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            job.cancel.set()
-                        continue
+                    kind, v = await job.events.get()
                     if kind == "token":
                         new.append(v)
                     elif kind == "error":
-                        raise v
+                        raise ApiError(500, f"generation failed: {type(v).__name__}: {v}", type_="server_error")
                     else:
                         break
             finally:
                 job.cancel.set()
+                watcher.cancel()
             text, stopped = _cut(server.text(new), job.stop)
             fr = finish_reason(new, stopped)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fr}
@@ -353,19 +388,20 @@ def create_app(server: Server) -> Any:
                 while True:
                     kind, v = await job.events.get()
                     if kind == "error":
-                        yield "data: " + json.dumps(ApiError(500, f"generation failed: {v}",
+                        yield "data: " + json.dumps(ApiError(500, f"generation failed: {type(v).__name__}: {v}",
                                                              type_="server_error").body()) + "\n\n"
+                        yield "data: [DONE]\n\n"
                         return
                     done = kind == "end"
                     if not done:
                         new.append(v)
                     text = server.text(new)
+                    if not done:  # a multi-byte character not finished yet: nothing of it goes out
+                        text = text.rstrip("\ufffd")
                     cut, stopped = _cut(text, job.stop)
                     if stopped:
                         job.cancel.set()
                     safe = len(cut) if (done or stopped) else max(sent, len(cut) - hold)
-                    if text.endswith("\ufffd") and not done:  # a multi-byte character not finished yet
-                        safe = min(safe, len(text.rstrip("\ufffd")))
                     if safe > sent:
                         yield chunk(cut[sent:safe], None)
                         sent = safe
