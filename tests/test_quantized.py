@@ -495,6 +495,9 @@ def test_mxfp4_experts_equal_stock_dequantized(mxfp4_gpt_oss: Path, kw: dict) ->
         assert e.gate_up_proj.dtype == ref_model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
         snap = tiered.stats(m).snapshot()
         assert snap["decoded_bytes"] > 0 and ("io" not in kw or snap["streamed_bytes"] > 0)
+        if "io" in kw:  # streamed: the experts are routed, each call reads and decodes only its experts' blocks
+            assert snap["expert_modules"] == m.config.num_hidden_layers and 0 < snap["experts_read"]
+            assert snap["expert_bytes"] < snap["experts_read"] * m._tiered.experts[0].spec.expert_bytes
 
 
 def test_mxfp4_blocks_without_scales_or_of_the_wrong_shape_are_refused(mxfp4_gpt_oss: Path, tmp_path: Path) -> None:
@@ -697,16 +700,19 @@ def test_the_vectorised_decode_equals_the_table_decode(rows: int, cols: int, blo
         assert torch.equal(a.view(torch.int16), full[row0:].view(torch.int16))
 
 
-def test_host_tier_fp8_experts_are_kept_as_stored_and_decode_as_stock(fp8_qwen3_moe: Path) -> None:
-    """CUDA's host tier of FP8 experts (``ExpertSpec.stored``) keeps each expert's codes and block scales as stored —
+@pytest.mark.parametrize("name", ["fp8_qwen3_moe", "mxfp4_gpt_oss"])
+def test_host_tier_coded_experts_are_kept_as_stored_and_decode_as_stock(request: pytest.FixtureRequest,
+                                                                        name: str) -> None:
+    """CUDA's host tier of FP8 (and MXFP4) experts (``ExpertSpec.stored``) keeps each expert's codes and block scales as stored —
     fewer pinned bytes than decoded — and a call decodes the routed ones after the copy; here on the CPU (the layout,
     the fill, the per-call decode). Logits equal stock's dequantized model; nothing is read after the fill."""
     from tiered.experts import HostExperts
 
-    ref = _stock_dequantized(fp8_qwen3_moe)
+    path = request.getfixturevalue(name)
+    ref = _stock_dequantized(path) if name.startswith("fp8") else _stock_mxfp4(path)
     ids = make_ids(5, (2, 7))
     want = logits_of(ref, ids)
-    with tiered.load(fp8_qwen3_moe, ring_gb=_ring(fp8_qwen3_moe), device="cpu") as m:
+    with tiered.load(path, ring_gb=_ring(path), device="cpu") as m:
         h = m._tiered
         specs = [eg.spec for eg in h.experts]
         assert specs and all(any(getattr(i, "decode", None) for p in sp.parts for i, _ in p.per[0]) for sp in specs)

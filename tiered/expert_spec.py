@@ -161,8 +161,12 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
-    if any(isinstance(c.decode, quant.Mxfp4Block) for c in tgt.copies):  # packed MXFP4: read whole (not yet routed)
-        return None
+    if any(isinstance(c.decode, quant.Mxfp4Block) for c in tgt.copies):  # gpt-oss's packed experts: per expert
+        c = tgt.copies[0]
+        if len(tgt.copies) != 1 or c.place is not None or rows is not None or len(c.src.shape) != 4 \
+                or c.src.shape[0] != E:
+            return None
+        return [[(quant.mxfp4_slab(c.src, c.decode, j), None)] for j in range(E)]
     slab_shape = tuple(tgt.shape[1:]) if rows is None else (rows, *tgt.shape[1:])
     per_el = math.prod(slab_shape)
     out: list[list[tuple[TensorInfo, Dest]]] = [[] for _ in range(E)]

@@ -83,7 +83,7 @@ from .expert_spec import _is_experts_module as _is_experts_module
 from .expert_spec import _slices as _slices
 from .format import TensorInfo
 from .hostmem import page_up
-from .quant import DEVICE_BAND, decode_rows, rows_of, scale_f32
+from .quant import DEVICE_BAND, Fp8Block, Mxfp4Block, decode_mxfp4, decode_rows, rows_of, scale_f32
 from .ring import Ring
 
 __all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
@@ -331,6 +331,10 @@ class ExpertGather:
                             continue
                         dec = p.per[j][k][0].decode
                         scale = r.scale[j].to(self.device, non_blocking=True)
+                        if isinstance(dec, Mxfp4Block):
+                            decode_mxfp4(codes[None], scale[None], dst)
+                            decoded += dst.numel() * dst.element_size()
+                            continue
                         decode_rows(codes.view(-1, codes.shape[-1]), scale_f32(scale), dec.block, dec.row0,
                                     dst.view(-1, codes.shape[-1]) if dst.is_contiguous() else dst)
                         decoded += dst.numel() * dst.element_size()
@@ -356,7 +360,7 @@ class ExpertGather:
             row: list[torch.Tensor | None] = []
             for k, (info0, _) in enumerate(p.per[0]):
                 dec = getattr(info0, "decode", None)
-                if dec is None or dec.scale.numel == 1 or len(info0.shape) != 2:
+                if not isinstance(dec, Fp8Block) or dec.scale.numel == 1 or len(info0.shape) != 2:
                     row.append(None)
                     continue
                 host = torch.empty((E, *dec.scale.shape), dtype=dec.scale.dtype)
@@ -411,6 +415,18 @@ class ExpertGather:
             flat = d.reshape(-1)
             isz = d.element_size()
             dec = getattr(info, "decode", None)
+            if isinstance(dec, Mxfp4Block):  # one expert's MXFP4 blocks (R, G, 16) and scales (R, G): bands of R
+                R, G, _ = info.shape
+                band = max(1, min(R, (half - 4096) // (G * 17), DEVICE_BAND // (G * 32 * 16)))
+                for r in range(0, R, band):
+                    r1 = min(R, r + band)
+                    b = TensorInfo(f"{info.name}[{r}:{r1}]", info.dtype, ((r1 - r) * G * 16,), info.file,
+                                   info.offset + r * G * 16, (r1 - r) * G * 16)
+                    sc = dec.scale
+                    s = TensorInfo(f"{sc.name}[{r}:{r1}]", sc.dtype, ((r1 - r) * G,), sc.file, sc.offset + r * G,
+                                   (r1 - r) * G)
+                    chunks.append(([b, s], d, ("mxfp4", r, r1, G)))
+                continue
             if dec is not None:  # float8 codes: bands of whole block rows (tiered.quant)
                 rows, cols = info.shape
                 bm = dec.block[0]
@@ -471,6 +487,12 @@ class ExpertGather:
                         d.copy_(hosts[0], non_blocking=True)
                         continue
                     codes = hosts[0].to(self.device, non_blocking=True)  # the stored bytes over PCIe
+                    if isinstance(dec, tuple) and dec[0] == "mxfp4":  # gpt-oss: rows [r0, r1) of the slab
+                        _, r0, r1, G = dec
+                        scale = hosts[1].to(self.device, non_blocking=True)
+                        decode_mxfp4(codes.view(1, r1 - r0, G, 16), scale.view(1, r1 - r0, G), d[:, r0:r1])
+                        decoded += (r1 - r0) * G * 32 * d.element_size()
+                        continue
                     if isinstance(dec, tuple):  # its scales are on the device (_grids)
                         _, grid, block, r0 = dec
                         decode_rows(codes.view(d.shape), grid, block, r0, d)

@@ -95,7 +95,7 @@ class CodedInfo(TensorInfo):
     decoded as one piece (never merged with a neighbour nor split by bytes). ``nbytes`` are the codes';
     :attr:`stored_bytes` adds the scales."""
 
-    decode: Fp8Block | None = None
+    decode: Any = None  # Fp8Block or Mxfp4Block
 
     @property
     def stored_bytes(self) -> int:
@@ -119,6 +119,17 @@ def slab(codes: TensorInfo, dec: Fp8Block, j: int) -> CodedInfo:
     s = TensorInfo(f"{sc.name}[{j}]", sc.dtype, (gr, gc), sc.file, sc.offset + j * sper, sper)
     return CodedInfo(f"{codes.name}[{j}]", codes.dtype, (rows, cols), codes.file, codes.offset + j * per, per,
                      Fp8Block(s, dec.block))
+
+
+def mxfp4_slab(blocks: TensorInfo, dec: Mxfp4Block, j: int) -> CodedInfo:
+    """Expert ``j`` of gpt-oss's packed ``(E, R, G, 16)`` blocks with its ``(R, G)`` scales, as a :class:`CodedInfo` of
+    shape ``(R, G, 16)``: it decodes to expert ``j``'s ``(G * 32, R)`` slab (:func:`decode_mxfp4`)."""
+    E, R, G, _ = blocks.shape
+    per, sper = R * G * 16, R * G
+    sc = dec.scale
+    s = TensorInfo(f"{sc.name}[{j}]", sc.dtype, (R, G), sc.file, sc.offset + j * sper, sper)
+    return CodedInfo(f"{blocks.name}[{j}]", blocks.dtype, (R, G, 16), blocks.file, blocks.offset + j * per, per,
+                     Mxfp4Block(s))  # type: ignore[arg-type]
 
 
 def rows_of(info: CodedInfo, r0: int, r1: int) -> CodedInfo:

@@ -449,6 +449,10 @@ class Reader:
                 continue
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
             if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
+                if len(src.shape) == 3:  # one routed expert's (R, G, 16) slab (quant.mxfp4_slab): a stack of one
+                    src = TensorInfo(src.name, src.dtype, (1, *src.shape), src.file, src.offset, src.nbytes)
+                    dec = quant.Mxfp4Block(dataclasses.replace(dec.scale, shape=(1, *dec.scale.shape)))
+                    dest = dest.unsqueeze(0)
                 self._submit_mxfp4(jobs, unit, src, dest, dec, backend)
                 continue
             if dec is not None:  # float8 codes and their block scales: decoded on the reader threads
