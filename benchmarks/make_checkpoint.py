@@ -69,11 +69,13 @@ INDEX_NAME = "model.safetensors.index.json"
 # Elements per random block. Deliberately not a power of two, so that a block tiled over a matrix
 # whose row length is a power of two lands shifted on each repetition (rows do not repeat).
 _BLOCK_ELEMS = {"matrix": (1 << 22) - 3, "norm": (1 << 18) - 5, "bias": (1 << 18) - 5,
-                "codes": (1 << 22) - 3, "scale": (1 << 18) - 5}
+                "codes": (1 << 22) - 3, "scale": (1 << 18) - 5, "e2m1": (1 << 22) - 3, "e8m0": (1 << 18) - 5}
 # (mean, std) of each kind of tensor. ``codes``: float8 e4m3 codes (a weight / its block's scale, so they spread over
 # the e4m3 range); ``scale``: its float32 ``weight_scale_inv`` (0.02 / 100: codes x scale has the matrices' spread).
 _KIND_STATS = {"matrix": (0.0, 0.02), "norm": (1.0, 0.02), "bias": (0.0, 0.01), "codes": (0.0, 100.0),
-               "scale": (2e-4, 2e-5)}
+               "scale": (2e-4, 2e-5), "e2m1": (0.0, 1.0), "e8m0": (120.0, 1.0)}
+# ``e2m1``: gpt-oss's MXFP4 blocks (uint8, two e2m1 codes per byte: every byte is valid, uniform over 0..255);
+# ``e8m0``: their scales (uint8 exponents 117..123, 2**-10..2**-4: decoded weights of about the matrices' spread)
 #: ``quant="fp8"``: the block of DeepSeek-V3 / Qwen3-FP8 checkpoints (``weight_block_size``), and the tensors quantized
 FP8_BLOCK = 128
 _FP8_NAMES = re.compile(r"(proj|\.w[123]|fc_in|fc_out|out_proj)\.weight$")
@@ -319,6 +321,30 @@ ARCHS: dict[str, ArchSpec] = {
             "tie_word_embeddings": False,
         },
     ),
+    "gpt-oss-120b": ArchSpec(
+        description="openai/gpt-oss-120b: 36 layers, hidden 2880, 128 experts of intermediate 2880, top-4, 64 heads "
+        "of 64, 8 kv heads, vocab 201088, untied (~117 B params, 234 GB in bf16; ~6.4 GB per layer; the hub ships its "
+        "experts in MXFP4: --quant mxfp4)",
+        family="llama",
+        config_class="GptOssConfig",
+        architecture="GptOssForCausalLM",
+        kwargs={
+            "vocab_size": 201088,
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "sliding_window": 128,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     "llama-tall": ArchSpec(
         description="synthetic Llama for memory tests: 24 layers, hidden 1024, intermediate "
         "4096, 16 heads, 16 kv heads, vocab 8192, untied (~420 M params, 0.84 GB in bf16)",
@@ -497,6 +523,24 @@ _PER_EXPERT = {".mlp.experts.gate_up_proj": [("gate_proj.weight", 0, 2), ("up_pr
                ".mlp.experts.down_proj": [("down_proj.weight", 0, 1)]}
 
 
+def mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` as gpt-oss's checkpoints store them: each stacked experts matrix ``mlp.experts.gate_up_proj``
+    ``(E, H, 2I)`` / ``mlp.experts.down_proj`` ``(E, I, H)`` becomes ``<name>_blocks`` ``(E, R, G, 16)`` uint8 (two
+    e2m1 codes per byte) and ``<name>_scales`` ``(E, R, G)`` uint8 (E8M0 exponents), ``R`` the output features (the
+    last dim) and ``G * 32`` the input features; everything else (attention, router, biases, embeddings) keeps its
+    dtype, as gpt-oss ships it. Random codes (every byte valid), not a quantization."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        if s.name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and len(s.shape) == 3 \
+                and s.shape[1] % 32 == 0:
+            E, cin, rows = s.shape
+            out.append(TensorSpec(s.name + "_blocks", (E, rows, cin // 32, 16), "e2m1", torch.uint8))
+            out.append(TensorSpec(s.name + "_scales", (E, rows, cin // 32), "e8m0", torch.uint8))
+        else:
+            out.append(s)
+    return out
+
+
 def per_expert_specs(specs: list[TensorSpec], arch: str) -> list[TensorSpec]:
     """``specs`` with each stacked experts parameter split into the per-expert tensors the hub's Qwen3-MoE checkpoints
     store (``mlp.experts.<j>.gate_proj.weight`` ``(I, D)``, ``up_proj``, ``down_proj`` ``(D, I)``), which
@@ -567,13 +611,17 @@ class _Blocks:
         gen = torch.Generator().manual_seed(self.seed)
         base = torch.randn(max(_BLOCK_ELEMS.values()), generator=gen, dtype=torch.float32)
         self.bytes: dict[str, memoryview] = {}
-        kind_dtype = {"codes": torch.float8_e4m3fn, "scale": torch.float32}
+        kind_dtype = {"codes": torch.float8_e4m3fn, "scale": torch.float32, "e2m1": torch.uint8, "e8m0": torch.uint8}
         for kind, n in _BLOCK_ELEMS.items():
             mean, std = _KIND_STATS[kind]
             kd = kind_dtype.get(kind, dtype)
             vals = (base[:n] * std + mean)
             if kind == "codes":  # finite codes only: clamp to e4m3's largest (448), never its NaN
                 vals = vals.clamp(-448.0, 448.0)
+            if kind == "e2m1":  # every byte value, spread uniformly (float ops in place: no int64 temporary)
+                vals = (base[:n] * 1e6).remainder_(256).floor_()
+            if kind == "e8m0":
+                vals = vals.round().clamp(117, 123)
             vals = vals.to(kd)
             if kind == "bias":  # make sure no bias element is exactly zero
                 vals[vals == 0] = torch.tensor(std, dtype=dtype)
@@ -591,7 +639,7 @@ class _Blocks:
         Yields views into the block (no copies), each at most one block long.
         """
         isz = spec.dtype.itemsize
-        if spec.dtype != self.dtype and spec.kind not in ("codes", "scale"):
+        if spec.dtype != self.dtype and spec.kind not in ("codes", "scale", "e2m1", "e8m0"):
             raise ValueError(f"{spec.name}: dtype {spec.dtype} but blocks are {self.dtype}")
         block = self.bytes[spec.kind]
         pos = self.offset(spec) * isz
@@ -706,7 +754,9 @@ class _Result:
     def summary(self) -> str:
         p = self.params
         what = f"{p['arch']} {p['dtype']} layers={p['layers']} scale={p['scale']} seed={p['seed']} tie={p['tie']}"
-        if p.get("quant"):
+        if p.get("quant") == "mxfp4":
+            what += f" quant=mxfp4 ({p.get('mxfp4_tensors', '?')} experts matrices in MXFP4)"
+        elif p.get("quant"):
             what += f" quant={p['quant']} ({p.get('fp8_weights', '?')} linear weights quantized)"
         if self.cached:
             return f"cached: {self.path} already holds {what}; nothing written"
@@ -779,9 +829,14 @@ def _generate(
         raise ValueError(f"experts={experts!r}: 'stacked' or 'per-expert'")
     if experts == "per-expert":
         params["experts"] = experts
-    if quant is not None:
+    if quant == "mxfp4":
+        if getattr(config, "model_type", None) != "gpt_oss":
+            raise ValueError(f"quant='mxfp4' for {arch}: MXFP4 experts are gpt-oss's format (--arch gpt-oss-120b)")
+        params["quant"] = quant
+    elif quant is not None:
         if quant != "fp8":
-            raise ValueError(f"quant={quant!r}: only 'fp8' (block-scaled e4m3, weight_block_size {FP8_BLOCK})")
+            raise ValueError(f"quant={quant!r}: 'fp8' (block-scaled e4m3, weight_block_size {FP8_BLOCK}) or 'mxfp4' "
+                             "(gpt-oss's experts)")
         if experts == "stacked" and any(hasattr(config, k) for k in ("num_experts", "num_local_experts")):
             raise ValueError(f"quant='fp8' for {arch}: stock transformers does not dequantize stacked FP8 experts; "
                              "pass experts='per-expert' (--experts per-expert: one tensor per expert, as the hub's "
@@ -812,7 +867,14 @@ def _generate(
     specs = weight_specs(config, tdtype)
     if experts == "per-expert":
         specs = per_expert_specs(specs, arch)
-    if quant == "fp8":
+    if quant == "mxfp4":
+        specs = mxfp4_specs(specs)
+        n_blocks = sum(s.kind == "e2m1" for s in specs)
+        if not n_blocks:
+            raise ValueError(f"quant='mxfp4' for {arch} at scale {scale}: no experts matrix has input features a "
+                             "multiple of 32; use a larger scale")
+        shown = {**params, "mxfp4_tensors": n_blocks}
+    elif quant == "fp8":
         plain = specs
         specs = fp8_specs(specs)
         n_codes = sum(s.kind == "codes" for s in specs)
@@ -850,6 +912,9 @@ def _generate(
         cfg = json.loads(config.to_json_string(use_diff=True))  # as save_pretrained
         # "torch_dtype" is the legacy key, read by transformers < 5 and other tools.
         cfg["torch_dtype"] = cfg["dtype"]
+        if quant == "mxfp4":  # as openai/gpt-oss-* declare it
+            cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
         if quant == "fp8":  # as the hub's block-FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8) declare it
             cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -1075,10 +1140,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quant",
-        choices=["fp8"],
+        choices=["fp8", "mxfp4"],
         default=None,
         help="fp8: a block-scaled FP8 checkpoint (e4m3 codes + float32 weight_scale_inv per 128x128 block of each "
-        "linear weight, quantization_config as DeepSeek-V3's; a MoE arch needs --experts per-expert)",
+        "linear weight, quantization_config as DeepSeek-V3's; a MoE arch needs --experts per-expert); mxfp4: "
+        "gpt-oss's experts as *_blocks (e2m1) and *_scales (E8M0), the rest in --dtype (--arch gpt-oss-120b)",
     )
     parser.add_argument(
         "--experts",

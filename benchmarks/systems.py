@@ -329,7 +329,12 @@ def _dequantize_kw(model_dir: str) -> dict[str, Any]:
         qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError):
         return {}
-    if str(qc.get("quant_method", "")).lower() != "fp8":
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss: stock's own dequantize of the experts (bf16 at load)
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    if method != "fp8":
         return {}
     from transformers import FineGrainedFP8Config
 

@@ -6,17 +6,18 @@
 
 Both checkpoints come from ``make_checkpoint.py`` with the same arch, layers, scale and seed: the twin in
 ``--dtype`` (bf16), the other with ``--quant fp8`` (same shapes; e4m3 codes and their float32 block scales where the
-twin has a linear weight). Each run is one child process of ``systems.py`` (tiered, ``device="cuda"`` unless
-``--device cpu``, ``gpu_gb`` given so that most of the model streams), in a cgroup v2 ``memory.max`` of
-``--mem-limit-gb`` when given; rounds alternate the order (twin first, then quantized first), so a drift of the
-machine hits both alike. Modes:
+twin has a linear weight) or ``--quant mxfp4`` (gpt-oss: the experts as e2m1 blocks and E8M0 scales). The "fp8"
+rows of the report are the quantized checkpoint's, whichever ``--quant``. Each run is one child process of
+``systems.py`` (tiered, ``device="cuda"`` unless ``--device cpu``, ``gpu_gb`` given so that most of the model
+streams), in a cgroup v2 ``memory.max`` of ``--mem-limit-gb`` when given; rounds alternate the order (twin first,
+then quantized first), so a drift of the machine hits both alike. Modes:
 
 * ``cold`` — the page cache dropped before the load, no host tier (``host_gb=0``): every pass reads the disk;
 * ``warm`` — the host tier given (``--host-gb``): what it holds is read once at load and copied from pinned memory
   every pass.
 
-``--stock`` adds one run of stock transformers on the quantized checkpoint (``FineGrainedFP8Config(dequantize=True)``,
-no limit): the quantized runs' tokens must equal it.
+``--stock`` adds one run of stock transformers on the quantized checkpoint (``FineGrainedFP8Config(dequantize=True)``
+or ``Mxfp4Config(dequantize=True)``, no limit): the quantized runs' tokens must equal it.
 
 Reported per mode and twin (medians over rounds, with min-max): seconds per decode token, load seconds, and the bytes
 per token of the streamed units — read from disk, over PCIe (H2D), out of the host tier's experts — and their ratios
@@ -50,11 +51,11 @@ FIGURES = ("decode_s_per_token_median", "load_s", "streamed_gb_per_token", "h2d_
 
 def _make(args: argparse.Namespace, quant: bool) -> Path:
     out = Path(args.cache_dir) / (f"{args.arch}-L{args.layers}-s{args.scale:g}-{args.experts}-"
-                                  + ("fp8" if quant else args.dtype))
+                                  + (args.quant if quant else args.dtype))
     cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--arch", args.arch, "--dtype", args.dtype,
            "--layers", str(args.layers), "--scale", str(args.scale), "--experts", args.experts, "--quiet", str(out)]
     if quant:
-        cmd += ["--quant", "fp8"]
+        cmd += ["--quant", args.quant]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return out
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--quant", default="fp8", choices=["fp8", "mxfp4"],
+                   help="make_checkpoint.py --quant of the quantized checkpoint (mxfp4: --arch gpt-oss-120b)")
     p.add_argument("--experts", default="stacked", choices=["stacked", "per-expert"],
                    help="make_checkpoint.py --experts (an FP8 MoE needs per-expert); both twins get the same")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

@@ -471,3 +471,27 @@ def test_per_expert_fp8_moe_loads_as_stock_dequantizes_it(tmp_path):
         assert torch.equal(m(ids).logits, ref(ids).logits)
     with pytest.raises(ValueError, match="no stacked experts"):
         mc.make_checkpoint(tmp_path / "d", "llama3-8b", layers=1, scale=0.125, experts="per-expert")
+
+
+def test_mxfp4_gpt_oss_checkpoint_loads_as_stock_dequantizes_it(tmp_path):
+    """``quant="mxfp4"`` (issue 24's gpt-oss target): the experts as gpt-oss ships them (``_blocks`` e2m1, ``_scales``
+    E8M0 117..123), the rest in bf16; stock's dequantized model and tiered (experts routed) agree."""
+    import transformers
+
+    import tiered
+
+    out = mc.make_checkpoint(tmp_path / "g", "gpt-oss-120b", layers=1, scale=0.125, quant="mxfp4")
+    sd = load_file(out / "model.safetensors")
+    b, s = sd["model.layers.0.mlp.experts.down_proj_blocks"], sd["model.layers.0.mlp.experts.down_proj_scales"]
+    assert b.dtype == s.dtype == torch.uint8 and b.shape[-1] == 16 and tuple(s.shape) == tuple(b.shape[:-1])
+    assert len(torch.unique(b)) == 256 and int(s.min()) >= 117 and int(s.max()) <= 123
+    assert sd["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad(), tiered.load(out, ring_gb=0.05) as m:
+        assert tiered.stats(m).expert_modules == 1
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="gpt-oss"):
+        mc.make_checkpoint(tmp_path / "l", "llama3-8b", layers=1, scale=0.125, quant="mxfp4")
