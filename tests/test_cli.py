@@ -4,7 +4,9 @@ The CLI runs in subprocesses (``python -m tiered.cli``) on the tiny Llama of ``m
 word-level tokenizer built here, offline; generated text is compared with stock ``transformers``'
 ``generate`` decoded by the same tokenizer. Usage errors are checked on a model directory whose
 shard is garbage: a check that came after reading a weight would fail with a HeaderError (exit 1)
-instead of the usage error (exit 2) these tests expect.
+instead of the usage error (exit 2) these tests expect. (The shards' headers are checked torch-free just before
+the tokenizer loads, or after an ``--ids`` prompt's checks: usage errors that need the loaded tokenizer are
+tested on valid shards.)
 """
 
 from __future__ import annotations
@@ -228,8 +230,9 @@ def test_chat_without_a_template_names_chat(dirs: dict[str, Path]) -> None:
 
 def test_chat_template_check_uses_the_loaded_tokenizer(tmp_path: Path, dirs: dict[str, Path],
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    """A tokenizer_config.json that names an empty template: the tokenizer itself has none."""
-    d = Path(shutil.copytree(dirs["garbage_plain"], tmp_path / "m"))
+    """A tokenizer_config.json that names an empty template: the tokenizer itself has none. (Valid shards: a bad
+    shard is reported first, before the tokenizer loads: test_a_bad_or_truncated_shard_is_reported_before_torch_loads.)"""
+    d = Path(shutil.copytree(dirs["plain"], tmp_path / "m"))
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = ""
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -341,6 +344,24 @@ def test_help_and_usage_errors_import_no_torch_and_take_under_a_second(dirs: dic
         assert code == (0 if argv[-1] == "--help" else 2), (argv, code, r.stderr)
         assert secs < 1.0, (argv, secs)
     assert res["heavy"] == [], res
+
+
+def test_a_bad_or_truncated_shard_is_reported_before_torch_loads(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """generate and chat read every weight file's header torch-free (tiered.header.check_shard) after the usage checks:
+    a garbage shard or one cut short is a runtime error (exit 1) naming the file, with no torch imported."""
+    cut = Path(shutil.copytree(dirs["chat"], tmp_path / "cut"))
+    shard = sorted(cut.glob("*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    g = str(dirs["garbage_chat"])
+    cases = [["generate", g, "--prompt", "hi"], ["generate", str(cut), "--prompt", "hi"],
+             ["generate", str(cut), "--ids", "--prompt", "1 2"], ["chat", str(cut)]]
+    r = subprocess.run([sys.executable, "-c", _STANDALONE, str(ROOT / "tiered"), json.dumps(cases)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [code for _, code, _ in res["runs"]] == [1, 1, 1, 1], (res, r.stderr)
+    assert res["heavy"] == [], res
+    assert r.stderr.count(str(shard)) == 3 and "model.safetensors" in r.stderr
 
 
 def test_tiered_help_imports_no_torch_end_to_end() -> None:

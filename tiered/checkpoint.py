@@ -17,13 +17,15 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, DuplicateTensorError, HeaderError, ShardNotFoundError
 from .header import read_header
-from .tensor_info import Shard, SkippedTensor, TensorInfo
+
+if TYPE_CHECKING:  # torch-free at import: the command line finds weight files before torch loads (tiered/cli_checks.py)
+    import torch
+
+    from .tensor_info import Shard, SkippedTensor, TensorInfo
 
 __all__ = ["Checkpoint", "WeightFiles", "INDEX_NAME", "SINGLE_NAME", "read_index", "index_shard_paths",
            "check_model_dir", "weight_files", "open_checkpoint", "checkpoint_dtype"]
@@ -253,6 +255,8 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         HeaderError / TruncatedShardError: a shard fails validation (see :func:`read_header`).
         DuplicateTensorError: a tensor name appears in two shards.
     """
+    from .tensor_info import TensorInfo
+
     files = weight_files(model_dir)
     ckpt = Checkpoint(root=Path(model_dir), shards=[])
     for p in files.paths:
@@ -288,6 +292,8 @@ def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype:
         ConfigError: that dtype is not a floating-point dtype (transformers cannot build the model at it either).
         and what :func:`weight_files` and :func:`read_header` raise.
     """
+    import torch
+
     files = weight_files(model_dir)
     if files.index is not None and "dtype" in files.metadata:
         name = files.metadata["dtype"]

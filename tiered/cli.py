@@ -28,6 +28,7 @@ from .cli_checks import (
     _check_generate_args,
     _check_length,
     _check_model_dir,
+    _check_shards,
     _device,
     _dtype,
     _fail,
@@ -95,8 +96,10 @@ def _cmd_generate(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     _check_generate_args(a, parser)
     d = _check_model_dir(parser, a.model_dir)
     cfg = _read_config(parser, d)
-    tok, enc = _prompt_inputs(a, parser, d, cfg)
+    tok, enc = _prompt_inputs(a, parser, d, cfg, before_load=lambda: _check_shards(d))
     _check_length(a, parser, cfg, len(enc["input_ids"][0]))
+    if a.ids:  # (a text prompt's shards were checked before its tokenizer loaded)
+        _check_shards(d)
 
     import torch
     import transformers
@@ -413,6 +416,7 @@ def _cmd_serve(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       "(or pip install fastapi uvicorn)")
     d = _check_model_dir(parser, a.model_dir)
     _read_config(parser, d)
+    _check_shards(d)
     from transformers import AutoTokenizer
 
     try:
@@ -467,7 +471,8 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _read_config(parser, d)
     probe = argparse.Namespace(ids=False, chat=True, prompt="Hi", system=a.system,
                                trust_remote_code=a.trust_remote_code)
-    tok, _ = _prompt_inputs(probe, parser, d, {})  # the tokenizer and its chat template, checked before the load
+    # the tokenizer and its chat template, then the shards' headers: all checked before the load
+    tok, _ = _prompt_inputs(probe, parser, d, {}, before_load=lambda: _check_shards(d))
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 

@@ -117,6 +117,26 @@ def _read_config(parser: argparse.ArgumentParser, d: Path) -> dict:
     return cfg
 
 
+def _check_shards(d: Path) -> None:
+    """Every weight file ``tiered.load`` would open (:func:`tiered.checkpoint.weight_files`) has a valid safetensors
+    header and all its data (:func:`tiered.header.check_shard`) — torch-free, so a bad or truncated shard is reported
+    before torch and transformers load (the same error the load would raise, exit 1).
+
+    Raises:
+        ShardNotFoundError / HeaderError / TruncatedShardError / ConfigError: as ``tiered.load``.
+    """
+    import warnings
+
+    from .checkpoint import weight_files
+    from .header import check_shard
+
+    with warnings.catch_warnings():  # the load says it again, once
+        warnings.simplefilter("ignore")
+        paths = weight_files(d).paths
+    for p in paths:
+        check_shard(p)
+
+
 def _vocab_size(cfg: dict) -> int | None:
     for c in (cfg, cfg.get("text_config") or {}, cfg.get("decoder") or {}):
         v = c.get("vocab_size") if isinstance(c, dict) else None
@@ -164,8 +184,12 @@ def _check_generate_args(a: argparse.Namespace, parser: argparse.ArgumentParser)
         _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
 
 
-def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path, cfg: dict) -> tuple[Any, Any]:
-    """(tokenizer or None, {"input_ids": [[...]], ...} as lists or tensors) — everything checked, no weight read."""
+def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Path, cfg: dict,
+                   before_load: Any = None) -> tuple[Any, Any]:
+    """(tokenizer or None, {"input_ids": [[...]], ...} as lists or tensors) — everything checked, no weight read.
+    ``before_load()`` runs, for a text prompt, after the checks that need no import and before transformers loads the
+    tokenizer (the shards' headers: :func:`_check_shards`): the usage errors found without the tokenizer come first,
+    a bad shard before the seconds the imports take. (``--ids``: the caller checks the shards after the prompt.)"""
     if a.ids:
         try:
             ids = [int(x) for x in a.prompt.replace(",", " ").split()]
@@ -185,6 +209,8 @@ def _prompt_inputs(a: argparse.Namespace, parser: argparse.ArgumentParser, d: Pa
     if a.chat and not _has_chat_template_file(d):
         _fail(parser, f"--chat: the tokenizer in {d} has no chat template (no chat_template in tokenizer_config.json, "
                       "no chat_template.jinja); drop --chat to continue the prompt as plain text")
+    if before_load is not None:
+        before_load()
     try:
         from transformers import AutoTokenizer
 

@@ -41,8 +41,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from . import serde_json as _serde_json
 from .errors import HeaderError, TruncatedShardError
 from .serde_json import (
     _MAX_DEPTH,
@@ -55,9 +58,12 @@ from .serde_json import (
     _Obj,
     _Refused,
 )
-from .tensor_info import DTYPES, SPEC_DTYPE_BITS, Shard, SkippedTensor, TensorInfo
+from .spec_dtypes import SPEC_DTYPE_BITS
 
-__all__ = ["MAX_HEADER_SIZE", "read_header"]
+if TYPE_CHECKING:
+    from .tensor_info import Shard
+
+__all__ = ["MAX_HEADER_SIZE", "read_header", "check_shard"]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
 MAX_HEADER_SIZE = 100_000_000
@@ -212,7 +218,9 @@ def _read_raw(path: Path) -> tuple[int, int, bytes]:
 
 def _parse_json(path: Path, header: str, raw: bytes) -> object:
     """The header bytes decoded as serde_json decodes them: a JSON object (a dict, or an :class:`_Obj`)."""
-    from . import format as _format  # its _decode, looked up at each call: tests swap in the exact decoder there
+    # tiered.format's _decode, looked up at each call (tests swap in the exact decoder there); serde_json's own while
+    # tiered.format is not imported (the command line's torch-free check_shard: tiered.format imports torch)
+    _format = sys.modules.get(f"{__package__}.format", _serde_json)
 
     try:
         text = raw.decode("utf-8")
@@ -306,6 +314,20 @@ def _check_cover(
     return checked
 
 
+def check_shard(path: str | os.PathLike[str]) -> None:
+    """:func:`read_header`'s checks without building the records (no torch: the command line runs it before torch is
+    imported, so a bad or truncated shard is reported at once).
+
+    Raises:
+        FileNotFoundError / HeaderError / TruncatedShardError: as :func:`read_header`.
+    """
+    path = Path(path)
+    file_size, n, raw = _read_raw(path)
+    header = f"header JSON at offsets 8..{8 + n}"
+    _, entries = _split_doc(path, header, _parse_json(path, header, raw))
+    _check_cover(path, entries, 8 + n, file_size)
+
+
 def read_header(path: str | os.PathLike[str]) -> Shard:
     """Read and validate the safetensors header of ``path``; reads no tensor data.
 
@@ -317,6 +339,8 @@ def read_header(path: str | os.PathLike[str]) -> Shard:
         HeaderError: malformed header, unknown dtype, bad shape or offsets, holes/overlaps.
         TruncatedShardError: the file ends before the data section the header describes.
     """
+    from .tensor_info import DTYPES, Shard, SkippedTensor, TensorInfo
+
     path = Path(path)
     file_size, n, raw = _read_raw(path)
     header = f"header JSON at offsets 8..{8 + n}"
