@@ -304,18 +304,7 @@ def _add_generate_parser(sub: Any) -> None:
                    help="with --chat: a system message before the user's (as llama.cpp's and vLLM's chat clients send)")
     t.add_argument("--ids", action="store_true",
                    help="--prompt is token ids ('1 2 3'), and token ids are printed; needs no tokenizer")
-    s = g.add_argument_group("generation (greedy unless --do-sample)")
-    s.add_argument("--max-new-tokens", type=_number(int, low=1), default=20, metavar="N",
-                   help="tokens to generate, at most (default %(default)s)")
-    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    s.add_argument("--temperature", type=_number(float, low=0, low_open=True), default=None, metavar="T",
-                   help="sampling temperature > 0 (default: the model's generation_config, else 1.0)")
-    s.add_argument("--top-p", type=_number(float, low=0, low_open=True, high=1), default=None, metavar="P",
-                   help="nucleus sampling: keep the smallest set of tokens with probability >= P, 0 < P <= 1")
-    s.add_argument("--top-k", type=_number(int, low=0), default=None, metavar="K",
-                   help="keep the K most likely tokens (0: no limit)")
-    s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
-                   help="seed the random generators, for a reproducible sample")
+    _add_sampling_args(g, 20, "tokens to generate, at most")
     _add_streaming_args(g)
     g.set_defaults(fn=_cmd_generate, cli_parser=g)
 
@@ -331,6 +320,22 @@ def _compute_threads(s: str) -> str | int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {n}")
     return n
+
+
+def _add_sampling_args(g: argparse.ArgumentParser, max_new: int, what: str) -> None:
+    """The generation options of ``generate`` and ``chat`` (``--max-new-tokens`` defaults to ``max_new``)."""
+    s = g.add_argument_group("generation (greedy unless --do-sample)")
+    s.add_argument("--max-new-tokens", type=_number(int, low=1), default=max_new, metavar="N",
+                   help=f"{what} (default %(default)s)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--temperature", type=_number(float, low=0, low_open=True), default=None, metavar="T",
+                   help="sampling temperature > 0 (default: the model's generation_config, else 1.0)")
+    s.add_argument("--top-p", type=_number(float, low=0, low_open=True, high=1), default=None, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens with probability >= P, 0 < P <= 1")
+    s.add_argument("--top-k", type=_number(int, low=0), default=None, metavar="K",
+                   help="keep the K most likely tokens (0: no limit)")
+    s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
+                   help="seed the random generators, for a reproducible sample")
 
 
 def _add_streaming_args(g: argparse.ArgumentParser) -> None:
@@ -447,16 +452,7 @@ def _add_chat_parser(sub: Any) -> None:
                    help="local Hugging Face model directory with a tokenizer that has a chat template")
     g.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
     g.add_argument("--system", default=None, metavar="TEXT", help="a system message before the first turn")
-    s = g.add_argument_group("generation (greedy unless --do-sample)")
-    s.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
-                   help="most tokens per answer (default %(default)s)")
-    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    s.add_argument("--temperature", type=_number(float, low=0, low_open=True), default=None, metavar="T",
-                   help="sampling temperature (with --do-sample)")
-    s.add_argument("--top-p", type=_number(float, low=0, low_open=True, high=1), default=None, metavar="P",
-                   help="nucleus sampling (with --do-sample)")
-    s.add_argument("--seed", type=_number(int, low=0, high=2**32 - 1), default=None, metavar="S",
-                   help="seed the random generators, for a reproducible sample")
+    _add_sampling_args(g, 256, "most tokens per answer")
     _add_streaming_args(g)
     g.set_defaults(fn=_cmd_chat, cli_parser=g)
 
@@ -465,8 +461,11 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import signal
     import threading
 
-    if not a.do_sample and (a.temperature is not None or a.top_p is not None):
-        _fail(parser, "--temperature/--top-p need --do-sample (decoding is greedy without it)")
+    given = [f for f, v in (("--temperature", a.temperature), ("--top-p", a.top_p), ("--top-k", a.top_k),
+                            ("--seed", a.seed)) if v is not None]
+    if given and not a.do_sample:
+        _fail(parser, f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only when sampling: add "
+                      "--do-sample (the default is greedy)")
     d = _check_model_dir(parser, a.model_dir)
     _read_config(parser, d)
     probe = argparse.Namespace(ids=False, chat=True, prompt="Hi", system=a.system,
@@ -517,7 +516,7 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                   "attention_mask": torch.ones_like(ids),
                                   "streamer": TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
                                   "stopping_criteria": StoppingCriteriaList([_Stop()])}
-            for k in ("temperature", "top_p"):
+            for k in ("temperature", "top_p", "top_k"):
                 if getattr(a, k) is not None:
                     kw[k] = getattr(a, k)
             if a.seed is not None:
