@@ -135,7 +135,8 @@ def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
     """
     coded = [t for t in u.targets if any(c.decode is not None for c in t.copies)]
     stored = stored and bool(coded) and not u.converts and all(c.decode is not None for t in coded for c in t.copies)
-    plain = [t for t in u.targets if t not in coded] if stored else u.targets
+    coded_ids = {id(t) for t in coded}
+    plain = [t for t in u.targets if id(t) not in coded_ids] if stored else u.targets
     off = 0
     for t in plain:
         off = _align(off, align)
