@@ -77,3 +77,23 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(smollm2: Path) -> None:
     want = _stock_answers(smollm2, ["What is the capital of France?"], None)[0]
     assert want in lines, (lines, want)
     assert len((first + rest).split()) < 400  # the story stopped well before 400 tokens
+
+
+def test_a_turn_past_the_position_table_is_refused_and_the_chat_goes_on(smollm2: Path, tmp_path: Path) -> None:
+    """A model with learned positions (GPT-2's ``n_positions``): once the history plus ``--max-new-tokens`` would pass
+    the table, that turn is refused with a message (stock's embedding would raise IndexError) and the chat goes on;
+    ``/reset`` makes room again."""
+    import shutil
+
+    d = tmp_path / "gpt2"
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=49152, n_positions=64, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / f, d / f)
+    p = _chat(d, "--max-new-tokens", "30")
+    out, err = p.communicate("Hello there\nTell me more please\n/reset\nHi\n", timeout=300)
+    assert p.returncode == 0, err
+    assert err.count("positions this model has") == 1 and "Traceback" not in err, err
+    assert len([ln for ln in out.split("\n") if ln]) >= 2  # the first turn and the one after /reset were answered

@@ -466,8 +466,11 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if given and not a.do_sample:
         _fail(parser, f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only when sampling: add "
                       "--do-sample (the default is greedy)")
+    if a.gpu_gb is not None and a.device == "cpu":
+        _fail(parser, "--gpu-gb is a GPU budget; it does not apply with --device cpu")
     d = _check_model_dir(parser, a.model_dir)
-    _read_config(parser, d)
+    cfg = _read_config(parser, d)
+    limit = cfg.get("n_positions") if isinstance(cfg.get("n_positions"), int) else None  # learned positions: a limit
     probe = argparse.Namespace(ids=False, chat=True, prompt="Hi", system=a.system,
                                trust_remote_code=a.trust_remote_code)
     # the tokenizer and its chat template, then the shards' headers: all checked before the load
@@ -508,28 +511,40 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if text == "/reset":
                 history.clear()
                 continue
-            history.append({"role": "user", "content": line})
-            msgs = ([{"role": "system", "content": a.system}] if a.system is not None else []) + history
-            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
-            ids = enc["input_ids"].to(model.device)
-            kw: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "do_sample": a.do_sample,
-                                  "attention_mask": torch.ones_like(ids),
-                                  "streamer": TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
-                                  "stopping_criteria": StoppingCriteriaList([_Stop()])}
-            for k in ("temperature", "top_p", "top_k"):
-                if getattr(a, k) is not None:
-                    kw[k] = getattr(a, k)
-            if a.seed is not None:
-                from transformers import set_seed
-
-                set_seed(a.seed)
             stop.clear()
-            old = signal.signal(signal.SIGINT, lambda *_: stop.set())  # Ctrl-C: this answer stops at its next token
+            old = signal.signal(signal.SIGINT, lambda *_: stop.set())  # Ctrl-C from here on: this answer stops
             try:
-                with torch.no_grad():
-                    out = model.generate(ids, **kw)
+                turn = [*history, {"role": "user", "content": text}]
+                msgs = ([{"role": "system", "content": a.system}] if a.system is not None else []) + turn
+                enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+                ids = enc["input_ids"].to(model.device)
+                if limit is not None and ids.shape[1] + a.max_new_tokens > limit:
+                    print(f"[tiered] this turn ({ids.shape[1]} tokens with the history) plus --max-new-tokens "
+                          f"({a.max_new_tokens}) is more than the {limit} positions this model has (config.json's "
+                          "n_positions): not asked; /reset forgets the history", file=sys.stderr)
+                    continue
+                kw: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "do_sample": a.do_sample,
+                                      "attention_mask": torch.ones_like(ids),
+                                      "streamer": TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
+                                      "stopping_criteria": StoppingCriteriaList([_Stop()])}
+                for k in ("temperature", "top_p", "top_k"):
+                    if getattr(a, k) is not None:
+                        kw[k] = getattr(a, k)
+                if a.seed is not None:
+                    from transformers import set_seed
+
+                    set_seed(a.seed)
+                if not stop.is_set():  # (a Ctrl-C while the turn was prepared: no answer at all)
+                    with torch.no_grad():
+                        out = model.generate(ids, **kw)
+                else:
+                    out = None
             finally:
                 signal.signal(signal.SIGINT, old)
+            if out is None:
+                print("[tiered] (answer stopped before it began)", file=sys.stderr)
+                continue
+            history[:] = turn
             answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             if stop.is_set():
                 print("\n[tiered] (answer stopped)", file=sys.stderr)
