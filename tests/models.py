@@ -649,3 +649,49 @@ def mxfp4_experts(src: Path, path: Path, *, seed: int = 21) -> Path:
                                                                "model.embed_tokens", "lm_head"]}
 
     return _rewrite(src, path, tensor, cfg)
+
+
+def compressed_tensors(src: Path, path: Path, fmt: str, weights: dict, input_activations: dict | None = None, *,
+                       seed: int = 22, skip: tuple[str, ...] = ("lm_head",), extra: dict | None = None) -> Path:
+    """``src`` rewritten as a compressed-tensors checkpoint (``quant_method="compressed-tensors"``, one config group
+    targeting ``Linear``, ``ignore=skip``): every 2-D ``*proj.weight`` becomes random codes and a random positive
+    ``weight_scale`` in the weight's dtype, stored as the package stores ``fmt`` — ``pack-quantized``: ``weight_packed``
+    (int32, the package's own ``pack_to_int32`` of signed ``num_bits`` codes) and ``weight_shape``; ``int-quantized``:
+    int8 ``weight``; ``float-quantized``: float8_e4m3fn ``weight`` (no NaN codes). Scale shapes follow
+    ``weights["strategy"]``. Random codes, not a quantization of ``src``: the test compares decodes. ``extra``: more
+    keys of the config (e.g. to break it)."""
+    import re
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(seed)
+    bits, strategy = int(weights.get("num_bits", 8)), weights.get("strategy", "tensor")
+
+    def tensor(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not (v.dim() == 2 and re.search(r"proj\.weight$", k) and not any(s in k for s in skip)):
+            return {k: v}
+        rows, cols = v.shape
+        base = k[: -len("weight")]
+        cols_s = {"tensor": None, "channel": 1, "group": -(-cols // int(weights.get("group_size") or cols))}[strategy]
+        shape = (1,) if cols_s is None else (rows, cols_s)
+        scale = (torch.rand(shape, generator=g) * 0.02 + 0.002).to(v.dtype)
+        if fmt == "pack-quantized":
+            lo = 1 << (bits - 1)
+            q = torch.randint(-lo, lo, (rows, cols), generator=g, dtype=torch.int8)
+            return {base + "weight_packed": pack_to_int32(q, bits), base + "weight_scale": scale,
+                    base + "weight_shape": torch.tensor([rows, cols])}
+        if fmt == "int-quantized":
+            return {k: torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8), base + "weight_scale": scale}
+        u = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+        u[(u & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+        return {k: u.view(torch.float8_e4m3fn), base + "weight_scale": scale}
+
+    def cfg(c: dict) -> None:
+        c["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False,
+                                                                             **weights},
+                                          "input_activations": input_activations, "output_activations": None}},
+            "ignore": list(skip), **(extra or {})}
+
+    return _rewrite(src, path, tensor, cfg)

@@ -581,8 +581,13 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
         if old is not None and old.dtype != torch.bfloat16:
             mod._parameters[attr] = sd[key] = nn.Parameter(torch.empty(old.shape, dtype=torch.bfloat16, device="meta"),
                                                            requires_grad=old.requires_grad)
+    ct = quant.ct_sources(qc, model, unused, ckpt.tensors, sd, where)  # compressed-tensors: codes + X.weight_scale
+    for key, (codes, _) in ct.items():
+        direct[key] = codes
+    coded.update(ct)
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable,
                                       {k: d for k, (_, d) in coded.items()})
+    quant.ct_forward(model, ct)
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     units = _group_units(model, targets, converts, align, stored)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too

@@ -7,7 +7,11 @@ were weights they give silently wrong numbers. So:
   :class:`~tiered.errors.QuantizationError` naming the method and what would work, every method tiered does not
   decode. Decoded today: ``quant_method="fp8"`` (transformers' ``FineGrainedFP8Config``: DeepSeek-V3/R1 and
   Qwen3-*-FP8, e4m3 codes with a ``weight_scale_inv`` per block) and ``"mxfp4"`` (gpt-oss's experts:
-  :func:`mxfp4_sources`, :func:`decode_mxfp4`, transformers' own ``convert_moe_packed_tensors`` per band of rows).
+  :func:`mxfp4_sources`, :func:`decode_mxfp4`, transformers' own ``convert_moe_packed_tensors`` per band of rows)
+  and ``"compressed-tensors"`` (:func:`ct_groups`, :func:`ct_sources`, :func:`decode_ct`: int4/int8 pack-quantized,
+  int8 and fp8 weights with tensor, channel or group scales, symmetric, weight-only or with dynamic input activations;
+  the decode is the ``compressed-tensors`` package's own compressor, which stock uses too, run on bands of rows, and
+  the activation quantization is the package's own forward, :func:`ct_forward`).
 * :func:`attach_decodes` gives every copy of a plan whose checkpoint tensor ``X`` has a sibling ``X_scale_inv`` an
   :class:`Fp8Block` decode. A sibling scale without a ``quantization_config`` (a config stripped of it) is refused
   too: stock would load the codes as weights.
@@ -35,6 +39,8 @@ on the device; the CUDA host tier keeps them as stored (``ExpertSpec.stored``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +52,21 @@ import torch
 from .errors import QuantizationError
 from .tensor_info import TensorInfo
 
-__all__ = ["Fp8Block", "CodedInfo", "check_config", "attach_decodes", "block_of", "decode_rows", "STREAMED", "SCALE_SUFFIX"]
+__all__ = ["Fp8Block", "CtWeight", "CodedInfo", "check_config", "attach_decodes", "block_of", "decode_rows",
+           "decode_ct", "ct_sources", "STREAMED", "SCALE_SUFFIX"]
 
 #: ``quant_method`` values tiered decodes.
-STREAMED = ("fp8", "mxfp4")
+STREAMED = ("fp8", "mxfp4", "compressed-tensors")
+#: compressed-tensors formats tiered decodes (:class:`CtWeight`): the package's own ``decompress`` of each
+CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+#: compressed-tensors weight strategies whose scales go by rows (a band of rows decodes with the scale rows it uses)
+CT_STRATEGIES = ("tensor", "channel", "group")
 #: the checkpoint name of a tensor's block scales: ``X`` -> ``X + SCALE_SUFFIX`` (transformers' ``Fp8Dequantize``)
 SCALE_SUFFIX = "_scale_inv"
 #: float8 code dtypes an ``fp8`` checkpoint stores (``Fp8Dequantize`` casts any of them to float32)
 CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: what stock does with each method, and what would work instead (the refusal's advice)
 _ADVICE = {
-    "compressed-tensors": "decompress it once with transformers (from_pretrained(dir, quantization_config="
-                          "CompressedTensorsConfig(run_compressed=False)), then save_pretrained) and load that copy",
     "bitsandbytes": "load the unquantized checkpoint it was made from (bitsandbytes quantizes at load time)",
 }
 _GENERIC = ("dequantize it once with transformers (from_pretrained, then model.dequantize() where the method has it, "
@@ -87,6 +96,23 @@ class Mxfp4Block:
     ``Mxfp4Dequantize`` produces it."""
 
     scale: TensorInfo
+
+
+@dataclass(frozen=True)
+class CtWeight:
+    """A copy's compressed-tensors decode: the copy's ``src`` holds the codes (``X.weight_packed`` int32 for
+    ``pack-quantized``, ``X.weight`` int8 or float8 otherwise), ``scale`` is ``X.weight_scale``; the target is the
+    ``shape`` ``(rows, cols)`` weight. The arithmetic is the package's own compressor ``decompress`` for ``fmt`` with
+    ``scheme`` (the config group's :class:`compressed_tensors.quantization.QuantizationScheme` as JSON), run on bands
+    of rows (:func:`decode_ct`); ``block`` is ``(1, cols)``: every scale row belongs to one weight row (strategies
+    :data:`CT_STRATEGIES`), so a band of rows decodes with its own scale rows. ``row0`` as in :class:`Fp8Block`."""
+
+    scale: TensorInfo
+    block: tuple[int, int]
+    fmt: str
+    scheme: str
+    shape: tuple[int, int]
+    row0: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,7 +180,7 @@ def band_block(dec: Fp8Block, r0: int, r1: int) -> Fp8Block:
     a, b = a0 // bm, -(-a1 // bm)
     sisz = sc.dtype.itemsize
     s = TensorInfo(sc.name, sc.dtype, (b - a, gc), sc.file, sc.offset + a * gc * sisz, (b - a) * gc * sisz)
-    return Fp8Block(s, dec.block, a0 - a * bm)
+    return dataclasses.replace(dec, scale=s, row0=a0 - a * bm)
 
 
 def _qc_dict(qc: Any) -> dict | None:
@@ -206,11 +232,207 @@ def check_config(qc: dict | None, where: str) -> None:
             f"{where}: quantization_config has quant_method={method!r}, which tiered does not decode (it decodes "
             f"{', '.join(STREAMED)}); its tensors are codes, and loading them as weights would give wrong numbers. "
             f"To run it: {_ADVICE.get(method, _GENERIC)}")
+    if method == "compressed-tensors":
+        ct_groups(qc, where)
+        return
     if qc.get("modules_to_convert"):
         raise QuantizationError(
             f"{where}: quantization_config.modules_to_convert={qc['modules_to_convert']!r} keeps FP8 embedding tables "
             "(transformers' FP8Embedding), which tiered does not decode; dequantize it once with transformers "
             "(FineGrainedFP8Config(dequantize=True), then save_pretrained) and load that copy")
+
+
+_CT_ADVICE = ("decompress it once with transformers (from_pretrained(dir, quantization_config="
+              "CompressedTensorsConfig(dequantize=True)), then save_pretrained) and load that copy")
+
+
+def _ct_refuse(where: str, what: str) -> QuantizationError:
+    return QuantizationError(f"{where}: compressed-tensors {what}; tiered decodes weight-only and dynamic-activation "
+                             f"schemes of the formats {', '.join(CT_FORMATS)} with strategies {', '.join(CT_STRATEGIES)}, "
+                             f"symmetric, without act-order indices. To run it: {_CT_ADVICE}")
+
+
+def ct_groups(qc: dict, where: str) -> list[tuple[str, dict, str]]:
+    """A compressed-tensors ``quantization_config``'s config groups as (name, group, format), checked.
+
+    Raises:
+        QuantizationError: what the decode would not give exactly as stock does: a status other than
+            ``compressed``; sparsity, transforms or a KV-cache scheme; a format not in :data:`CT_FORMATS`; a weight
+            strategy not in :data:`CT_STRATEGIES`; asymmetric weights (zero points); act-order group indices; a
+            ``scale_dtype``; static or output activations (stock reads their scales from the checkpoint and
+            quantizes in its forward, which tiered does for dynamic input activations only).
+    """
+    status = str(qc.get("quantization_status") or "compressed").lower()
+    if status != "compressed":
+        raise _ct_refuse(where, f"quantization_status={status!r} (stock fake-quantizes such weights in every forward)")
+    for k in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if qc.get(k):
+            raise _ct_refuse(where, f"{k} is set")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise _ct_refuse(where, "config without config_groups")
+    out = []
+    for name, g in groups.items():
+        g = g if isinstance(g, dict) else {}
+        fmt = str(g.get("format") or qc.get("format") or "")
+        w = g.get("weights")
+        if fmt not in CT_FORMATS:
+            raise _ct_refuse(where, f"config group {name!r} has format {fmt!r}")
+        if not isinstance(w, dict):
+            raise _ct_refuse(where, f"config group {name!r} quantizes no weights")
+        strategy, typ = str(w.get("strategy") or "tensor"), str(w.get("type") or "int")
+        if strategy not in CT_STRATEGIES:
+            raise _ct_refuse(where, f"config group {name!r} has weight strategy {strategy!r}")
+        if w.get("symmetric", True) is not True:
+            raise _ct_refuse(where, f"config group {name!r} has asymmetric weights (zero points)")
+        if str(w.get("actorder") or "").lower() == "group":
+            raise _ct_refuse(where, f"config group {name!r} has actorder='group' (weight_g_idx)")
+        if w.get("scale_dtype") or w.get("zp_dtype") or w.get("block_structure"):
+            raise _ct_refuse(where, f"config group {name!r} sets scale_dtype, zp_dtype or block_structure")
+        if not {"pack-quantized": typ == "int", "int-quantized": typ == "int", "float-quantized": typ == "float",
+                "naive-quantized": typ in ("int", "float")}[fmt]:
+            raise _ct_refuse(where, f"config group {name!r} stores {typ} weights as {fmt!r}")
+        if g.get("output_activations"):
+            raise _ct_refuse(where, f"config group {name!r} quantizes output activations")
+        a = g.get("input_activations")
+        if a and (a.get("dynamic") is not True or a.get("symmetric", True) is not True):
+            raise _ct_refuse(where, f"config group {name!r} quantizes input activations statically or "
+                                    "asymmetrically (input_scale / input_zero_point)")
+        if not isinstance(g.get("targets"), (list, str)) or not g.get("targets"):
+            raise _ct_refuse(where, f"config group {name!r} has no targets")
+        out.append((str(name), g, fmt))
+    return out
+
+
+def _ct_package(where: str):
+    try:
+        from compressed_tensors.utils.match import is_match
+    except ImportError as e:
+        raise QuantizationError(
+            f"{where}: a compressed-tensors checkpoint needs the compressed-tensors package, which stock transformers "
+            "uses for it too (pip install compressed-tensors, or tiered's [quant] extra)") from e
+    return is_match
+
+
+def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str, TensorInfo], sd: dict[str, Any],
+               where: str) -> dict[str, tuple[TensorInfo, CtWeight]]:
+    """A compressed-tensors checkpoint's quantized weights: model key ``X.weight`` -> (its codes, its decode), for
+    every module ``X`` a config group targets (the package's own ``is_match`` of the group's ``targets`` and the
+    config's ``ignore``, as stock applies them); their ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape``
+    leave ``unused``. {} for any other checkpoint.
+
+    Raises:
+        QuantizationError: a targeted module without its codes or scale, codes or scales whose dtype or shape do
+            not fit the module's weight, zero points or act-order indices in the checkpoint, or quantized tensors
+            that no targeted module takes (e.g. per-expert codes a transformers conversion would stack, which tiered
+            does not decode).
+    """
+    if qc is None or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return {}
+    groups = ct_groups(qc, where)
+    is_match = _ct_package(where)
+    ignore = qc.get("ignore") or []
+    out: dict[str, tuple[TensorInfo, CtWeight]] = {}
+    for mname, mod in model.named_modules():
+        key = f"{mname}.weight" if mname else "weight"
+        if key not in sd or len(getattr(sd[key], "shape", ())) != 2:
+            continue
+        hit = [(n, g, f) for n, g, f in groups if is_match(mname, mod, g["targets"], ignore)]
+        if not hit:
+            continue
+        gname, g, fmt = hit[-1]  # (stock: a later group overrides an earlier one)
+        w = g["weights"]
+        bits, strategy = int(w.get("num_bits") or 8), str(w.get("strategy") or "tensor")
+        rows, cols = (int(x) for x in sd[key].shape)
+        packed = fmt == "pack-quantized"
+        codes = tensors.get(f"{mname}.weight_packed" if packed else key)
+        scale = tensors.get(f"{mname}.weight_scale")
+        for extra in ("weight_zero_point", "weight_g_idx"):
+            e = tensors.get(f"{mname}.{extra}")
+            if e is not None:
+                raise QuantizationError(f"{e.file}: tensor {e.name!r} at offset {e.offset}: {extra} in a checkpoint "
+                                        f"whose {where} config group {gname!r} is symmetric without act-order; "
+                                        f"the checkpoint does not match its config. {_CT_ADVICE[0].upper()}{_CT_ADVICE[1:]}")
+        if codes is None or scale is None:
+            miss = f"{mname}.weight_packed" if packed and codes is None else (key if codes is None else f"{mname}.weight_scale")
+            raise QuantizationError(f"{where}: config group {gname!r} quantizes {mname!r} ({fmt}), but the checkpoint "
+                                    f"has no {miss!r}; the checkpoint does not match its config.json")
+        want_dt = (torch.int32,) if packed else (torch.int8,) if fmt == "int-quantized" else \
+            CODE_DTYPES if fmt == "float-quantized" else (torch.int8, *CODE_DTYPES)
+        want_shape = (rows, -(-cols * bits // 32)) if packed else (rows, cols)
+        if codes.dtype not in want_dt or tuple(codes.shape) != want_shape:
+            raise QuantizationError(f"{codes.file}: tensor {codes.name!r} at offset {codes.offset} is {codes.dtype} "
+                                    f"{list(codes.shape)}, but {fmt} {bits}-bit codes of {key!r} {[rows, cols]} are "
+                                    f"{' or '.join(map(str, want_dt))} {list(want_shape)}; the checkpoint does not match "
+                                    "its config.json")
+        gs = int(w.get("group_size") or 0)
+        want_sc = {"tensor": None, "channel": (rows, 1), "group": (rows, -(-cols // gs) if gs else -1)}[strategy]
+        ok = scale.dtype.is_floating_point and scale.dtype.itemsize >= 2 and (
+            scale.numel == 1 if want_sc is None else tuple(scale.shape) == want_sc)
+        if not ok:
+            raise QuantizationError(f"{scale.file}: tensor {scale.name!r} at offset {scale.offset} is {scale.dtype} "
+                                    f"{list(scale.shape)}, which is not the {strategy} scale of {key!r} "
+                                    f"{[rows, cols]}{f' (group_size {gs})' if gs else ''}; the checkpoint does not "
+                                    "match its config.json")
+        scheme = json.dumps({k: g.get(k) for k in ("targets", "weights", "input_activations", "output_activations")},
+                            sort_keys=True)
+        out[key] = (codes, CtWeight(scale, (1, cols), fmt, scheme, (rows, cols)))
+    gone = {n for k, (c, d) in out.items() for n in (c.name, d.scale.name, k[: -len("weight")] + "weight_shape")}
+    unused[:] = [n for n in unused if n not in gone]
+    left = [n for n in unused if n.endswith((".weight_packed", ".weight_scale"))]
+    if left:
+        t = tensors[left[0]]
+        raise QuantizationError(
+            f"{t.file}: tensor {t.name!r} at offset {t.offset} (and {len(left) - 1} more) holds compressed-tensors "
+            "codes or scales that no module the config targets takes (e.g. per-expert weights a transformers "
+            f"conversion stacks, which tiered does not decode yet). {_CT_ADVICE[0].upper()}{_CT_ADVICE[1:]}")
+    return out
+
+
+@functools.cache
+def _ct_scheme(fmt: str, scheme: str) -> tuple[Any, Any]:
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    return BaseCompressor.get_value_from_registry(fmt), QuantizationScheme.model_validate(json.loads(scheme))
+
+
+def decode_ct(codes: torch.Tensor, scale: torch.Tensor, dec: CtWeight, out: torch.Tensor) -> None:
+    """Decode rows of a compressed-tensors weight into ``out`` ``(n, cols)`` (the model dtype, any device).
+
+    ``codes``: those rows' codes, ``(n, packed cols)`` int32 or ``(n, cols)`` int8/float8; ``scale``: their scale
+    rows ``(n, groups)`` (one scale: any shape of one element), as stored. The scale is first cast to ``out``'s dtype,
+    as stock's ``weight_scale`` parameter holds it (the module's dtype), then the package's compressor
+    ``decompress`` (``unpack_from_int32`` and ``dequantize``) runs on the band, element by element as on the whole
+    tensor: bitwise what ``from_pretrained`` gives."""
+    comp, scheme = _ct_scheme(dec.fmt, dec.scheme)
+    n = out.shape[0]
+    sd: dict[str, torch.Tensor] = {"weight_scale": scale.to(out.dtype)}
+    if dec.fmt == "pack-quantized":
+        sd["weight_packed"] = codes
+        sd["weight_shape"] = torch.tensor([n, dec.shape[1]])
+    else:
+        sd["weight"] = codes
+    out.copy_(comp.decompress(sd, scheme)["weight"])
+
+
+def ct_forward(model: Any, coded: dict[str, tuple[TensorInfo, Any]]) -> None:
+    """Give each module whose weight decodes from a compressed-tensors scheme with dynamic input activations stock's
+    forward: the package's ``set_forward_quantized`` with the module's scheme, status ``decompressed`` (its input is
+    quantized and dequantized per call, as stock's model does; the weight is used as decoded)."""
+    from compressed_tensors.quantization import QuantizationScheme, QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
+
+    for key, (_, dec) in coded.items():
+        if not isinstance(dec, CtWeight):
+            continue
+        scheme = _ct_scheme(dec.fmt, dec.scheme)[1]
+        if not scheme.input_activations:
+            continue
+        mod = model.get_submodule(key[: -len(".weight")]) if key != "weight" else model
+        mod.quantization_scheme = QuantizationScheme.model_validate(json.loads(dec.scheme))
+        mod.quantization_status = QuantizationStatus.DECOMPRESSED
+        set_forward_quantized(mod)
 
 
 def block_of(codes: TensorInfo, scale: TensorInfo, config_block: Any) -> tuple[int, int]:
@@ -454,7 +676,14 @@ def decode_stored(unit: Any, stored: torch.Tensor, base: torch.Tensor) -> int:
             src, sc = c.src, c.decode.scale
             codes = stored[c.at - p0 : c.at - p0 + src.nbytes].view(src.dtype).view(src.shape)
             scales = stored[c.scale_at - p0 : c.scale_at - p0 + sc.nbytes].view(sc.dtype).view(sc.shape)
-            if isinstance(c.decode, Mxfp4Block):
+            if isinstance(c.decode, CtWeight):  # compressed-tensors: bands of rows, each with its scale rows
+                rows = src.shape[0]
+                band = max(1, DEVICE_BAND // max(1, dest.shape[-1] * 4))
+                one = sc.numel == 1
+                for r in range(0, rows, band):
+                    r1 = min(rows, r + band)
+                    decode_ct(codes[r:r1], scales if one else scales[r:r1], c.decode, dest[r:r1])
+            elif isinstance(c.decode, Mxfp4Block):
                 E, R, G, _ = src.shape
                 band = max(1, DEVICE_BAND // (G * 32 * 4 * 4))
                 for e in range(E):

@@ -314,7 +314,7 @@ class Reader:
                 took = self._decode_mxfp4(t, dest, lo, hi[1], hi[2], backend or self.io, dec)
                 nbytes = (hi[2] - hi[1]) * t.shape[2] * 16
             elif isinstance(hi, tuple):
-                g0, cols = lo * t.shape[-2] + hi[0], t.shape[-1]
+                g0, cols = lo * t.shape[-2] + hi[0], dest.shape[-1]  # (a packed source has fewer columns)
                 took = self._decode(t, dest.reshape(-1, cols)[g0 : g0 + hi[1] - hi[0]], lo, hi[0], hi[1],
                                     backend or self.io, dec)
                 nbytes = (hi[1] - hi[0]) * t.shape[-1] * t.dtype.itemsize
@@ -544,6 +544,10 @@ class Reader:
         self._copy(dataclasses.replace(ssub, shape=(ssub.numel,)), scale, 0, ssub.numel, backend)
         took = time.perf_counter() - t0
         grid = scale if sc.numel == 1 else scale.view(-1, sc.shape[-1])
+        if isinstance(dec, quant.CtWeight):
+            quant.decode_ct(codes.view(r1 - r0, cols), grid, dec, out)
+            self._decoded(out.numel() * out.element_size())
+            return took
         quant.decode_rows(codes.view(r1 - r0, cols), quant.scale_f32(grid), dec.block, band.row0, out)
         self._decoded(out.numel() * out.element_size())
         return took

@@ -208,7 +208,7 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
     qc = _quant_config(source)
     if qc is not None and dtype is not None:
         method = str(qc.get("quant_method", "")).lower()
-        if method not in STREAMED:
+        if method not in STREAMED or method == "compressed-tensors":  # (its scales are in the model's dtype)
             raise UnsupportedCheckpointError(
                 f"{source.root / 'config.json'}: a quant_method={method!r} checkpoint; --dtype would cast its scales "
                 "and change what it decodes to. Reshard it without --dtype (its tensors are then copied bit for bit)")
