@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--io", default="auto")
     p.add_argument("--stock", action="store_true", help="also run stock transformers on the quantized checkpoint")
+    p.add_argument("--accelerate", action="store_true",
+                   help="cold mode: also run accelerate's disk offload of the quantized checkpoint each round (stock's "
+                        "dequantize at load, then device_map='auto' with max_memory {0: --gpu-gb, 'cpu': "
+                        "--accelerate-cpu-gb} and an offload folder), in the same memory.max")
+    p.add_argument("--accelerate-cpu-gb", type=float, default=0.8)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "bench"))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -144,7 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for mode in modes:
             order = ["twin", "fp8"] if r % 2 == 0 else ["fp8", "twin"]
+            if mode == "cold" and args.accelerate:
+                order = order + ["accelerate"] if r % 2 == 0 else ["accelerate"] + order
             for which in order:
+                if which == "accelerate":
+                    spec = {"system": "accelerate", "model_dir": str(twins["fp8"]), "prompt_ids": ids,
+                            "new_tokens": args.new_tokens, "device": args.device, "cold": True, "gpu_gb": args.gpu_gb,
+                            "cpu_gb": args.accelerate_cpu_gb, "offload_folder": str(work / "offload")}
+                    res = _run(args, work, spec, limit)
+                    res.update(round=r, mode=mode, which=which)
+                    report["runs"].append(res)
+                    print(f"round {r} {mode} accelerate: {res.get('status')} "
+                          f"s/token={res.get('decode_s_per_token_median')} tokens={res.get('tokens_out')}", flush=True)
+                    save()
+                    continue
                 spec = {"system": "tiered", "model_dir": str(twins[which]), "prompt_ids": ids,
                         "new_tokens": args.new_tokens, "device": args.device, "cold": mode == "cold",
                         "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": args.threads, "io": args.io,
@@ -176,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         m["speedup"] = ratio(med(t, "decode_s_per_token_median"), med(q, "decode_s_per_token_median"))
         for k in ("streamed_gb_per_token", "h2d_gb_per_token", "host_expert_gb_per_token"):
             m[k.replace("_gb_per_token", "_bytes_ratio")] = ratio(med(q, k), med(t, k))
+        acc = [x for x in report["runs"] if x["mode"] == mode and x["which"] == "accelerate" and x.get("status") == "ok"]
+        if acc:
+            m["accelerate"] = {k: _spread([x.get(k) for x in acc]) for k in FIGURES}
+            m["speedup_vs_accelerate"] = ratio(med(m["accelerate"], "decode_s_per_token_median"),
+                                               med(q, "decode_s_per_token_median"))
+            if stock_tokens is not None:
+                m["accelerate_tokens_equal_stock"] = all(x.get("tokens_out") == stock_tokens for x in acc)
+        failed = [x for x in report["runs"] if x["mode"] == mode and x["which"] == "accelerate"
+                  and x.get("status") != "ok"]
+        if failed:
+            m["accelerate_failed"] = [str(x.get("status"))[:300] for x in failed]
         summary[mode] = m
     report["summary"] = summary
     save()
@@ -195,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{fmt(m['fp8']['decode_s_per_token_median'])} | {f2(m['speedup'])} | "
                      f"{f2(m['streamed_bytes_ratio'])} | {f2(m['h2d_bytes_ratio'])} | "
                      f"{f2(m['host_expert_bytes_ratio'])} | {m.get('fp8_tokens_equal_stock', '-')} |")
+    for mode, m in summary.items():
+        if m.get("accelerate"):
+            lines.append(f"\n{mode}: accelerate disk offload of the {args.quant} checkpoint (dequantized at load): "
+                         f"{fmt(m['accelerate']['decode_s_per_token_median'])} s/token; {args.quant} under tiered is "
+                         f"{f2(m['speedup_vs_accelerate'])}x faster; tokens = stock: "
+                         f"{m.get('accelerate_tokens_equal_stock', '-')}")
+        if m.get("accelerate_failed"):
+            lines.append(f"\n{mode}: accelerate failed: {m['accelerate_failed'][0]}")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0
