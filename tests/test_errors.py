@@ -395,7 +395,7 @@ def test_inspect_and_ring_too_small_agree_on_the_ring_needed(name: str, ckpts: C
     import sys
 
     d = ckpts[name]
-    out = subprocess.run([sys.executable, "-m", "tiered.cli", "inspect", str(d)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "inspect", str(d), "--units"], capture_output=True, text=True,
                          timeout=300)
     said = re.search(r"(?:ring needed|ring to copy every unit into it[^:]*): >= ([0-9.]+) GiB", out.stdout)
     assert said, out.stdout + out.stderr

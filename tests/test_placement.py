@@ -267,7 +267,7 @@ def test_model_bytes_counts_a_tied_weight_once(tmp_path, tied):
         emb = ref.get_input_embeddings().weight
         # the layouts hold the tied table twice (the embedding's unit and the head's)
         assert (m._tiered.plan.nbytes >= want + emb.numel() * emb.element_size()) == tied
-    r = _cli("inspect", d, "--json")
+    r = _cli("inspect", d, "--units", "--json")
     assert json.loads(r.stdout)["model_bytes"] == want
 
 
@@ -280,11 +280,11 @@ def test_inspect_prints_routed_experts_with_or_without_the_gpu_note(dirs):
         assert r.returncode == 0, r.stderr
         assert ("note: the GPU holds" in r.stdout) == note, r.stdout
         assert "routed experts: 3 blocks" in r.stdout, r.stdout
-    info = json.loads(_cli("inspect", d, "--json").stdout)
+    info = json.loads(_cli("inspect", d, "--units", "--json").stdout)
     ex = info["experts"]
     moe = max(u["bytes"] for u in info["units"] if u["layer"] is not None)
     assert 0 < ex["routed_unit_max_bytes"] < moe - ex["experts_bytes"] // ex["blocks"] + 4096
-    assert "without its experts takes" in _cli("inspect", d).stdout
+    assert "without its experts takes" in _cli("inspect", d, "--units").stdout
 
 
 @pytest.mark.parametrize("bad", [{"host_gb": float("nan")}, {"gpu_gb": float("inf")}, {"ring_gb": -1.0},

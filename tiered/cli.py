@@ -37,16 +37,34 @@ from .cli_checks import (
     _prompt_inputs,
     _read_config,
 )
-from .inspection import _plan_for, flags_for_options, inspect_dir, print_inspect  # noqa: F401 - re-exported
+from .inspection import (  # noqa: F401 - re-exported
+    _plan_for,
+    flags_for_options,
+    inspect_dir,
+    inspect_headers,
+    print_headers,
+    print_inspect,
+)
 from .stats import gb, gbps, gib, proc_status, sig3
 
 __all__ = ["main", "inspect_dir", "build_parser"]
 
 
 def _cmd_inspect(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    _check_model_dir(parser, a.model_dir)
+    d = _check_model_dir(parser, a.model_dir)
+    _read_config(parser, d)
+    asks_placement = a.ring_gb is not None or a.gpu_gb is not None or a.host_gb is not None or a.io is not None
+    if not (a.units or a.all or a.dtype is not None or a.trust_remote_code or asks_placement):
+        # what the headers say, torch-free (a fraction of a second); the rest needs the model built (--units)
+        info = inspect_headers(d, device=a.device)
+        if a.json:
+            print(json.dumps(info, indent=2))
+        else:
+            print_headers(info)
+        return 0
+    _check_shards(d)  # a bad or truncated shard: said before torch and transformers load
     placement = None
-    if a.ring_gb is not None or a.gpu_gb is not None or a.host_gb is not None or a.io is not None:
+    if asks_placement:
         from .placement import GBPS
 
         gbps = {k: v for k, v in (("disk", a.disk_gbps), ("page_cache", a.cache_gbps), ("h2d", a.h2d_gbps))
@@ -232,16 +250,21 @@ exit status: 0 done, 1 runtime error (a bad shard...), 2 usage error (a bad opti
 """
 
 _INSPECT_DESCRIPTION = """\
-Show what streaming a model directory involves, reading only the safetensors headers (no weight):
-its shards, tensors and dtypes; its units (one per decoder layer, one per other module) in execution
-order with their sizes; the ring size it needs (--ring-gb); and whether the layout on disk streams
-each unit as one span (else `tiered reshard` writes one that does)."""
+Show what streaming a model directory involves, reading only config.json and the safetensors headers
+(no weight). By default, in a fraction of a second and without importing torch or transformers: its
+shards, tensors, dtypes and bytes, its quantization_config, how its layers lie on disk, and the ring
+tiered.load takes here when --ring-gb is not given. With --units (implied by --all, --dtype,
+--trust-remote-code and the placement options), the model is built on the meta device (seconds) to
+add its units (one per decoder layer, one per other module) in execution order with their sizes, the
+ring size they need (--ring-gb), the default host tier, MoE experts, and whether the layout on disk
+streams each unit as one span (else `tiered reshard` writes one that does)."""
 
 _INSPECT_EPILOG = """\
 examples:
   tiered inspect ~/models/llama-3-8b
+  tiered inspect ~/models/llama-3-8b --units
   tiered inspect ~/models/llama-3-8b --dtype bf16 --device cuda --all
-  tiered inspect ~/models/llama-3-8b --json | jq .ring_min_gb
+  tiered inspect ~/models/llama-3-8b --units --json | jq .ring_min_gb
   tiered inspect ~/models/llama-3-8b --device cuda --ring-gb 1 --gpu-gb 8 --host-gb 4
 
 sizes in GiB (2**30 bytes) and MiB (2**20 bytes).
@@ -258,6 +281,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _LazyVersion(argparse.Action):
+    """``--version``, as argparse's ``action="version"`` prints it, with the version looked up only when asked
+    (``importlib.metadata`` takes tens of milliseconds of every command's start otherwise)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"tiered {_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tiered`` argument parser (imports neither torch nor transformers)."""
     p = argparse.ArgumentParser(
@@ -269,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`tiered COMMAND --help` describes each command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"tiered {_version()}")
+    p.add_argument("--version", action=_LazyVersion)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_generate_parser(sub)
     _add_chat_parser(sub)
@@ -554,19 +591,27 @@ def _cmd_chat(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _add_inspect_parser(sub: Any) -> None:
     """``tiered inspect``'s arguments."""
-    i = sub.add_parser("inspect", help="shards, units, bytes, dtypes and the ring size a model needs",
+    i = sub.add_parser("inspect", help="shards, bytes, dtypes and layout from the headers; --units: units and the ring "
+                       "size a model needs",
                        description=_INSPECT_DESCRIPTION, epilog=_INSPECT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face model directory (config.json + "
                    "*.safetensors)")
     i.add_argument("--dtype", type=_dtype, default=None, metavar="{bf16,fp16,fp32}",
-                   help="plan for this compute dtype (default: config.json's)")
-    i.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
+                   help="plan for this compute dtype (default: config.json's; implies --units)")
+    i.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP + " (implies --units)")
     i.add_argument("--device", type=_device, default="cpu",
-                   help="plan alignment for this device (cuda: 512 B, cpu: 64 B; default %(default)s)")
-    i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4)")
-    pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb, --io: where tiered.load puts "
-                              "each unit with those options, and (--device cuda) the decode time that predicts")
+                   help="plan alignment for this device (cuda: 512 B, cpu: 64 B) and the runtime's share of host "
+                   "memory beside the default ring (default %(default)s)")
+    i.add_argument("--units", action="store_true",
+                   help="also build the model on the meta device (imports torch and transformers: seconds) for its "
+                   "units, the ring they need, the default host tier, MoE experts, decoded bytes and unused tensors "
+                   "(implied by --all, --dtype, --trust-remote-code and the placement options)")
+    i.add_argument("--all", action="store_true", help="list every unit (default: the first 5 and the last 4; implies "
+                   "--units)")
+    pg = i.add_argument_group("placement", "with any of --ring-gb, --gpu-gb, --host-gb, --io (each implies --units): "
+                              "where tiered.load puts each unit with those options, and (--device cuda) the decode "
+                              "time that predicts")
     pg.add_argument("--ring-gb", type=_number(float, low=0, low_open=True, unit=" GiB"), default=None, metavar="GiB",
                     help="host ring, GiB (default: tiered.load's, 4 or what this host's memory leaves)")
     pg.add_argument("--gpu-gb", type=_number(float, low=0, unit=" GiB"), default=None, metavar="GiB",
@@ -586,7 +631,8 @@ def _add_inspect_parser(sub: Any) -> None:
                     help="page cache -> pinned ring copy rate (default 30, measured there)")
     pg.add_argument("--h2d-gbps", type=_number(float, low=0, low_open=True), default=None, metavar="GB/s",
                     help="pinned host -> GPU copy rate (default 55, measured there)")
-    i.add_argument("--json", action="store_true", help="print JSON (bytes exact; *_gb in GiB)")
+    i.add_argument("--json", action="store_true", help="print JSON (bytes exact; *_gb in GiB): the header report, "
+                   "or with --units tiered.inspection.inspect_dir's")
     i.set_defaults(fn=_cmd_inspect, cli_parser=i)
 
 

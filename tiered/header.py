@@ -63,7 +63,7 @@ from .spec_dtypes import SPEC_DTYPE_BITS
 if TYPE_CHECKING:
     from .tensor_info import Shard
 
-__all__ = ["MAX_HEADER_SIZE", "read_header", "check_shard"]
+__all__ = ["MAX_HEADER_SIZE", "read_header", "check_shard", "scan_header"]
 
 #: Header size cap in bytes, as in safetensors' Rust core (``MAX_HEADER_SIZE``).
 MAX_HEADER_SIZE = 100_000_000
@@ -321,11 +321,25 @@ def check_shard(path: str | os.PathLike[str]) -> None:
     Raises:
         FileNotFoundError / HeaderError / TruncatedShardError: as :func:`read_header`.
     """
+    scan_header(path)
+
+
+def scan_header(
+    path: str | os.PathLike[str],
+) -> tuple[int, int, dict[str, str] | None, list[tuple[int, int, str, str, tuple[int, ...]]]]:
+    """:func:`read_header`'s checks and what they found, torch-free (``tiered inspect`` without ``--units``):
+    ``(file size, data start, __metadata__, entries)``, the entries ``(begin, end, name, dtype, shape)`` sorted by
+    offset, ``begin``/``end`` relative to the data section and ``dtype`` the header's string (``"BF16"``), every
+    tensor of the file included (those :attr:`Shard.skipped` would hold too).
+
+    Raises:
+        FileNotFoundError / HeaderError / TruncatedShardError: as :func:`read_header`.
+    """
     path = Path(path)
     file_size, n, raw = _read_raw(path)
     header = f"header JSON at offsets 8..{8 + n}"
-    _, entries = _split_doc(path, header, _parse_json(path, header, raw))
-    _check_cover(path, entries, 8 + n, file_size)
+    metadata, entries = _split_doc(path, header, _parse_json(path, header, raw))
+    return file_size, 8 + n, metadata, _check_cover(path, entries, 8 + n, file_size)
 
 
 def read_header(path: str | os.PathLike[str]) -> Shard:

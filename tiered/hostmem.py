@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import mmap
 import warnings
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch-free at import: `tiered inspect` reads host memory before (or without) torch
+    import torch
 
 __all__ = ["PAGE_SIZE", "page_up", "map_tensor", "anon_mapping", "try_unmap", "host_memory_available"]
 
@@ -36,6 +37,9 @@ def map_tensor(mm: mmap.mmap) -> torch.Tensor:
     of unmapping; the mapping goes away with its last reference. A read-only mapping gives a
     tensor that must not be written (torch cannot mark it read-only; tiered never writes to one).
     """
+    import numpy as np
+    import torch
+
     arr = np.frombuffer(mm, dtype=np.uint8)
     with warnings.catch_warnings():  # "non-writable array": read-only shard mappings, never written
         warnings.simplefilter("ignore", UserWarning)

@@ -2,10 +2,16 @@
 :func:`tiered.load` puts each unit on this machine — the same :class:`~tiered.placement.Placement`, computed by
 :func:`tiered.placement.place` — and the decode time that predicts. Imports neither torch nor transformers at
 import time.
+
+Two reports: :func:`inspect_headers` (plain ``tiered inspect``) reads ``config.json`` and the safetensors headers
+only and never imports torch or transformers (a fraction of a second); :func:`inspect_dir` (``--units``, and every
+option that needs the plan) builds the model on the meta device for its units, the ring they need and the placement
+(seconds: torch and transformers import). The figures both give (tensors, bytes, shards, dtypes) are the same.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -13,7 +19,7 @@ from typing import Any
 
 from .stats import GiB, gib
 
-__all__ = ["inspect_dir", "print_inspect", "flags_for_options"]
+__all__ = ["inspect_dir", "print_inspect", "inspect_headers", "print_headers", "flags_for_options"]
 
 
 def gib_up(n: float) -> float:
@@ -63,6 +69,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
                             for u in fresh.units},
                   "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
+    dtype_bytes: Counter[str] = Counter()
+    for t in ckpt.tensors.values():
+        dtype_bytes[str(t.dtype).removeprefix("torch.")] += t.nbytes
     contiguous, aligned, ordered = _disk_layout(plan, ckpt)
     big = plan.max_unit
     # CPU defaults (io="mmap", zero copy, embedding rows): units that compute on views of the file mapping and
@@ -82,6 +91,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "tensors": len(ckpt.tensors),
         "checkpoint_bytes": ckpt.nbytes,
         "dtypes": dict(dtypes),
+        "bytes_by_dtype": dict(dtype_bytes),
         "units": [{"name": u.name, "bytes": u.nbytes, "stored_bytes": u.src_bytes, "tensors": len(u.targets),
                    "layer": layer_index(u.name + ".")} for u in plan.units],
         "quantized": _quant_info(ckpt, plan),
@@ -287,9 +297,7 @@ def _print_checkpoint(info: dict, a: Any) -> None:
         print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
     q = info.get("quantized")
     if q:
-        how = (f"weight_block_size {q['block']}" if q["method"] == "fp8"
-               else "32 e2m1 codes per E8M0 scale" if q["method"] == "mxfp4" else "")
-        print(f"quantized: {q['method']} ({how}), {q['tensors']} tensors of codes: "
+        print(f"quantized: {q['method']}{_quant_how(q)}, {q['tensors']} tensors of codes: "
               f"{gib(q['stored_bytes'])} stored (codes and scales), decoded after the read to {gib(q['decoded_bytes'])} "
               f"of {q['dtype']} exactly as transformers dequantizes them; disk and page cache carry the stored bytes")
     print(f"units ({len(info['units'])}, in execution order):")
@@ -433,3 +441,216 @@ def _print_notes(info: dict) -> None:
         print(f"skipped (torch cannot hold it; the model does not use it): {name} {why}")
     if info["index_names_missing_from_shards"]:
         print(f"the index names tensors no shard holds: {info['index_names_missing_from_shards'][:5]}")
+
+
+# ---------------------------------------------------------------------------------------------- from headers only
+
+#: The dtypes of a quantized checkpoint's float8 codes (tiered.quant.CODE_DTYPES, by their safetensors names).
+_FP8_CODES = ("F8_E4M3", "F8_E5M2")
+_I64_MAX = 2**63 - 1
+
+
+def _read_json(path: Path) -> dict:
+    """``path`` as a JSON object, or ``{}`` (missing, unreadable: the command line checked config.json before)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _config_qc(cfg: dict) -> dict | None:
+    """config.json's ``quantization_config``, or a sub-config's (as :func:`tiered.quant.config_of` finds it)."""
+    for c in (cfg, *(cfg.get(k) for k in ("text_config", "language_config", "llm_config"))):
+        qc = c.get("quantization_config") if isinstance(c, dict) else None
+        if isinstance(qc, dict):
+            return qc
+    return None
+
+
+def _coded_pairs(method: str, dtypes: dict[str, str]) -> list[tuple[str, str]]:
+    """(codes, scales) tensor names a quantized checkpoint stores, by the names :mod:`tiered.quant` reads them by:
+    ``X`` and ``X_scale_inv`` (``fp8``; also ``X.weight`` float8 and ``X.scale``), ``X_blocks`` and ``X_scales``
+    (``mxfp4``), ``X.weight_packed`` or ``X.weight`` and ``X.weight_scale`` (``compressed-tensors``)."""
+    pairs = []
+    for n, dt in dtypes.items():
+        if n + "_scale_inv" in dtypes:
+            pairs.append((n, n + "_scale_inv"))
+        elif method == "fp8" and n.endswith(".weight") and dt in _FP8_CODES and n[:-len("weight")] + "scale" in dtypes:
+            pairs.append((n, n[:-len("weight")] + "scale"))
+        elif method == "mxfp4" and n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in dtypes:
+            pairs.append((n, n[:-len("_blocks")] + "_scales"))
+        elif method == "compressed-tensors" and n.endswith((".weight_packed", ".weight")):
+            scale = n.rpartition(".")[0] + ".weight_scale"
+            if scale in dtypes and not (n.endswith(".weight") and n.rpartition(".")[0] + ".weight_packed" in dtypes):
+                pairs.append((n, scale))
+    return pairs
+
+
+def _quant_headers(cfg: dict, dtypes: dict[str, str], nbytes: dict[str, int]) -> dict | None:
+    """The ``quantization_config`` summary from config.json and the headers: the method, ``weight_block_size``, the
+    tensors of codes found with their scales and the bytes those store (codes and scales; what :func:`inspect_dir`'s
+    ``"quantized"`` counts); None when config.json has none and no tensor has ``_scale_inv`` scales."""
+    qc = _config_qc(cfg)
+    method = (str(qc.get("quant_method", "")).lower() or None) if qc is not None else None
+    pairs = _coded_pairs(method or "", dtypes)
+    if qc is None and not pairs:
+        return None
+    return {"method": method, "block": qc.get("weight_block_size") if qc else None, "tensors": len(pairs),
+            "stored_bytes": sum(nbytes[c] + nbytes[s] for c, s in pairs)}
+
+
+def _block_of(name: str) -> tuple[str, int] | None:
+    """``("model.layers.", 3)`` for ``model.layers.3.mlp.up_proj.weight``: a tensor's first numbered module (a
+    decoder layer, a block), or None."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i]) + ".", int(p)
+    return None
+
+
+def _block_layout(spans: dict[str, tuple[int, int, int]]) -> dict:
+    """Layout facts of the numbered blocks (decoder layers...) by tensor name, from ``spans`` (name -> (shard rank,
+    first byte, end byte) in the file): how many blocks, how many lie in one shard as one span (no other tensor
+    between), and whether each stack's blocks lie in index order."""
+    blocks: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for name, span in spans.items():
+        key = _block_of(name)
+        if key is not None:
+            blocks.setdefault(key, []).append(span)
+    contiguous = 0
+    for sp in blocks.values():
+        if len({r for r, _, _ in sp}) == 1 and max(e for _, _, e in sp) - min(b for _, b, _ in sp) == \
+                sum(e - b for _, b, e in sp):
+            contiguous += 1
+    ordered = True
+    for prefix in {p for p, _ in blocks}:
+        starts = [min((r, b) for r, b, _ in blocks[k]) for k in sorted(k for k in blocks if k[0] == prefix)]
+        ordered &= all(x <= y for x, y in zip(starts, starts[1:], strict=False))
+    stacks = sorted({p for p, _ in blocks}, key=lambda p: -sum(k[0] == p for k in blocks))
+    return {"blocks": len(blocks), "blocks_contiguous_on_disk": contiguous, "blocks_in_order": ordered,
+            "block_names": [p + "N" for p in stacks]}
+
+
+def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
+    """What plain ``tiered inspect`` prints, as a dict, from ``config.json`` and the safetensors headers only: never
+    imports torch or transformers (bytes exact; GiB = 2**30 bytes).
+
+    The keys :func:`inspect_dir` also has mean the same there, figure for figure: ``model_dir``, ``architecture``,
+    ``shards``, ``tensors``, ``checkpoint_bytes``, ``dtypes``, ``bytes_by_dtype`` (tensors torch can hold: a packed
+    ``F4``/``F6_*`` one is in ``skipped_tensors``), ``data_aligned_4k``, ``skipped_tensors``,
+    ``index_names_missing_from_shards``. Beside them: ``quantized`` (config.json's ``quantization_config``: method,
+    block, the tensors of codes found with their scales and their stored bytes; what they decode to needs the model:
+    :func:`inspect_dir`), ``layout`` (the numbered blocks by tensor name: contiguous, in order),
+    ``tensors_not_in_index`` (shard tensors the index omits: loaded all the same), and ``default_ring``
+    (``{"gb", "why"}``: the ring ``ring_gb`` not given takes on ``device`` here when the model fits in it:
+    :func:`tiered.policy.auto_ring_bytes`; the split with a host tier needs the units).
+
+    Raises:
+        ShardNotFoundError / ConfigError / HeaderError / TruncatedShardError / DuplicateTensorError: as
+            :func:`tiered.checkpoint.open_checkpoint`.
+    """
+    from .checkpoint import weight_files
+    from .errors import DuplicateTensorError
+    from .header import scan_header
+    from .hostmem import host_memory_available
+    from .policy import auto_ring_bytes
+    from .spec_dtypes import SPEC_DTYPE_BITS, SPEC_DTYPE_TORCH_NAMES
+
+    model_dir = Path(model_dir)
+    cfg = _read_json(model_dir / "config.json")
+    files = weight_files(model_dir)
+    shards, skipped = [], {}
+    where: dict[str, tuple[Path, int]] = {}  # every tensor: (file, absolute offset)
+    dtypes: dict[str, str] = {}  # every tensor: its header dtype
+    nbytes: dict[str, int] = {}
+    spans: dict[str, tuple[int, int, int]] = {}
+    for rank, p in enumerate(files.paths):
+        size, start, _, entries = scan_header(p)
+        held = 0
+        for begin, end, name, dt, shape in entries:
+            prev = where.get(name)
+            if prev is not None:
+                raise DuplicateTensorError(f"tensor {name!r} is in both {prev[0]} (offset {prev[1]}) and {p} (offset "
+                                           f"{start + begin}); remove one copy")
+            where[name], dtypes[name], nbytes[name] = (p, start + begin), dt, end - begin
+            spans[name] = (rank, start + begin, start + end)
+            bits = SPEC_DTYPE_BITS[dt]
+            if dt not in SPEC_DTYPE_TORCH_NAMES or any(d > _I64_MAX for d in shape):
+                why = (f"dtype {dt} packs {bits}-bit elements, which torch has no unpacked dtype for" if bits < 8
+                       else f"torch has no dtype for {dt}" if dt not in SPEC_DTYPE_TORCH_NAMES
+                       else f"shape {list(shape)} has a dimension above torch's limit of 2**63 - 1")
+                skipped[name] = f"{dt} {list(shape)}: {why}"
+            else:
+                held += 1
+        shards.append({"file": p.name, "bytes": size, "tensors": held, "data_start": start})
+    held_names = [n for n in dtypes if n not in skipped]
+    counts: Counter[str] = Counter()
+    dtype_bytes: Counter[str] = Counter()
+    for n in held_names:
+        counts[SPEC_DTYPE_TORCH_NAMES[dtypes[n]]] += 1
+        dtype_bytes[SPEC_DTYPE_TORCH_NAMES[dtypes[n]]] += nbytes[n]
+    wm = files.weight_map
+    avail, why = host_memory_available()
+    ring, ring_why = auto_ring_bytes(avail, why, device.startswith("cuda"), 0)
+    archs = cfg.get("architectures")
+    return {
+        "model_dir": str(model_dir),
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else "?",
+        "model_type": cfg.get("model_type"),
+        "shards": shards,
+        "tensors": len(held_names),
+        "checkpoint_bytes": sum(nbytes[n] for n in held_names),
+        "dtypes": dict(counts),
+        "bytes_by_dtype": dict(dtype_bytes),
+        "quantized": _quant_headers(cfg, dtypes, nbytes),
+        "layout": _block_layout(spans),
+        "data_aligned_4k": all(s["data_start"] % 4096 == 0 for s in shards),
+        "default_ring": {"gb": ring / GiB, "why": ring_why},
+        "skipped_tensors": skipped,
+        "index_names_missing_from_shards": sorted(n for n in wm if n not in dtypes) if wm is not None else [],
+        "tensors_not_in_index": sorted(n for n in dtypes if n not in wm) if wm is not None else [],
+    }
+
+
+def _quant_how(q: dict) -> str:
+    """`` (weight_block_size [128, 128])``: how a method's codes are scaled, for the ``quantized:`` line."""
+    how = (f"weight_block_size {q['block']}" if q["method"] == "fp8"
+           else "32 e2m1 codes per E8M0 scale" if q["method"] == "mxfp4" else "")
+    return f" ({how})" if how else ""
+
+
+def print_headers(info: dict) -> None:
+    """Print ``info`` (:func:`inspect_headers`) as plain ``tiered inspect`` does."""
+    print(f"{info['model_dir']}: {info['architecture']}, {info['tensors']} tensors, "
+          f"{gib(info['checkpoint_bytes'])} in {len(info['shards'])} shard(s), dtypes {info['dtypes']}")
+    for s in info["shards"]:
+        print(f"  shard {s['file']}: {gib(s['bytes'])}, {s['tensors']} tensors, data at byte {s['data_start']}")
+    print("bytes by dtype: " + ", ".join(f"{k} {gib(v) if v >= 2**20 else f'{v} bytes'}" for k, v in
+                                         sorted(info["bytes_by_dtype"].items(), key=lambda kv: -kv[1])))
+    q = info["quantized"]
+    if q and q["method"] is None:
+        print(f"quantized: {q['tensors']} tensors have _scale_inv block scales but config.json has no "
+              "quantization_config: they hold codes, not weights, and tiered.load refuses them")
+    elif q:
+        print(f"quantized: {q['method']}{_quant_how(q)}, {q['tensors']} tensors of codes: {gib(q['stored_bytes'])} "
+              f"stored (codes and scales); disk and page cache carry the stored bytes (--units: what they decode to)")
+    lay = info["layout"]
+    blocks = (f"{lay['blocks_contiguous_on_disk']}/{lay['blocks']} numbered blocks ({', '.join(lay['block_names'])}) "
+              f"contiguous on disk, {'in' if lay['blocks_in_order'] else 'not in'} order; " if lay["blocks"] else "")
+    good = lay["blocks_contiguous_on_disk"] == lay["blocks"] and lay["blocks_in_order"] and info["data_aligned_4k"]
+    print(f"layout: {blocks}data sections {'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
+          + ("" if good else " (`tiered reshard` writes a layout that streams each unit as one span)"))
+    dr = info["default_ring"]
+    print((f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB ({dr['why']})" if dr["gb"] else
+           f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
+          + "; a model that does not fit in it gets a smaller ring and a host tier (--units says how much)")
+    for name, why in list(info["skipped_tensors"].items())[:5]:
+        print(f"skipped (torch cannot hold it; a model that needs it is refused): {name} {why}")
+    if info["index_names_missing_from_shards"]:
+        print(f"the index names tensors no shard holds: {info['index_names_missing_from_shards'][:5]}")
+    if info["tensors_not_in_index"]:
+        print(f"tensors the index does not name (loaded all the same): {info['tensors_not_in_index'][:5]}")
+    print("units in execution order, the ring they need, the default host tier, unused tensors: add --units "
+          "(builds the model on the meta device: imports torch and transformers)")

@@ -6,14 +6,15 @@ and the machine facts (no allocation, no I/O); :func:`tiered.placement.place` ap
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from . import dist as _dist
 from .errors import RingTooSmallError
-from .experts import ExpertSpec, HostExperts
 from .hostmem import PAGE_SIZE, page_up
-from .plan import Plan, Unit, same_bytes
-from .reader import DIRECT_CHUNK, zero_copy_eligible
-from .ring import GiB, gib_up
+from .stats import GiB
+
+if TYPE_CHECKING:  # torch-free at import (the plan's modules import torch): `tiered inspect` asks auto_ring_bytes
+    from .experts import ExpertSpec
+    from .plan import Plan, Unit
 
 __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "HOST_HEADROOM_BYTES",
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
@@ -172,6 +173,8 @@ def choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list[
 
     A unit whose slot would hold the same bytes as an earlier candidate's (a tied head after its embedding:
     :func:`tiered.plan.same_bytes`) shares that unit's slot: it costs nothing and comes with it."""
+    from .plan import same_bytes
+
     every = [u for u in plan.units if u.index not in resident and u.index not in rows]
     twins = same_bytes(every)
     cands = [u for u in every if u.index not in twins]
@@ -208,12 +211,16 @@ def choose_host(plan: Plan, resident: set[int], rows: set[int], slot_need: list[
 
 def host_slot_bytes(plan: Plan, host: set[int], slot_need: list[int]) -> int:
     """Host-tier bytes of the whole units ``host`` (page-rounded slots; a unit sharing a twin's slot counted once)."""
+    from .plan import same_bytes
+
     twins = same_bytes([plan.units[i] for i in sorted(host)])
     return sum(page_up(slot_need[i]) for i in host if i not in twins)
 
 
 def piece_slot(u: Unit, n: int, align: int) -> int:
     """Bytes of one ring (or host-tier) slot of ``u`` read in ``n`` pieces (:func:`tiered.dist.split_unit`)."""
+    from . import dist as _dist
+
     return page_up(_dist._align(max(1, math.ceil(u.nbytes / n)), align))
 
 
@@ -226,6 +233,9 @@ def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -
     Raises:
         RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.
     """
+    from . import dist as _dist
+    from .ring import gib_up
+
     room = ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # a piece's slot, page-rounded, fits here
     third = ring_bytes // 3 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
     if third >= MIN_PIECE_BYTES:
@@ -269,6 +279,8 @@ def choose_host_pieces(plan: Plan, pieces: dict[int, int], budget: int) -> dict[
 def page_cache_reserve(threads: int) -> int:
     """Bytes of the page-cache room the page-cache tier leaves alone: the reader's O_DIRECT staging (``threads`` x
     ``DIRECT_CHUNK``) and :data:`PAGE_CACHE_MARGIN_BYTES`."""
+    from .reader import DIRECT_CHUNK
+
     return threads * DIRECT_CHUNK + PAGE_CACHE_MARGIN_BYTES
 
 
@@ -282,6 +294,8 @@ def choose_page_cache_tier(plan: Plan, taken: set[int], slot_need: list[int], ri
     it would otherwise thrash through, becomes a tier of its own. Page cache is reclaimable, so a wrong estimate
     costs re-reads (page faults), never an OOM kill. Kept out of it: what the running unit maps, the reader's O_DIRECT
     staging and :data:`PAGE_CACHE_MARGIN_BYTES`. ``room``: the page cache's room (:attr:`Machine.page_cache_room`)."""
+    from .reader import zero_copy_eligible
+
     if room is None:
         return set()
     cands = [u for u in plan.units if u.index not in taken and zero_copy_eligible(u)]
@@ -299,6 +313,8 @@ def choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
     with the ``left`` bytes the host tier's units leave (each module's parts page-rounded, as
     :class:`~tiered.experts.HostExperts` allocates them). Units come first: a streamed unit in the host tier saves
     all its bytes of every pass, an experts module only the k/E of them a token routes to."""
+    from .experts import HostExperts
+
     chosen = []
     for i, sp in enumerate(specs):
         n = HostExperts.bytes_for(sp)
