@@ -17,9 +17,19 @@ All GB/s are decimal (1e9 bytes/s), as disks and PCIe are quoted.
   ``copy_`` timed with CUDA events (best of 5), from page-locked and from ordinary memory.
 
 The read ceilings touch at most ``--max-gb`` of the checkpoint (the first bytes of its shards in
-name order). Each figure is independent: one that fails is reported as ``{name}_error``.
+name order; every round reads the same bytes). Each figure is independent: one that fails is reported as
+``{name}_error``.
 
-    python benchmarks/ceilings.py MODEL_DIR [--max-gb 2] [--threads 1,4]
+Rounds (issue 26): every ceiling is measured ``--rounds`` times (default 3), interleaved — round 1 of every
+ceiling, then round 2 of every ceiling, ..., every other round in reverse order — so a drift of the machine
+(another tenant, the host's caches, thermal) hits all ceilings alike. ``{name}_gbps`` is the median over the
+rounds that succeeded (the key keeps its old meaning: *the* figure of that ceiling), with ``{name}_gbps_min``,
+``{name}_gbps_max``, ``{name}_gbps_each`` (round order) and ``{name}_n`` (rounds that succeeded) beside it; a
+round that fails is listed in ``{name}_round_errors`` and ``{name}_error`` is set only when every round failed.
+``rounds`` (asked) and ``elapsed_s`` (all rounds) are top-level keys. ``memcpy`` and ``h2d_*`` are still best of 5
+inside each round.
+
+    python benchmarks/ceilings.py MODEL_DIR [--max-gb 2] [--threads 1,4] [--rounds 3]
 prints one JSON object.
 """
 
@@ -30,9 +40,11 @@ import ctypes
 import json
 import mmap
 import os
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["measure", "odirect_read", "buffered_read", "memcpy_gbps", "h2d_gbps"]
@@ -195,34 +207,58 @@ def _cuda_available() -> bool:
 
 
 def measure(model_dir: str | os.PathLike[str], *, max_bytes: int = 2 * GiB, threads: tuple[int, ...] = (1, 4),
-            cuda: bool = True, cold: bool = True) -> dict:
-    """Every ceiling (see the module docstring) as ``{name_gbps: float, name_detail: {...}}``; errors as text.
+            cuda: bool = True, cold: bool = True, rounds: int = 3) -> dict:
+    """Every ceiling (see the module docstring), each measured in ``rounds`` interleaved rounds, as
+    ``{name_gbps: median, name_gbps_min, name_gbps_max, name_gbps_each: [...], name_n, name_detail: {...}}``;
+    errors as text.
 
     ``cold``: also measure the buffered cold read (evicts the bytes it reads from the page cache first).
     """
-    out: dict = {"max_bytes": max_bytes, "files_dir": str(model_dir)}
-
-    def put(name: str, fn) -> None:
-        try:
-            d = fn()
-            out[f"{name}_gbps"] = d["gbps"]
-            out[f"{name}_detail"] = d
-        except Exception as e:  # noqa: BLE001 - a failed ceiling is data, not a crash
-            out[f"{name}_error"] = f"{type(e).__name__}: {e}"
-
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    t0 = time.perf_counter()
+    out: dict = {"max_bytes": max_bytes, "files_dir": str(model_dir), "rounds": rounds,
+                 "order": "interleaved: round 1 of every ceiling, then round 2, ...; odd rounds in reverse order"}
+    figures: list[tuple[str, Callable[[], dict]]] = []  # (name, fn), the order of one round
     for t in threads:
-        put(f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes))
+        figures.append((f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes)))
     if cold:
-        put("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False))
+        figures.append(("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False)))
     for t in threads:
-        put(f"pagecache_{t}t", lambda t=t: buffered_read(model_dir, threads=t, max_bytes=max_bytes, warm=True))
-    put("memcpy", memcpy_gbps)
+        figures.append((f"pagecache_{t}t",
+                        lambda t=t: buffered_read(model_dir, threads=t, max_bytes=max_bytes, warm=True)))
+    figures.append(("memcpy", lambda: memcpy_gbps()))
     if cuda and _cuda_available():
         import torch
 
         out["cuda_device"] = torch.cuda.get_device_name()
-        put("h2d_pinned", lambda: h2d_gbps(pinned=True))
-        put("h2d_pageable", lambda: h2d_gbps(pinned=False))
+        figures.append(("h2d_pinned", lambda: h2d_gbps(pinned=True)))
+        figures.append(("h2d_pageable", lambda: h2d_gbps(pinned=False)))
+
+    got: dict[str, list[dict]] = {name: [] for name, _ in figures}
+    errs: dict[str, list[str]] = {name: [] for name, _ in figures}
+    for r in range(rounds):
+        for name, fn in figures if r % 2 == 0 else figures[::-1]:
+            try:
+                got[name].append({**fn(), "round": r})
+            except Exception as e:  # noqa: BLE001 - a failed ceiling is data, not a crash
+                errs[name].append(f"round {r}: {type(e).__name__}: {e}")
+    for name, _ in figures:
+        each = [d["gbps"] for d in got[name]]
+        if errs[name]:
+            out[f"{name}_round_errors"] = errs[name]
+        if not each:
+            out[f"{name}_error"] = errs[name][-1].split(": ", 1)[1]
+            continue
+        out[f"{name}_gbps"] = statistics.median(each)
+        out[f"{name}_gbps_min"] = min(each)
+        out[f"{name}_gbps_max"] = max(each)
+        out[f"{name}_gbps_each"] = each
+        out[f"{name}_n"] = len(each)
+        d0 = got[name][0]
+        out[f"{name}_detail"] = {**{k: v for k, v in d0.items() if k not in ("gbps", "s", "round")},
+                                 "s_each": [d["s"] for d in got[name]], "rounds": [d["round"] for d in got[name]]}
+    out["elapsed_s"] = time.perf_counter() - t0
     return out
 
 
@@ -263,14 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cold", action="store_true", help="skip the buffered cold read (it evicts what it reads)")
     p.add_argument("--sweep", metavar="MIB,...", default="",
                    help="instead: sweep O_DIRECT and buffered cold reads over --threads and these request sizes")
-    p.add_argument("--rounds", type=int, default=2, help="--sweep: passes over the grid (default 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of every ceiling, interleaved (default 3); --sweep: passes over the grid (default 2)")
     a = p.parse_args(argv)
     threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
     if a.sweep:
         chunks = tuple(int(x) for x in a.sweep.split(",") if x.strip())
-        print(json.dumps(sweep(a.model_dir, per_gb=a.max_gb, threads=threads, chunks_mib=chunks, rounds=a.rounds)))
+        print(json.dumps(sweep(a.model_dir, per_gb=a.max_gb, threads=threads, chunks_mib=chunks,
+                               rounds=a.rounds or 2)))
         return 0
-    res = measure(a.model_dir, max_bytes=int(a.max_gb * GiB), threads=threads, cuda=not a.no_cuda, cold=not a.no_cold)
+    res = measure(a.model_dir, max_bytes=int(a.max_gb * GiB), threads=threads, cuda=not a.no_cuda, cold=not a.no_cold,
+                  rounds=a.rounds or 3)
     print(json.dumps(res))
     return 0
 

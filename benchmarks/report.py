@@ -9,13 +9,17 @@ one). Writes ``STEM.md`` and ``STEM-rss.png``, ``STEM-spt.png``, ``STEM-gbps.png
 the first file without ``.json``). matplotlib is imported only for the plots; without it they are
 skipped with a note.
 
-Efficiency = achieved / ceiling, with the ceiling that bounds the run:
-* reading weights: O_DIRECT (best thread count) when the bytes come from the disk — ``io=direct``, or
-  a memory limit smaller than the model, or the load of a cold run — else the page cache (best thread
-  count); on CUDA also at most pinned H2D;
+Ceilings are printed as median (min-max, n runs) over ``ceilings.py``'s interleaved rounds (a file from before
+the rounds: one run). Efficiency = achieved / the max over its rounds of the ceiling that bounds the run; a figure
+above that max is flagged in bold, never excused (no allowance beyond the spread the rounds measured):
+* reading weights: O_DIRECT (the thread count with the highest max) when the bytes come from the disk —
+  ``io=direct``, or a memory limit smaller than the model, or the load of a cold run — else the page cache
+  (likewise); on CUDA also at most pinned H2D;
 * ``decode GB/s`` = bytes moved per token / median s per token (tiered: bytes streamed; accelerate:
   parameters placed on "cpu"/"disk"; DeepSpeed: the whole model);
-* ``load GB/s`` = checkpoint bytes / load s (systems that read the whole model at load).
+* ``load GB/s`` = checkpoint bytes / load s (systems that read the whole model at load);
+* tiered's disk→ring GB/s against the same read ceiling, its ring→GPU GB/s against pinned H2D (flagged only when
+  above).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown", "plots", "ceiling_for", "merge", "main"]
+__all__ = ["markdown", "plots", "ceiling_for", "ceiling_stats", "ceiling_text", "merge", "main"]
 
 GiB = 1 << 30
 SYSTEM_COLORS = {"tiered": "#1f77b4", "transformers": "#d62728", "accelerate": "#ff7f0e", "deepspeed": "#2ca02c"}
@@ -45,30 +49,56 @@ def _f(x: Any, nd: int = 2) -> str:
     return str(x)
 
 
+def ceiling_stats(c: dict[str, Any], name: str) -> dict[str, float] | None:
+    """``{median, min, max, n}`` (GB/s; n = rounds) of ceiling ``name`` (e.g. ``odirect_1t``), or None when it was not
+    measured. A file from before the rounds (``ceilings.py`` measured each ceiling once) gives n = 1, min = max."""
+    v = c.get(f"{name}_gbps")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return {"median": float(v), "min": float(c.get(f"{name}_gbps_min", v)), "max": float(c.get(f"{name}_gbps_max", v)),
+            "n": int(c.get(f"{name}_n", 1))}
+
+
+def ceiling_text(c: dict[str, Any], name: str) -> str | None:
+    """Ceiling ``name`` as "median (min-max, n runs)", or None when it was not measured."""
+    st = ceiling_stats(c, name)
+    if st is None:
+        return None
+    n = st["n"]
+    return f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f}, {n} run{'' if n == 1 else 's'})"
+
+
 def _best(c: dict[str, Any], prefix: str) -> tuple[float | None, str]:
-    """Best ``{prefix}_{N}t_gbps`` ceiling and its name."""
-    vals = [(v, k) for k, v in c.items() if k.startswith(prefix) and k.endswith("_gbps") and isinstance(v, (int, float))]
+    """The ``{prefix}{N}t`` ceiling with the highest max over its rounds: (that max, its name)."""
+    vals = []
+    for k in c:
+        if k.startswith(prefix) and k.endswith("_gbps"):
+            st = ceiling_stats(c, k.removesuffix("_gbps"))
+            if st is not None:
+                vals.append((st["max"], k.removesuffix("_gbps")))
     if not vals:
         return None, ""
-    v, k = max(vals)
-    return v, k.removesuffix("_gbps")
+    return max(vals)
 
 
-def ceiling_for(row: dict[str, Any], ceilings: dict[str, Any], what: str) -> tuple[float | None, str]:
-    """(GB/s, name) of the ceiling bounding ``what`` ("decode" or "load") of ``row``."""
-    disk, disk_n = _best(ceilings, "odirect_")
-    cache, cache_n = _best(ceilings, "pagecache_")
+def _read_ceiling(row: dict[str, Any], ceilings: dict[str, Any], what: str) -> tuple[float | None, str]:
+    """(max GB/s, name) of the read ceiling bounding ``what`` ("decode" or "load") of ``row``: disk or page cache."""
     limit = row.get("mem_limit_gb")
     model_gib = (row.get("model_gb") or 0) * 1e9 / GiB
     from_disk = row.get("io") == "direct" or (limit is not None and limit < model_gib)
     if what == "load":
         from_disk = from_disk or row.get("cache") == "cold"
-    v, n = (disk, disk_n) if from_disk else (cache, cache_n)
+    return _best(ceilings, "odirect_" if from_disk else "pagecache_")
+
+
+def ceiling_for(row: dict[str, Any], ceilings: dict[str, Any], what: str) -> tuple[float | None, str]:
+    """(GB/s, name) of the ceiling bounding ``what`` ("decode" or "load") of ``row``: its max over the rounds."""
+    v, n = _read_ceiling(row, ceilings, what)
     if v is None:
         return None, ""
-    h2d = ceilings.get("h2d_pinned_gbps")
-    if h2d and (row.get("spec") or {}).get("device", "cpu").startswith("cuda") and h2d < v:
-        v, n = h2d, "h2d_pinned"
+    h2d = ceiling_stats(ceilings, "h2d_pinned")
+    if h2d and (row.get("spec") or {}).get("device", "cpu").startswith("cuda") and h2d["max"] < v:
+        v, n = h2d["max"], "h2d_pinned"
     return v, n
 
 
@@ -78,11 +108,10 @@ def _zero_copy(row: dict[str, Any]) -> bool:
 
 
 def _eff(row: dict[str, Any], ceilings: dict[str, Any], key: str, what: str) -> str:
-    """``row[key]`` (GB/s) and its share of the ceiling bounding it. A figure that is no transfer rate says so instead
-    of a share: zero copy (decode bytes read in place by the compute, never copied: no copy ceiling bounds them) and a
-    lazy load (above every read ceiling: the weights were not read during the load, e.g. ``from_pretrained`` mapping
-    safetensors). A figure up to 15% above its ceiling is within the spread of that ceiling's one measurement: shown
-    as at the ceiling, with the figure."""
+    """``row[key]`` (GB/s) and its share of the max, over its rounds, of the ceiling bounding it. A decode figure of a
+    zero-copy run says so instead of a share (bytes read in place by the compute, never copied: no copy ceiling bounds
+    them). A figure above the ceiling's max is flagged in bold with its share, not excused: the rounds' spread is the
+    only allowance (a load above it may be lazy: ``from_pretrained`` mapping safetensors reads at first use)."""
     x = row.get(key)
     if not x:
         return _f(x if x != 0 else None)
@@ -92,11 +121,27 @@ def _eff(row: dict[str, Any], ceilings: dict[str, Any], key: str, what: str) -> 
     if not c:
         return _f(x)
     pct = 100 * x / c
-    if pct > 115:
-        return "– (lazy: not read during the load)" if what == "load" else f"– (above {n.replace('_', ' ')})"
+    name = n.replace("_", " ")
     if pct > 100:
-        return f"{x:.2f} (at {n.replace('_', ' ')}: {pct:.0f}%, within its one measurement's spread)"
-    return f"{x:.2f} ({pct:.0f}% of {n.replace('_', ' ')})"
+        return f"**{x:.2f} (above {name} max: {pct:.0f}%{'; lazy load?' if what == 'load' else ''})**"
+    return f"{x:.2f} ({pct:.0f}% of {name} max)"
+
+
+def _stage(row: dict[str, Any], ceilings: dict[str, Any]) -> str:
+    """tiered's "disk→ring / ring→GPU" GB/s; either is flagged in bold when above the max of the ceiling bounding it
+    (the read ceiling of the decode, pinned H2D)."""
+    if _zero_copy(row):  # nothing copied: no copy rate
+        read = "zero copy"
+    else:
+        read = _f(row.get("read_gbps"))
+        c, n = _read_ceiling(row, ceilings, "decode")
+        if row.get("read_gbps") and c and row["read_gbps"] > c:
+            read = f"**{row['read_gbps']:.2f} (above {n.replace('_', ' ')} max {c:.2f})**"
+    h2d = _f(row.get("h2d_gbps"))
+    st = ceiling_stats(ceilings, "h2d_pinned")
+    if row.get("h2d_gbps") and st and row["h2d_gbps"] > st["max"]:
+        h2d = f"**{row['h2d_gbps']:.2f} (above h2d pinned max {st['max']:.2f})**"
+    return f"{read} / {h2d}"
 
 
 def _short_status(s: str) -> str:
@@ -165,12 +210,14 @@ def markdown(res: dict[str, Any]) -> str:
                     ("buffered_cold", "buffered cold"), ("pagecache_1t", "page cache 1 thread"),
                     ("pagecache_4t", "page cache 4 threads"), ("memcpy", "memcpy 1 thread"),
                     ("h2d_pinned", "H2D pinned"), ("h2d_pageable", "H2D pageable")):
-        if f"{k}_gbps" in c:
-            ce.append(f"{name} {c[f'{k}_gbps']:.2f}")
+        txt = ceiling_text(c, k)
+        if txt is not None:
+            ce.append(f"{name} {txt}")
         elif f"{k}_error" in c:
             ce.append(f"{name}: {c[f'{k}_error']}")
-    out.append(f"**Ceilings** (GB/s, same run, {c.get('max_bytes', 0) / GiB:.2f} GiB of the checkpoint per read figure): "
-               + ("; ".join(ce) or "not measured") + ".")
+    out.append(f"**Ceilings** (GB/s, same run, median (min-max, n runs) over rounds interleaved across the ceilings, "
+               f"{c.get('max_bytes', 0) / GiB:.2f} GiB of the checkpoint per read figure; each figure below is held "
+               "against its ceiling's max): " + ("; ".join(ce) or "not measured") + ".")
     out += ["", "| system | ckpt | cache | limit | status | load s | TTFT s | decode s/token | tok/s | peak RSS GiB "
             "| over base | cgroup peak | GPU peak | GB/token | decode GB/s (eff.) | disk→ring / ring→GPU GB/s "
             "| load GB/s (eff.) | tokens ok |",
@@ -178,9 +225,7 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res.get("runs", []):
         st = r.get("status", "?")
         lim = f"{r['mem_limit_gb']:g} GiB" if r.get("mem_limit_gb") else "none"
-        stage = "–"
-        if r.get("system") == "tiered" and r.get("status") == "ok":  # zero copy: nothing copied, no copy rate
-            stage = f"{'zero copy' if _zero_copy(r) else _f(r.get('read_gbps'))} / {_f(r.get('h2d_gbps'))}"
+        stage = _stage(r, c) if r.get("system") == "tiered" and r.get("status") == "ok" else "–"
         over = r.get("peak_rss_over_base_gb")
         out.append("| " + " | ".join([
             r.get("label", r.get("key", "?")), r.get("ckpt", ""), r.get("cache", ""), lim,
@@ -406,10 +451,14 @@ def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
                   "pagecache_1t": ("page cache 1t", "#9467bd", "--"), "pagecache_4t": ("page cache 4t", "#9467bd", "-"),
                   "memcpy": ("memcpy 1t", "#7f7f7f", "-."), "h2d_pinned": ("H2D pinned", "#17becf", "-")}
         for k, (name, col, ls) in styles.items():
-            val = c.get(f"{k}_gbps")
-            if val:
-                ax.axvline(val, color=col, ls=ls, lw=1, label=f"{name} {val:.1f}")
-        ax.set_xlabel("GB/s (log scale; bars: achieved, lines: ceilings measured in the same run)")
+            st = ceiling_stats(c, k)
+            if st and st["median"]:
+                ax.axvline(st["median"], color=col, ls=ls, lw=1,
+                           label=f"{name} {st['median']:.1f} ({st['min']:.1f}-{st['max']:.1f}, n={st['n']})")
+                if st["max"] > st["min"]:
+                    ax.axvspan(st["min"], st["max"], color=col, alpha=0.12, lw=0)
+        ax.set_xlabel("GB/s (log scale; bars: achieved, lines: ceilings measured in the same run, median; "
+                      "bands: min-max of their rounds)")
         ax.set_title(f"Achieved GB/s vs machine ceilings — {title}")
         ax.legend(fontsize=6, loc="lower right")
         ax.grid(alpha=0.3, axis="x")

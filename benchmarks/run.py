@@ -11,7 +11,9 @@ of the same measuring code (``benchmarks/steps.py``). The list of suites is at t
 Every run is its own child process (``benchmarks/systems.py``) so its peak RSS (VmHWM) is its own;
 each gets a timeout, and optionally a cgroup v2 ``memory.max`` (``benchmarks/cgroup.py``). All runs
 of one checkpoint use the same prompt token ids and greedy decoding, so their tokens must agree.
-The machine's ceilings (``benchmarks/ceilings.py``) are measured in the same invocation.
+The machine's ceilings (``benchmarks/ceilings.py``) are measured in the same invocation, in ``--ceiling-rounds``
+interleaved rounds (default 3): the report prints each as median (min-max, n runs) and holds every figure
+against its ceiling's max over those rounds.
 
 Output in ``--out-dir`` (at most 6 files): ``<date>-<machine>-<suite>.json`` (machine info, ceilings,
 every run), ``.md`` (the table), ``-rss.png``, ``-spt.png``, ``-gbps.png`` (plots; skipped with a
@@ -80,6 +82,7 @@ class Suite:
     ceiling_gb: float  # GiB read per read ceiling
     timeout_s: float  # per child (capped by what is left of the budget)
     min_start_s: float  # no run starts with less than this left of the budget
+    ceiling_rounds: int = 3  # rounds of every ceiling, interleaved (ceilings.py --rounds)
 
 
 SUITES: dict[str, Suite] = {
@@ -470,14 +473,17 @@ class Runner:
 
     def ceilings(self) -> dict[str, Any]:
         c = self.ckpts["main"]
-        cmd = [sys.executable, str(HERE / "ceilings.py"), str(c.dir), "--max-gb", str(self.a.ceiling_gb)]
+        cmd = [sys.executable, str(HERE / "ceilings.py"), str(c.dir), "--max-gb", str(self.a.ceiling_gb),
+               "--rounds", str(self.a.ceiling_rounds)]
         if not self.cuda:
             cmd.append("--no-cuda")
         out, err = self.work / "ceilings.out", self.work / "ceilings.err"
-        self.log("ceilings")
+        self.log(f"ceilings ({self.a.ceiling_rounds} rounds, interleaved)")
         r = cgroup.run_child(cmd, timeout_s=max(10.0, min(180.0, self.left())), stdout=out, stderr=err, env=self.env, cwd=ROOT)
         try:
-            return json.loads(out.read_text().strip().splitlines()[-1])
+            res = json.loads(out.read_text().strip().splitlines()[-1])
+            self.log(f"  ceilings measured in {res.get('elapsed_s', 0):.1f} s")
+            return res
         except (OSError, ValueError, IndexError):
             self._child_log("ceilings", err)
             return {"error": f"ceilings.py {r.status}"}
@@ -664,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="prompt token ids seed")
     p.add_argument("--threads", type=int, default=4, help="tiered reader threads")
+    p.add_argument("--ceiling-rounds", type=int, default=None, metavar="N",
+                   help="rounds of every machine ceiling, interleaved (default: the suite's, 3); the report holds "
+                        "each figure against its ceiling's max over the rounds")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
     p.add_argument("--timeout-s", type=float, default=None, help="per child process")
@@ -691,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(a, k, getattr(s, k))
     a.sweep_layers = s.sweep_layers if a.sweep_layers is None else [int(x) for x in a.sweep_layers.split(",") if x.strip()]
     a.ceiling_gb, a.min_start_s = s.ceiling_gb, s.min_start_s
+    a.ceiling_rounds = s.ceiling_rounds if a.ceiling_rounds is None else a.ceiling_rounds
+    if a.ceiling_rounds < 1:
+        p.error("--ceiling-rounds must be >= 1")
     a.mem_limit_gb = a.mem_limit_gb if a.mem_limit_gb is not None else a.ring_gb + 2.0
     a.scaling = [0.0 if x.strip() in ("none", "0") else float(x) for x in a.scaling.split(",") if x.strip()]
     if a.scaling and a.groups == ",".join(GROUPS):
