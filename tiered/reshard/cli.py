@@ -53,7 +53,7 @@ def _shard_size(text: str) -> str:
     Returns the text itself (:func:`~tiered.reshard.reshard` parses it again), so the parsed value reads as typed.
     """
     try:
-        from ..format import parse_size  # torch: imported when an option is checked
+        from ..sizes import parse_size  # torch-free: checked before torch is imported
 
         parse_size(text)
     except ValueError as e:
@@ -96,11 +96,29 @@ def _check_src(parser: argparse.ArgumentParser, src: str) -> None:
     parser.error(f"SRC {Path(src)}: no such file or directory; pass a local model directory or one weight file")
 
 
+def _check_dst(parser: argparse.ArgumentParser, dst: str, force: bool) -> None:
+    """An existing DST without ``--force`` is a usage error said before torch is imported, with the converter's own
+    message — unless an interrupted run left its journal or temporaries beside it: the converter first finishes or
+    undoes that install (:mod:`tiered.reshard.install`), which may change whether DST exists."""
+    from pathlib import Path
+
+    d = Path(dst)
+    if force or not os.path.lexists(d):
+        return
+    try:
+        left = any(n.startswith(f".{d.name}.tiered-") for n in os.listdir(d.parent))
+    except OSError:
+        return
+    if not left:
+        parser.error(f"{d} exists; pass --force (force=True) to replace it")
+
+
 def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Run ``reshard`` for parsed arguments; SIGTERM cleans up like Ctrl-C. Raises TieredError. With ``parser``: a
     missing SRC and an existing DST (without ``--force``) are usage errors (exit 2, the parser's message)."""
     if parser is not None:
         _check_src(parser, a.src)
+        _check_dst(parser, a.dst, a.force)
     old = None
     if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGTERM, _interrupt)
