@@ -652,14 +652,15 @@ def mxfp4_experts(src: Path, path: Path, *, seed: int = 21) -> Path:
 
 
 def compressed_tensors(src: Path, path: Path, fmt: str, weights: dict, input_activations: dict | None = None, *,
-                       seed: int = 22, skip: tuple[str, ...] = ("lm_head",), extra: dict | None = None) -> Path:
+                       seed: int = 22, skip: tuple[str, ...] = ("lm_head",), extra: dict | None = None,
+                       ignore: list[str] | None = None) -> Path:
     """``src`` rewritten as a compressed-tensors checkpoint (``quant_method="compressed-tensors"``, one config group
     targeting ``Linear``, ``ignore=skip``): every 2-D ``*proj.weight`` becomes random codes and a random positive
     ``weight_scale`` in the weight's dtype, stored as the package stores ``fmt`` — ``pack-quantized``: ``weight_packed``
     (int32, the package's own ``pack_to_int32`` of signed ``num_bits`` codes) and ``weight_shape``; ``int-quantized``:
     int8 ``weight``; ``float-quantized``: float8_e4m3fn ``weight`` (no NaN codes). Scale shapes follow
     ``weights["strategy"]``. Random codes, not a quantization of ``src``: the test compares decodes. ``extra``: more
-    keys of the config (e.g. to break it)."""
+    keys of the config (e.g. to break it); ``ignore``: the config's (default ``skip``, as exact names)."""
     import re
 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -692,6 +693,6 @@ def compressed_tensors(src: Path, path: Path, fmt: str, weights: dict, input_act
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False,
                                                                              **weights},
                                           "input_activations": input_activations, "output_activations": None}},
-            "ignore": list(skip), **(extra or {})}
+            "ignore": list(skip) if ignore is None else ignore, **(extra or {})}
 
     return _rewrite(src, path, tensor, cfg)

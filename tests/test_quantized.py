@@ -900,6 +900,95 @@ def test_compressed_tensors_codes_that_do_not_fit_are_refused_with_the_tensor(ct
         tiered.load(d2)
 
 
+def test_compressed_tensors_a_modules_group_is_the_one_stock_picks(ct_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Several config groups match a module: stock takes the most specific target (exact name, then regex, then class
+    name: the package's ``match_targets``), not the last group; here the MLPs' group quantizes activations and the
+    catch-all one does not, so a wrong pick changes the logits."""
+    import shutil
+
+    d = tmp_path / "groups"
+    shutil.copytree(ct_dirs["int8-w8a8-dynamic"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    g = qc["config_groups"].pop("group_0")
+    g["format"] = "int-quantized"  # (per group: stock infers pack-quantized for a weight-only int group otherwise)
+    qc["config_groups"] = {"g_mlp": {**g, "targets": ["re:.*mlp\\..*_proj$"]},
+                           "g_all": {**g, "targets": ["Linear"], "input_activations": None}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = make_ids(9, (2, 7))
+    ref = logits_of(_stock_ct(d), ids)
+    with tiered.load(d) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+        assert m.model.layers[0].mlp.up_proj.quantization_scheme.input_activations is not None
+        assert not hasattr(m.model.layers[0].self_attn.q_proj, "quantization_scheme")
+
+
+def test_compressed_tensors_a_vision_language_checkpoint_finds_its_renamed_codes(tmp_path: Path) -> None:
+    """A Llava checkpoint stores its language model under ``language_model.model.`` (transformers' renaming makes it
+    ``model.language_model.``): the codes and scales are found under the stored names, as stock finds them."""
+    pytest.importorskip("compressed_tensors")
+    src = models.llava(tmp_path / "bf16")
+    keys = models.checkpoint_keys(src)
+    d = models.compressed_tensors(src, tmp_path / "ct", *_W4A16, skip=("lm_head", "vision_tower", "projector"),
+                                  ignore=["re:.*lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"])
+    cts = [k for k in models.checkpoint_keys(d) if k.endswith("weight_packed")]
+    assert cts and all(k.startswith("language_model.model.") for k in cts), (cts[:3], list(keys)[:3])
+    ids = make_ids(10, (1, 7))
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(d).eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    with tiered.load(d) as m, torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("case", ["e5m2-codes", "naive-int-with-fp8-codes", "no-status", "group-does-not-divide",
+                                  "no-weight-shape", "actorder-true"])
+def test_compressed_tensors_configs_and_codes_that_disagree_are_refused(ct_dirs: dict[str, Path], tmp_path: Path,
+                                                                        case: str) -> None:
+    import shutil
+
+    if case in ("e5m2-codes", "naive-int-with-fp8-codes"):
+        src = ct_dirs["fp8-tensor-weight-only"]
+        conv = (lambda k, v: {k: v.view(torch.uint8).view(torch.float8_e5m2)} if v.dtype == torch.float8_e4m3fn
+                else {k: v}) if case == "e5m2-codes" else (lambda k, v: {k: v})
+
+        def cfg(c: dict) -> None:
+            if case != "e5m2-codes":
+                c["quantization_config"]["format"] = "naive-quantized"
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int"
+
+        d = models._rewrite(src, tmp_path / case, conv, cfg)
+        msg = r"\.safetensors: tensor '.*q_proj\.weight' at offset \d+ is torch\.float8_e"
+    else:
+        d = tmp_path / case
+        shutil.copytree(ct_dirs["w4a16-group"], d)
+        cfg = json.loads((d / "config.json").read_text())
+        qc = cfg["quantization_config"]
+        w = qc["config_groups"]["group_0"]["weights"]
+        if case == "no-status":
+            del qc["quantization_status"]
+            msg = "quantization_status='\\(none\\)'"
+        elif case == "group-does-not-divide":
+            w["group_size"] = 24
+            msg = "group_size 24, which does not divide"
+        elif case == "actorder-true":
+            w["actorder"] = True
+            msg = "does not validate"
+        else:
+            for f in d.glob("*.safetensors"):
+                t = load_file(f)
+                save_file({k: v for k, v in t.items() if not k.endswith("weight_shape")}, f)
+            idx = d / "model.safetensors.index.json"
+            if idx.exists():
+                doc = json.loads(idx.read_text())
+                doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not k.endswith("weight_shape")}
+                idx.write_text(json.dumps(doc))
+            msg = "without their weight_shape"
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantizationError, match=msg):
+        tiered.load(d)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "host_gb": 0.01}],

@@ -265,6 +265,16 @@ def _conversion_tools(model: nn.Module):
     return renamings, converters, rename_source_key, dot_natural_key
 
 
+def _to_model_name(model: nn.Module, sd: dict[str, torch.Tensor]):
+    """A checkpoint name -> the model's name for it under transformers' renamings (identity for a plain module)."""
+    tools = _conversion_tools(model)
+    if tools is None:
+        return lambda n: n
+    renamings, converters, rename, _ = tools
+    prefix = getattr(model, "base_model_prefix", "") or None
+    return lambda n: rename(n, renamings, converters, prefix, sd)[0]
+
+
 def _meta_shape(t: TensorInfo) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
@@ -581,7 +591,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
         if old is not None and old.dtype != torch.bfloat16:
             mod._parameters[attr] = sd[key] = nn.Parameter(torch.empty(old.shape, dtype=torch.bfloat16, device="meta"),
                                                            requires_grad=old.requires_grad)
-    ct = quant.ct_sources(qc, model, unused, ckpt.tensors, sd, where)  # compressed-tensors: codes + X.weight_scale
+    ct = quant.ct_sources(qc, model, unused, ckpt.tensors, sd, where, direct, _to_model_name(model, sd))
     for key, (codes, _) in ct.items():
         direct[key] = codes
     coded.update(ct)

@@ -262,7 +262,7 @@ def ct_groups(qc: dict, where: str) -> list[tuple[str, dict, str]]:
             ``scale_dtype``; static or output activations (stock reads their scales from the checkpoint and
             quantizes in its forward, which tiered does for dynamic input activations only).
     """
-    status = str(qc.get("quantization_status") or "compressed").lower()
+    status = str(qc.get("quantization_status") or "(none)").lower()  # (the package's default is "initialized")
     if status != "compressed":
         raise _ct_refuse(where, f"quantization_status={status!r} (stock fake-quantizes such weights in every forward)")
     for k in ("sparsity_config", "transform_config", "kv_cache_scheme"):
@@ -300,6 +300,14 @@ def ct_groups(qc: dict, where: str) -> list[tuple[str, dict, str]]:
                                     "asymmetrically (input_scale / input_zero_point)")
         if not isinstance(g.get("targets"), (list, str)) or not g.get("targets"):
             raise _ct_refuse(where, f"config group {name!r} has no targets")
+        _ct_package(where)
+        from compressed_tensors.quantization import QuantizationScheme
+
+        try:  # the package's own validation, as stock's config parsing runs it
+            QuantizationScheme.model_validate({k: g.get(k) for k in ("targets", "weights", "input_activations",
+                                                                     "output_activations")})
+        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError (and what the validators raise)
+            raise _ct_refuse(where, f"config group {name!r} does not validate ({str(e).strip()[:300]})") from None
         out.append((str(name), g, fmt))
     return out
 
@@ -315,11 +323,15 @@ def _ct_package(where: str):
 
 
 def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str, TensorInfo], sd: dict[str, Any],
-               where: str) -> dict[str, tuple[TensorInfo, CtWeight]]:
+               where: str, direct: dict[str, TensorInfo] | None = None,
+               to_model: Any = None) -> dict[str, tuple[TensorInfo, CtWeight]]:
     """A compressed-tensors checkpoint's quantized weights: model key ``X.weight`` -> (its codes, its decode), for
-    every module ``X`` a config group targets (the package's own ``is_match`` of the group's ``targets`` and the
-    config's ``ignore``, as stock applies them); their ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape``
-    leave ``unused``. {} for any other checkpoint.
+    every ``nn.Linear`` ``X`` a config group targets, the group chosen as stock chooses it (the package's own
+    ``is_match`` with the config's ``ignore``, then ``match_targets``' precedence: exact name, regex, class name; the
+    first target's group); their ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` leave ``unused``.
+    Checkpoint names are found through ``direct`` (model key -> the checkpoint tensor it copies) and ``to_model``
+    (a checkpoint name -> the model's name for it: transformers' renamings, e.g. a VLM's ``language_model.model.``
+    prefix), as stock renames them. {} for any other checkpoint.
 
     Raises:
         QuantizationError: a targeted module without its codes or scale, codes or scales whose dtype or shape do
@@ -331,24 +343,39 @@ def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str
         return {}
     groups = ct_groups(qc, where)
     is_match = _ct_package(where)
+    from compressed_tensors.utils.match import match_targets
+
     ignore = qc.get("ignore") or []
+    by_target: dict[str, tuple[str, dict, str]] = {}  # as stock's target_to_scheme: a later group's target wins
+    for n, g, f in groups:
+        for t in [g["targets"]] if isinstance(g["targets"], str) else g["targets"]:
+            by_target[t] = (n, g, f)
+    direct = direct or {}
+    to_model = to_model or (lambda n: n)
+    named = {to_model(n): n for n in tensors}  # the model's name of every checkpoint tensor -> its checkpoint name
+
+    def find(name: str) -> TensorInfo | None:
+        if name in direct:
+            return direct[name]
+        ck = named.get(name)
+        return tensors[ck] if ck is not None else tensors.get(name)
+
     out: dict[str, tuple[TensorInfo, CtWeight]] = {}
     for mname, mod in model.named_modules():
         key = f"{mname}.weight" if mname else "weight"
-        if key not in sd or len(getattr(sd[key], "shape", ())) != 2:
+        if key not in sd or not isinstance(mod, torch.nn.Linear):  # (stock quantizes Linear and Embedding; the
+            continue  # package's Embedding path fails on stock's side, so tiered leaves embeddings alone)
+        if not is_match(mname, mod, list(by_target), ignore):
             continue
-        hit = [(n, g, f) for n, g, f in groups if is_match(mname, mod, g["targets"], ignore)]
-        if not hit:
-            continue
-        gname, g, fmt = hit[-1]  # (stock: a later group overrides an earlier one)
+        gname, g, fmt = by_target[match_targets(mname, mod, list(by_target))[0]]
         w = g["weights"]
         bits, strategy = int(w.get("num_bits") or 8), str(w.get("strategy") or "tensor")
         rows, cols = (int(x) for x in sd[key].shape)
         packed = fmt == "pack-quantized"
-        codes = tensors.get(f"{mname}.weight_packed" if packed else key)
-        scale = tensors.get(f"{mname}.weight_scale")
+        codes = find(f"{mname}.weight_packed" if packed else key)
+        scale = find(f"{mname}.weight_scale")
         for extra in ("weight_zero_point", "weight_g_idx"):
-            e = tensors.get(f"{mname}.{extra}")
+            e = find(f"{mname}.{extra}")
             if e is not None:
                 raise QuantizationError(f"{e.file}: tensor {e.name!r} at offset {e.offset}: {extra} in a checkpoint "
                                         f"whose {where} config group {gname!r} is symmetric without act-order; "
@@ -357,8 +384,8 @@ def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str
             miss = f"{mname}.weight_packed" if packed and codes is None else (key if codes is None else f"{mname}.weight_scale")
             raise QuantizationError(f"{where}: config group {gname!r} quantizes {mname!r} ({fmt}), but the checkpoint "
                                     f"has no {miss!r}; the checkpoint does not match its config.json")
-        want_dt = (torch.int32,) if packed else (torch.int8,) if fmt == "int-quantized" else \
-            CODE_DTYPES if fmt == "float-quantized" else (torch.int8, *CODE_DTYPES)
+        typ = str(w.get("type") or "int")
+        want_dt = (torch.int32,) if packed else (torch.int8,) if typ == "int" else (torch.float8_e4m3fn,)
         want_shape = (rows, -(-cols * bits // 32)) if packed else (rows, cols)
         if codes.dtype not in want_dt or tuple(codes.shape) != want_shape:
             raise QuantizationError(f"{codes.file}: tensor {codes.name!r} at offset {codes.offset} is {codes.dtype} "
@@ -366,6 +393,15 @@ def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str
                                     f"{' or '.join(map(str, want_dt))} {list(want_shape)}; the checkpoint does not match "
                                     "its config.json")
         gs = int(w.get("group_size") or 0)
+        if strategy == "group" and (gs <= 0 or cols % gs):
+            raise QuantizationError(f"{where}: config group {gname!r} has group_size {gs}, which does not divide "
+                                    f"{key!r}'s {cols} input features (stock's dequantize fails on it too); the "
+                                    "checkpoint does not match its config.json")
+        if packed:
+            ws = find(f"{mname}.weight_shape")
+            if ws is None or tuple(ws.shape) != (2,) or ws.dtype not in (torch.int64, torch.int32):
+                raise QuantizationError(f"{where}: {fmt} codes of {mname!r} without their weight_shape (2 integers) "
+                                        "in the checkpoint; the checkpoint is incomplete")
         want_sc = {"tensor": None, "channel": (rows, 1), "group": (rows, -(-cols // gs) if gs else -1)}[strategy]
         ok = scale.dtype.is_floating_point and scale.dtype.itemsize >= 2 and (
             scale.numel == 1 if want_sc is None else tuple(scale.shape) == want_sc)
@@ -377,7 +413,8 @@ def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str
         scheme = json.dumps({k: g.get(k) for k in ("targets", "weights", "input_activations", "output_activations")},
                             sort_keys=True)
         out[key] = (codes, CtWeight(scale, (1, cols), fmt, scheme, (rows, cols)))
-    gone = {n for k, (c, d) in out.items() for n in (c.name, d.scale.name, k[: -len("weight")] + "weight_shape")}
+    gone = {n for c, d in out.values() for n in (c.name, d.scale.name)}
+    gone |= {named.get(k[: -len("weight")] + "weight_shape", k[: -len("weight")] + "weight_shape") for k in out}
     unused[:] = [n for n in unused if n not in gone]
     left = [n for n in unused if n.endswith((".weight_packed", ".weight_scale"))]
     if left:
