@@ -307,15 +307,12 @@ def test_flags_for_options() -> None:
 # A fresh interpreter that loads tiered.cli without running tiered/__init__.py (which imports tiered.api, hence
 # torch) and with a stand-in for tiered.reshard (another module's imports): what cli.py itself imports to print
 # help and usage errors, and how long each takes once the interpreter is up.
-_STANDALONE = r"""
-import json, sys, time, types
-pkg = types.ModuleType("tiered"); pkg.__path__ = [sys.argv[1]]; sys.modules["tiered"] = pkg
-fake = types.ModuleType("tiered.reshard")
-fake.add_parser = lambda sub: sub.add_parser("reshard")
-sys.modules["tiered.reshard"] = fake
+# Runs each argv of the JSON list in sys.argv[-1] through tiered.cli.main; prints each exit status and seconds, then
+# which heavy modules got imported (the last line of stdout).
+_DRIVE = r"""
 from tiered.cli import main
 out = []
-for argv in json.loads(sys.argv[2]):
+for argv in json.loads(sys.argv[-1]):
     t0 = time.perf_counter()
     try:
         code = main(argv)
@@ -325,6 +322,13 @@ for argv in json.loads(sys.argv[2]):
 heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
 print(json.dumps({"runs": out, "heavy": heavy}))
 """
+_STANDALONE = r"""
+import json, sys, time, types
+pkg = types.ModuleType("tiered"); pkg.__path__ = [sys.argv[1]]; sys.modules["tiered"] = pkg
+fake = types.ModuleType("tiered.reshard")
+fake.add_parser = lambda sub: sub.add_parser("reshard")
+sys.modules["tiered.reshard"] = fake
+""" + _DRIVE
 
 
 def test_help_and_usage_errors_import_no_torch(dirs: dict[str, Path]) -> None:
@@ -709,22 +713,8 @@ def test_inspect_io_direct_predicts_every_pass_from_the_disk(dirs: dict[str, Pat
 
 # ---------------------------------------------------------------------------------------------- inspect from headers
 
-# The real `tiered` package in a fresh interpreter: each command's exit status and seconds, then which heavy modules
-# got imported (the last line of stdout).
-_RUN_MAIN = r"""
-import json, sys, time
-from tiered.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    t0 = time.perf_counter()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out.append([argv, code, time.perf_counter() - t0])
-heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
-print(json.dumps({"runs": out, "heavy": heavy}))
-"""
+# The real `tiered` package in a fresh interpreter (_DRIVE).
+_RUN_MAIN = "import json, sys, time\n" + _DRIVE
 
 
 def _run_main(cases: list[list[str]]) -> tuple[dict, subprocess.CompletedProcess]:
