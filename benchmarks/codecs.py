@@ -13,7 +13,7 @@ Candidates (all exact; each round trip is checked byte for byte):
 * ``zipnn`` — the ``zipnn`` package's own ``compress`` (bf16/fp16/fp32 input format) where installed;
 * ``entropy`` — the order-0 entropy of each byte plane, summed: the bound an order-0 coder of grouped bytes reaches.
 
-Only the standard library, numpy, torch, zstandard (and zipnn, optional) are imported.
+Needs `pip install zstandard` (and `zipnn`, optional); otherwise numpy and torch.
 """
 
 from __future__ import annotations
