@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "TieredError",
+    "CodecError",
     "HeaderError",
     "TruncatedShardError",
     "ShardNotFoundError",
@@ -81,6 +82,11 @@ class HostMemoryError(TieredError, MemoryError):
 class UnsupportedDtypeError(TieredError, TypeError):
     """The model needs a checkpoint tensor whose dtype torch cannot compute with here (``F4``, ``F6_*``, or
     complex data for a real parameter)."""
+
+
+class CodecError(TieredError, ValueError):
+    """Losslessly coded tensor bytes that do not decode to what their table says: corrupted or truncated data, or a
+    malformed table (:mod:`tiered.lossless`)."""
 
 
 class QuantizationError(TieredError, ValueError):
