@@ -795,6 +795,42 @@ def test_inspect_errors_say_what_is_wrong(dirs: dict[str, Path], bad_dirs: dict[
             assert err.startswith("tiered: error: ") and says in err, (name, extra, err)
 
 
+def test_inspect_refuses_what_a_load_refuses_without_a_traceback(dirs: dict[str, Path], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A shard path that is a directory, a dangling symlink or a FIFO, and a quantization method tiered does not
+    decode: plain inspect (no torch) and --units both exit 1 with a message naming the file, never a traceback; a
+    tensor name with a non-ASCII digit is just a name."""
+    cfg = (dirs["notok"] / "config.json").read_text()
+    cases = {}
+    for name in ("dir", "dangling", "fifo", "bnb"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(cfg)
+        cases[name] = d
+    (cases["dir"] / "model.safetensors").mkdir()
+    (cases["dangling"] / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    os.mkfifo(cases["fifo"] / "model.safetensors")
+    shutil.copytree(dirs["notok"], cases["bnb"], dirs_exist_ok=True)
+    doc = json.loads(cfg)
+    doc["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (cases["bnb"] / "config.json").write_text(json.dumps(doc))
+    says = {"dir": "not a regular file", "dangling": "no such file", "fifo": "not a regular file",
+            "bnb": "quant_method='bitsandbytes', which tiered does not decode"}
+    for name, d in cases.items():
+        for extra in ([], ["--units"]):
+            assert main(["inspect", str(d), *extra]) == 1, (name, extra)
+            err = capsys.readouterr().err
+            assert err.startswith("tiered: error: ") and says[name] in err and "Traceback" not in err, (name, extra, err)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(cfg)
+    _raw_shard(odd / "model.safetensors", ["model.layers.\u00b2.w", "model.layers.1.w"])
+    assert main(["inspect", str(odd)]) == 0
+    from tiered import inspection, quant
+
+    assert inspection.DECODED_METHODS == quant.STREAMED
+
+
 _SAME = ("model_dir", "architecture", "shards", "tensors", "checkpoint_bytes", "dtypes", "bytes_by_dtype",
          "data_aligned_4k", "index_names_missing_from_shards")
 

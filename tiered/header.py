@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import serde_json as _serde_json
-from .errors import HeaderError, TruncatedShardError
+from .errors import HeaderError, ShardNotFoundError, TruncatedShardError
 from .serde_json import (
     _MAX_DEPTH,
     _SURROGATE_ESCAPE,
@@ -192,8 +193,28 @@ def _nbytes(path: Path, name: str, dt: str, shape: tuple[int, ...], begin: int, 
 
 
 def _read_raw(path: Path) -> tuple[int, int, bytes]:
-    """``(file size, N, the N header bytes)`` of ``path``, checked against the size cap and the file's size."""
-    with open(path, "rb") as f:
+    """``(file size, N, the N header bytes)`` of ``path``, checked against the size cap and the file's size.
+
+    Raises:
+        ShardNotFoundError: no file there (also a dangling symlink).
+        HeaderError: not a regular file (a directory, a FIFO, a device), or one the process cannot open.
+        TruncatedShardError / HeaderError: as :func:`read_header`.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ShardNotFoundError(f"{path}: no such file (a dangling symlink?); re-download or re-convert the "
+                                 "checkpoint") from None
+    except OSError as e:  # a symlink loop, a path too long, no permission on a parent
+        raise _fail(path, f"cannot be read ({e.strerror or e})", "check the path and its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _fail(path, "not a regular file (a directory, a FIFO or a device) where a safetensors shard should be",
+                    "move it aside or point at the checkpoint's real shard")
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise _fail(path, f"cannot be opened ({e.strerror or e})", "check the file's permissions") from None
+    with f:
         file_size = os.fstat(f.fileno()).st_size
         if file_size < 8:
             raise TruncatedShardError(

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .errors import QuantizationError
 from .stats import GiB, gib
 
 __all__ = ["inspect_dir", "print_inspect", "inspect_headers", "print_headers", "flags_for_options"]
@@ -487,12 +488,22 @@ def _coded_pairs(method: str, dtypes: dict[str, str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _quant_headers(cfg: dict, dtypes: dict[str, str], nbytes: dict[str, int]) -> dict | None:
+#: ``quant_method`` values tiered decodes: :data:`tiered.quant.STREAMED`, here without importing torch (a test keeps
+#: the two equal)
+DECODED_METHODS = ("fp8", "mxfp4", "compressed-tensors")
+
+
+def _quant_headers(cfg: dict, dtypes: dict[str, str], nbytes: dict[str, int], where: str = "config.json") -> dict | None:
     """The ``quantization_config`` summary from config.json and the headers: the method, ``weight_block_size``, the
     tensors of codes found with their scales and the bytes those store (codes and scales; what :func:`inspect_dir`'s
     ``"quantized"`` counts); None when config.json has none and no tensor has ``_scale_inv`` scales."""
     qc = _config_qc(cfg)
     method = (str(qc.get("quant_method", "")).lower() or None) if qc is not None else None
+    if qc is not None and method not in DECODED_METHODS:  # refused as tiered.load refuses it (tiered.quant)
+        raise QuantizationError(
+            f"{where}: quantization_config has quant_method={method or '(none)'!r}, which tiered does not decode (it "
+            f"decodes {', '.join(DECODED_METHODS)}); its tensors are codes, and loading them as weights would give "
+            "wrong numbers (`tiered inspect --units` says what would work)")
     pairs = _coded_pairs(method or "", dtypes)
     if qc is None and not pairs:
         return None
@@ -505,7 +516,7 @@ def _block_of(name: str) -> tuple[str, int] | None:
     decoder layer, a block), or None."""
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p.isdigit():
+        if p.isascii() and p.isdigit():  # ('²'.isdigit() is True and int('²') fails; torch names use ASCII digits)
             return ".".join(parts[:i]) + ".", int(p)
     return None
 
@@ -604,7 +615,7 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
         "checkpoint_bytes": sum(nbytes[n] for n in held_names),
         "dtypes": dict(counts),
         "bytes_by_dtype": dict(dtype_bytes),
-        "quantized": _quant_headers(cfg, dtypes, nbytes),
+        "quantized": _quant_headers(cfg, dtypes, nbytes, str(model_dir / "config.json")),
         "layout": _block_layout(spans),
         "data_aligned_4k": all(s["data_start"] % 4096 == 0 for s in shards),
         "default_ring": {"gb": ring / GiB, "why": ring_why},

@@ -25,7 +25,10 @@ def parse_size(size: int | str) -> int:
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _SIZE_UNITS:
             raise ValueError(f"invalid size {size!r}; use a number and a unit, e.g. 5GB, 500MB, 2GiB")
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        f = float(m.group(1)) * _SIZE_UNITS[unit]
+        if not f < 2**63:  # (also inf: 400 digits); a size no disk has
+            raise ValueError(f"size {size!r} is too large")
+        value = int(f)
     if value <= 0:
         raise ValueError(f"size must be > 0 bytes, got {size!r}")
     return value
