@@ -110,7 +110,13 @@ def _check_dst(parser: argparse.ArgumentParser, dst: str, force: bool) -> None:
     except OSError:
         return
     if not left:
-        parser.error(f"{d} exists; pass --force (force=True) to replace it")
+        from .errors import DestinationExistsError
+        from .install import _check_dst as refuse_existing  # torch-free: the converter's own check and message
+
+        try:
+            refuse_existing(d, force, [])
+        except DestinationExistsError as e:
+            parser.error(str(e))
 
 
 def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
