@@ -81,15 +81,42 @@ def test_corrupted_and_truncated_data_are_refused_naming_the_chunk() -> None:
     assert zs
     bad = bytearray(blob)
     bad[off + ln // 2] ^= 0x40
-    with pytest.raises(CodecError, match=f"f.safetensors: chunk {c} plane {i}"):
+    with pytest.raises(CodecError, match=f"f.safetensors: chunk {c} .*CRC-32"):
         decode_into(bytes(bad), coded, out, where="f.safetensors")
+    lo_raw = coded.planes[c][0]  # the raw mantissa plane: no zstd checksum, the chunk's CRC-32 still catches it
+    bad = bytearray(blob)
+    bad[lo_raw[0]] ^= 0x01
+    with pytest.raises(CodecError, match=f"chunk {c} .*corrupted"):
+        decode_into(bytes(bad), coded, out)
     with pytest.raises(CodecError, match="truncated"):
         decode_into(blob[: len(blob) // 2], coded, out)
 
 
 @pytest.mark.parametrize("table", [{"codec": "lz77"}, {"codec": CODEC, "itemsize": 2}, {
-    "codec": CODEC, "itemsize": 2, "nbytes": 8, "chunk": 2, "planes": [[[0, 1, 1], [1, 1, 0]]]}], ids=[
-    "unknown-codec", "missing-keys", "chunks-do-not-cover"])
+    "codec": CODEC, "itemsize": 2, "nbytes": 8, "chunk": 2, "slice": 4, "chunks": [[0, 1, 1]]}, {
+    "codec": CODEC, "itemsize": 2, "nbytes": 8, "chunk": 4, "slice": 4, "chunks": [[0, 1, 9]]}, {
+    "codec": CODEC, "itemsize": 2, "nbytes": 8, "chunk": 4, "slice": 4, "chunks": [[-1, 1, 1]]}, {
+    "codec": CODEC, "itemsize": 2, "nbytes": 8, "chunk": 4, "slice": 4, "chunks": [[0, 1.5, 1]]}], ids=[
+    "unknown-codec", "missing-keys", "chunks-do-not-cover", "plane-longer-than-plain", "bad-crc", "float-length"])
 def test_malformed_tables_are_refused(table: dict) -> None:
     with pytest.raises(CodecError, match="model.safetensors: .*(codec|table)"):
         Coded.from_json(table, "model.safetensors: tensor 'w'")
+
+
+def test_chunks_never_cross_a_slice_so_one_expert_decodes_alone() -> None:
+    """A stacked (E, rows, cols) tensor coded with one slice per expert: every chunk lies inside one expert, and the
+    chunks covering expert j decode exactly its bytes (a routed expert's read)."""
+    t = (torch.randn(5, 37, 11, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
+    raw = t.view(torch.uint8).numpy().reshape(-1)
+    per = 37 * 11
+    blob, coded = encode(raw, 2, chunk_bytes=2 * 100, slice_elems=per)  # 100-element chunks: 5 per expert, the last short
+    assert coded.count() == 5 * 5 == len(coded.lens)
+    for c in range(coded.count()):
+        lo, hi = coded.elements(c)
+        assert lo // per == (hi - 1) // per
+    j = 3
+    out = np.zeros(raw.size, dtype=np.uint8)
+    decode_into(blob, coded, out, coded.covering(j * per, (j + 1) * per))
+    assert np.array_equal(out[j * per * 2:(j + 1) * per * 2], raw[j * per * 2:(j + 1) * per * 2])
+    assert not out[: j * per * 2].any() and not out[(j + 1) * per * 2:].any()
+    assert list(coded.covering(0, coded.numel)) == list(range(coded.count()))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch-free at import: the command line finds weight files b
 
     from .tensor_info import Shard, SkippedTensor, TensorInfo
 
-__all__ = ["Checkpoint", "WeightFiles", "INDEX_NAME", "SINGLE_NAME", "read_index", "index_shard_paths",
+__all__ = ["Checkpoint", "WeightFiles", "INDEX_NAME", "SINGLE_NAME", "LOSSLESS_INDEX_NAME", "read_index", "index_shard_paths",
            "check_model_dir", "weight_files", "open_checkpoint", "checkpoint_dtype"]
 
 
@@ -53,6 +53,9 @@ class Checkpoint:
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: the index of a losslessly compressed checkpoint (``tiered reshard --compress``, :mod:`tiered.lossless`): another
+#: name than :data:`INDEX_NAME`, so that ``from_pretrained`` finds no weights there and refuses the directory
+LOSSLESS_INDEX_NAME = "model.lossless.index.json"
 
 
 def _read_index_doc(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
@@ -205,6 +208,7 @@ def weight_files(model_dir: str | os.PathLike[str]) -> WeightFiles:
     2. ``model.safetensors`` (even when ``model.safetensors.index.json`` is there too: a warning then says so if
        the index's shards are present);
     3. ``model.safetensors.index.json`` and the shards its ``weight_map`` names, sorted by name;
+    3b. (tiered only) :data:`LOSSLESS_INDEX_NAME` and its shards: a losslessly compressed checkpoint;
     4. ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``: transformers loads those; tiered refuses them
        (convert once with ``tiered reshard``).
 
@@ -225,6 +229,8 @@ def weight_files(model_dir: str | os.PathLike[str]) -> WeightFiles:
         return WeightFiles([root / SINGLE_NAME])
     if (root / INDEX_NAME).is_file():
         return _indexed(root, root / INDEX_NAME)
+    if (root / LOSSLESS_INDEX_NAME).is_file():
+        return _indexed(root, root / LOSSLESS_INDEX_NAME)
     torch_files = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (root / n).is_file()]
     paths = [] if torch_files else sorted(root.glob("*.safetensors"))
     if not paths:
@@ -232,6 +238,17 @@ def weight_files(model_dir: str | os.PathLike[str]) -> WeightFiles:
         hint = f" (found {', '.join(found[:3])}: convert it with `tiered reshard`)" if found else ""
         raise ShardNotFoundError(f"{root}: no safetensors checkpoint{hint}")
     return WeightFiles(paths)
+
+
+def _read_shard(path: Path) -> Shard:
+    """:func:`read_header`, with a losslessly compressed shard's coded entries seen as the tensors they decode to
+    (:func:`tiered.lossless.logical_shard`)."""
+    shard = read_header(path)
+    if shard.metadata and any(k.startswith("tiered_lossless") for k in shard.metadata):
+        from .lossless import logical_shard
+
+        shard = logical_shard(shard)
+    return shard
 
 
 def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
@@ -260,7 +277,7 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     files = weight_files(model_dir)
     ckpt = Checkpoint(root=Path(model_dir), shards=[])
     for p in files.paths:
-        shard = read_header(p)
+        shard = _read_shard(p)
         ckpt.shards.append(shard)
         found: list[TensorInfo | SkippedTensor] = [*shard.tensors.values(), *shard.skipped.values()]
         for t in found:
@@ -302,7 +319,7 @@ def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype:
             raise ConfigError(f"{files.index}: metadata dtype {name!r} is not a floating-point torch dtype; fix it, "
                               "or pass dtype=")
         return dt
-    shard = read_header(files.paths[0])
+    shard = _read_shard(files.paths[0])
     first = {**shard.tensors, **shard.skipped}
     names = sorted(first)
     floats = [n for n in names if n in shard.tensors and shard.tensors[n].dtype.is_floating_point

@@ -161,6 +161,8 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
+    if any(getattr(c.src, "coded", None) is not None for c in tgt.copies):
+        return None  # losslessly coded (tiered.lossless): read and decoded with the unit, not expert by expert
     if any(isinstance(c.decode, quant.Mxfp4Block) for c in tgt.copies):  # gpt-oss's packed experts: per expert
         c = tgt.copies[0]
         if len(tgt.copies) != 1 or c.place is not None or rows is not None or len(c.src.shape) != 4 \

@@ -55,8 +55,9 @@ class Copy:
 
     @property
     def nbytes(self) -> int:
-        """Checkpoint bytes this copy reads (the codes and their scales)."""
-        return self.src.nbytes + (self.decode.scale.nbytes if self.decode is not None else 0)
+        """Checkpoint bytes this copy reads (the codes and their scales; a losslessly coded tensor's coded bytes)."""
+        n = getattr(self.src, "stored", 0) or self.src.nbytes  # tiered.lossless.LosslessInfo.stored
+        return n + (self.decode.scale.nbytes if self.decode is not None else 0)
 
 
 @dataclass

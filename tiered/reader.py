@@ -48,10 +48,11 @@ import numpy as np
 import torch
 
 from . import faults, quant
-from .errors import ConfigError, TruncatedShardError
+from .errors import ConfigError, TieredError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
 from .hostmem import anon_mapping, map_tensor, try_unmap
+from .lossless import LosslessInfo, decode_chunk
 from .plan import Unit
 from .shard_map import ShardMap
 
@@ -82,7 +83,8 @@ def zero_copy_eligible(unit: Unit) -> bool:
     if unit.converts or not unit.targets:
         return False
     for t in unit.targets:
-        if len(t.copies) != 1 or t.copies[0].place is not None or t.copies[0].decode is not None:
+        if len(t.copies) != 1 or t.copies[0].place is not None or t.copies[0].decode is not None \
+                or isinstance(t.copies[0].src, LosslessInfo):  # coded bytes on the mapping: decoded into the ring
             return False
         s = t.copies[0].src
         if s.dtype != t.dtype or tuple(s.shape) != tuple(t.shape) or s.offset % max(1, s.dtype.itemsize):
@@ -142,6 +144,13 @@ class Reader:
     ):
         if io not in ("mmap", "direct", "pread"):
             raise ConfigError(f"io={io!r}: use 'mmap' (page cache), 'pread' (page cache, read(2)) or 'direct' (O_DIRECT)")
+        coded = next((t for t in ckpt.tensors.values() if isinstance(t, LosslessInfo)), None)
+        if coded is not None:
+            try:
+                import zstandard  # noqa: F401
+            except ImportError:
+                raise TieredError(f"{coded.file}: a losslessly compressed checkpoint (`tiered reshard --compress`) "
+                                  "needs the zstandard package: pip install 'tiered[compress]'") from None
         self.io = io
         # drop_pages=False is the naive loader (plain mmap, no advice at all): the counter-proof of the RSS bound
         self.maps = {s.path: ShardMap(s.path, sequential=drop_pages) for s in ckpt.shards}
@@ -458,6 +467,9 @@ class Reader:
             if dec is not None:  # float8 codes and their block scales: decoded on the reader threads
                 self._submit_decode(jobs, unit, src, dest, dec, backend)
                 continue
+            if isinstance(src, LosslessInfo):  # losslessly coded: chunk by chunk, decoded into place
+                self._submit_lossless(jobs, unit, src, dest, backend)
+                continue
             size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
             if self.io != "mmap":  # a piece must fit the per-thread staging buffer
                 size = min(size, DIRECT_CHUNK)
@@ -467,6 +479,76 @@ class Reader:
                     self._submit(jobs, unit, src, dest, lo, min(n, lo + step), backend)
             else:
                 self._submit(jobs, unit, src, dest, 0, n, backend)
+
+    def _submit_lossless(self, jobs: list[Future], unit: Unit, src: LosslessInfo, dest: torch.Tensor,
+                         backend: str) -> None:
+        """Queue the decode of ``src``'s coded chunks (:mod:`tiered.lossless`) into ``dest``, one task per chunk (a
+        non-contiguous ``dest`` or a cast: each chunk through a temporary; a non-contiguous one: one task for the
+        tensor)."""
+        if not dest.is_contiguous():
+            fut: Future = Future()
+            jobs.append(fut)
+            self.pool.submit(_run_job, fut, self._lossless_whole, (unit, src, dest, backend))
+            return
+        for c in range(len(src.coded.lens)):
+            fut = Future()
+            jobs.append(fut)
+            self.pool.submit(_run_job, fut, self._lossless_task, (unit, src, dest, c, backend))
+
+    def _coded_buf(self, n: int, name: str) -> torch.Tensor:
+        """This reader thread's buffer ``name`` of at least ``n`` bytes (uint8; grown, never shrunk)."""
+        buf = getattr(self._local, name, None)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
+            setattr(self._local, name, buf)
+        return buf[:n]
+
+    def _read_chunk(self, src: LosslessInfo, c: int, backend: str) -> torch.Tensor:
+        """Chunk ``c``'s coded bytes of ``src``, read with ``backend`` into this thread's coded buffer."""
+        start, length = src.coded.chunk_span(c)
+        buf = self._coded_buf(length, "coded")
+        sub = TensorInfo(src.name, torch.uint8, (length,), src.file, src.offset + start, length)
+        step = DIRECT_CHUNK if backend != "mmap" else _CHUNK
+        for lo in range(0, length, step):
+            self._copy(sub, buf, lo, min(length, lo + step), backend)
+        return buf
+
+    def _lossless_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, c: int, backend: str | None) -> None:
+        """A reader thread: read chunk ``c`` of ``src`` and decode it into its elements of ``dest`` (contiguous)."""
+        backend = backend or self.io
+        start = src.offset + src.coded.chunk_span(c)[0]
+        t0 = time.perf_counter()
+        faults.hit("read", unit=unit.name, tensor=src.name, offset=start, io=backend)
+        body = self._read_chunk(src, c, backend)
+        took = time.perf_counter() - t0
+        lo, hi = src.coded.elements(c)
+        isz = src.dtype.itemsize
+        if dest.dtype == src.dtype:
+            out = dest.reshape(-1).view(torch.uint8)[lo * isz: hi * isz]
+        else:  # a cast: the chunk's plain bytes first, then copy_ casts them
+            out = self._coded_buf((hi - lo) * isz, "plain")
+        decode_chunk(body.numpy(), src.coded, c, out.numpy(), where=f"{src.file}: tensor {src.name!r}", at=start)
+        if dest.dtype != src.dtype:
+            dest.reshape(-1)[lo:hi].copy_(out.view(src.dtype))
+        if self.adapt and self.choice is None:
+            self._measured(backend, body.numel(), took)
+
+    def _lossless_whole(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, backend: str | None) -> None:
+        """A reader thread: decode all of ``src`` into a temporary, then copy it into ``dest`` (any strides)."""
+        dest.copy_(self.decode_whole(src, backend or self.io, unit.name).view(dest.shape))
+
+    def decode_whole(self, src: LosslessInfo, backend: str | None = None, unit: str = "") -> torch.Tensor:
+        """All of ``src`` decoded into a new tensor of its dtype and shape, on the calling thread."""
+        backend = backend or self.io
+        plain = torch.empty(src.nbytes, dtype=torch.uint8)
+        for c in range(len(src.coded.lens)):
+            start = src.offset + src.coded.chunk_span(c)[0]
+            faults.hit("read", unit=unit, tensor=src.name, offset=start, io=backend)
+            body = self._read_chunk(src, c, backend)
+            lo, hi = src.coded.chunk_range(c)
+            decode_chunk(body.numpy(), src.coded, c, plain[lo:hi].numpy(), where=f"{src.file}: tensor {src.name!r}",
+                         at=start)
+        return plain.view(src.dtype).view(src.shape)
 
     def _decoded(self, n: int) -> None:
         with self._stage_lock:
@@ -561,7 +643,9 @@ class Reader:
         for pat, infos in conv.sources.items():
             for info in infos:
                 faults.hit("read", unit=unit.name, tensor=info.name, offset=info.offset)
-                c.collected_tensors[pat].append(self.maps[info.file].tensor(info).to(first.dtype))
+                whole = self.decode_whole(info, "mmap", unit.name) if isinstance(info, LosslessInfo) \
+                    else self.maps[info.file].tensor(info)
+                c.collected_tensors[pat].append(whole.to(first.dtype))
         out = c.convert(conv.layer_name)
         for key, value in out.items():
             tgt = by_key.get(key)
@@ -570,7 +654,8 @@ class Reader:
         if self.drop_pages:
             for infos in conv.sources.values():
                 for info in infos:
-                    self.maps[info.file].drop(info.offset, info.nbytes, page_cache=self.drop_page_cache)
+                    self.maps[info.file].drop(info.offset, getattr(info, "stored", 0) or info.nbytes,
+                                              page_cache=self.drop_page_cache)
 
     def close(self) -> None:
         """Stop the reader threads, close the shards. Idempotent: an interrupted close is finished by the next."""

@@ -92,6 +92,8 @@ def row_eligible(unit: Unit) -> bool:
     src = t.copies[0].src
     if tuple(src.shape) != tuple(t.shape) or len(t.shape) != 2 or src.dtype.is_complex != t.dtype.is_complex:
         return False
+    if getattr(src, "coded", None) is not None:  # losslessly coded (tiered.lossless): read and decoded whole
+        return False
     if m.max_norm is not None or m.sparse:
         return False
     if foreign_forward(m):  # another library's wrapper would see the renumbered ids (tiered/guard.py)
