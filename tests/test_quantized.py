@@ -1007,3 +1007,21 @@ def test_cuda_compressed_tensors_equal_stock_on_the_gpu(ct_dirs: dict[str, Path]
         if kw:
             assert m._tiered.plan.stored
     assert torch.equal(got, ref)
+
+
+def test_a_plain_checkpoint_loads_without_the_compressed_tensors_package(ckpts, monkeypatch) -> None:
+    """The H200 image has no compressed-tensors: a plain model must not import it (a 2026-12-03 device run of every
+    plain `tiered.load` failed with ModuleNotFoundError in ct_forward)."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ct(name, *a, **k):
+        if name.startswith("compressed_tensors"):
+            raise ModuleNotFoundError("No module named 'compressed_tensors'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ct)
+    ids = make_ids(1, (1, 5))
+    with tiered.load(ckpts["llama"]) as m:
+        assert logits_of(m, ids).shape[-1] > 0

@@ -456,7 +456,10 @@ def decode_ct(codes: torch.Tensor, scale: torch.Tensor, dec: CtWeight, out: torc
 def ct_forward(model: Any, coded: dict[str, tuple[TensorInfo, Any]]) -> None:
     """Give each module whose weight decodes from a compressed-tensors scheme with dynamic input activations stock's
     forward: the package's ``set_forward_quantized`` with the module's scheme, status ``decompressed`` (its input is
-    quantized and dequantized per call, as stock's model does; the weight is used as decoded)."""
+    quantized and dequantized per call, as stock's model does; the weight is used as decoded). Imports the package
+    only when some weight is a compressed-tensors one (a plain checkpoint loads without it)."""
+    if not any(isinstance(dec, CtWeight) for _, dec in coded.values()):
+        return
     from compressed_tensors.quantization import QuantizationScheme, QuantizationStatus
     from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
 
