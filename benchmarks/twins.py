@@ -16,6 +16,9 @@ then quantized first), so a drift of the machine hits both alike. Modes:
 * ``warm`` — the host tier given (``--host-gb``): what it holds is read once at load and copied from pinned memory
   every pass.
 
+``--quant lossless`` (issue 25): the other checkpoint is the twin itself through ``tiered reshard --compress``
+(losslessly compressed shards, decoded after the read); ``--stock`` then runs stock on the twin.
+
 ``--stock`` adds one run of stock transformers on the quantized checkpoint (``FineGrainedFP8Config(dequantize=True)``
 or ``Mxfp4Config(dequantize=True)``, no limit): the quantized runs' tokens must equal it.
 
@@ -52,6 +55,12 @@ FIGURES = ("decode_s_per_token_median", "load_s", "streamed_gb_per_token", "h2d_
 def _make(args: argparse.Namespace, quant: bool) -> Path:
     out = Path(args.cache_dir) / (f"{args.arch}-L{args.layers}-s{args.scale:g}-{args.experts}-"
                                   + (args.quant if quant else args.dtype))
+    if quant and args.quant == "lossless":  # the twin itself, through `tiered reshard --compress` (issue 25)
+        twin = _make(args, False)
+        if not out.exists():
+            subprocess.run([sys.executable, "-m", "tiered.reshard", str(twin), str(out), "--compress", "--quiet"],
+                           check=True, cwd=ROOT)
+        return out
     cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--arch", args.arch, "--dtype", args.dtype,
            "--layers", str(args.layers), "--scale", str(args.scale), "--experts", args.experts, "--quiet", str(out)]
     if quant:
@@ -97,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--quant", default="fp8", choices=["fp8", "mxfp4"],
-                   help="make_checkpoint.py --quant of the quantized checkpoint (mxfp4: --arch gpt-oss-120b)")
+    p.add_argument("--quant", default="fp8", choices=["fp8", "mxfp4", "lossless"],
+                   help="make_checkpoint.py --quant of the quantized checkpoint (mxfp4: --arch gpt-oss-120b); "
+                        "lossless: the twin through `tiered reshard --compress` (issue 25; --stock then runs stock "
+                        "on the twin, whose tokens the compressed runs must equal)")
     p.add_argument("--experts", default="stacked", choices=["stacked", "per-expert"],
                    help="make_checkpoint.py --experts (an FP8 MoE needs per-expert); both twins get the same")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -141,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
 
     if args.stock:
-        spec = {"system": "transformers", "model_dir": str(twins["fp8"]), "prompt_ids": ids,
+        spec = {"system": "transformers", "model_dir": str(twins["twin" if args.quant == "lossless" else "fp8"]),
+                "prompt_ids": ids,
                 "new_tokens": args.new_tokens, "device": args.device}
         report["stock"] = _run(args, work, spec, None)
         print(f"stock: {report['stock'].get('status')} tokens {report['stock'].get('tokens_out')}", flush=True)
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[mode] = m
     report["summary"] = summary
     save()
-    lines = [f"# {args.arch} L{args.layers} scale {args.scale:g}: fp8 against its {args.dtype} twin "
+    lines = [f"# {args.arch} L{args.layers} scale {args.scale:g}: {args.quant} (rows 'fp8') against its {args.dtype} twin "
              f"({args.device}, gpu_gb={args.gpu_gb}, memory.max {args.mem_limit_gb} GiB, {args.rounds} rounds)", "",
              "| mode | twin s/token | fp8 s/token | speed-up | disk bytes/token fp8/twin | H2D bytes/token fp8/twin | "
              "host-expert bytes fp8/twin | tokens = stock |", "|---|---|---|---|---|---|---|---|"]

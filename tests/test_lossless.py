@@ -1,7 +1,11 @@
-"""Lossless coding of tensor bytes (issue 25, tiered/lossless.py): every dtype's bytes come back exactly, chunk by
-chunk; corrupted or truncated data and malformed tables are refused naming the chunk and plane."""
+"""Losslessly compressed shards (issue 25, tiered/lossless.py): every dtype's bytes come back exactly, chunk by
+chunk; corrupted or truncated data and malformed tables are refused naming the chunk and plane; `tiered.load` of
+`tiered reshard --compress` output equals stock on the plain checkpoint bit for bit. (The converter's own tests:
+tests/test_reshard.py.)"""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -120,3 +124,154 @@ def test_chunks_never_cross_a_slice_so_one_expert_decodes_alone() -> None:
     assert np.array_equal(out[j * per * 2:(j + 1) * per * 2], raw[j * per * 2:(j + 1) * per * 2])
     assert not out[: j * per * 2].any() and not out[(j + 1) * per * 2:].any()
     assert list(coded.covering(0, coded.numel)) == list(range(coded.count()))
+
+
+# ---------------------------------------------------------------------------------------------- loading coded shards
+# tiered.load on `tiered reshard --compress` output: every kind of unit, io backend, tier and cast gives stock's
+# logits on the plain source bit for bit; the bytes read are the coded ones; corruption is an error naming the place.
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import transformers  # noqa: E402
+
+import tiered  # noqa: E402
+from conftest import STOCK, logits_of, make_ids, streaming_ring_gb  # noqa: E402
+from tiered import lossless  # noqa: E402
+from tiered.errors import TieredError  # noqa: E402
+from tiered.format import open_checkpoint  # noqa: E402
+from tiered.lossless import META_KEY, VERSION_KEY, LosslessInfo, logical_shard  # noqa: E402
+
+
+def _compressed(ckpts, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """``tiered reshard --compress`` of session checkpoint ``name`` (written once per session)."""
+    out = tmp_path_factory.getbasetemp() / f"lossless-{name}"
+    if not out.exists():
+        with pytest.MonkeyPatch.context() as mp:  # the test models' tensors are small: code them, in several chunks
+            mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+            mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 4096)
+            tiered.reshard(ckpts[name], out, compress=True, quiet=True)
+    return out
+
+
+def _coded(d: Path) -> list[LosslessInfo]:
+    return [t for t in open_checkpoint(d).tensors.values() if isinstance(t, LosslessInfo)]
+
+
+def _ring(path: Path) -> float:
+    """A ring (GiB) that streams ``path``'s model (:func:`conftest.streaming_ring_gb` of a probe load)."""
+    with tiered.load(path) as probe:
+        return streaming_ring_gb(probe)
+
+
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream"}, {"ring_gb": "stream", "io": "direct"},
+                                {"ring_gb": "stream", "io": "pread"}, {"ring_gb": "stream", "host_gb": 0.0002}],
+                         ids=["resident", "streamed-mmap", "streamed-direct", "streamed-pread", "host-tier"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gptj", "llama_tied_single"])
+def test_compressed_shards_load_bitwise_equal_to_stock(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
+    """Coded tensors are decoded on the reader threads into the ring slot (or the host tier's), whatever the unit:
+    dense layers, a row-read embedding (read whole when coded), MoE experts (read with their unit when coded), tied
+    weights; stock's logits on the plain checkpoint, bit for bit."""
+    d = _compressed(ckpts, tmp_path_factory, name)
+    assert len(_coded(d)) >= 5  # most weights are coded: a decode that went wrong would show
+    ids = make_ids(1, (2, 9))
+    ref = logits_of(STOCK(ckpts[name]), ids)
+    kw = {**kw, "ring_gb": _ring(d)} if kw.get("ring_gb") == "stream" else kw
+    with tiered.load(d, **kw) as m:
+        got = logits_of(m, ids)
+        st = tiered.stats(m)
+    assert torch.equal(got, ref)
+    if kw.get("ring_gb") and "host_gb" not in kw:  # every pass read the coded bytes, not the plain ones
+        coded = {t.name: t for t in _coded(d)}
+        assert 0 < st.streamed_bytes < sum(t.nbytes for t in open_checkpoint(d).tensors.values())
+        assert sum(t.stored_bytes for t in coded.values()) <= st.streamed_bytes + sum(
+            t.nbytes for t in open_checkpoint(d).tensors.values() if not isinstance(t, LosslessInfo))
+
+
+def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
+    """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
+    d = _compressed(ckpts, tmp_path_factory, "llama_fp32")
+    ids = make_ids(2, (2, 7))
+    ref = logits_of(STOCK(ckpts["llama_fp32"], dtype=torch.bfloat16), ids)
+    with tiered.load(d, dtype=torch.bfloat16, ring_gb=_ring(d)) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+
+
+def test_compressed_encoder_and_conversion_models_equal_stock(ckpts, tmp_path_factory) -> None:
+    """An encoder (BERT, fp32) and a MoE whose experts transformers converts at load (Qwen3-MoE per-expert tensors
+    stacked by a WeightConverter: the conversion decodes its coded sources whole)."""
+    d = _compressed(ckpts, tmp_path_factory, "bert")
+    ids = make_ids(3, (2, 6))
+    with torch.no_grad():
+        ref = STOCK(ckpts["bert"], auto=transformers.AutoModel)(ids).last_hidden_state
+        with tiered.load(d) as m:
+            assert torch.equal(m(ids).last_hidden_state, ref)
+    d = _compressed(ckpts, tmp_path_factory, "qwen3_moe")
+    ref = logits_of(STOCK(ckpts["qwen3_moe"]), ids)
+    with tiered.load(d, ring_gb=_ring(d)) as m:
+        assert torch.equal(logits_of(m, ids), ref)
+
+
+def test_a_corrupted_chunk_is_an_error_naming_file_tensor_and_offset(ckpts, tmp_path_factory, tmp_path) -> None:
+    d = Path(shutil.copytree(_compressed(ckpts, tmp_path_factory, "llama"), tmp_path / "bad"))
+    t = max(_coded(d), key=lambda t: t.stored_bytes)
+    start, length = t.coded.chunk_span(0)
+    with open(t.file, "r+b") as f:  # one flipped bit in the middle of the first chunk
+        f.seek(t.offset + start + length // 2)
+        b = f.read(1)
+        f.seek(t.offset + start + length // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CodecError, match=rf"{t.file.name}: tensor '{t.name}'.*chunk 0 .*{t.offset + start}"):
+        with tiered.load(d, ring_gb=_ring(d)) as m:
+            logits_of(m, make_ids(0, (1, 4)))
+
+
+def test_unknown_version_and_bad_tables_are_refused_before_any_read(ckpts, tmp_path_factory) -> None:
+    shard = next(s for s in open_checkpoint(_compressed(ckpts, tmp_path_factory, "llama")).shards
+                 if any(isinstance(t, LosslessInfo) for t in s.tensors.values()))
+    from tiered.format import read_header
+
+    raw = read_header(shard.path)
+    with pytest.raises(CodecError, match="format version '2'"):
+        logical_shard(dataclasses.replace(raw, metadata={**raw.metadata, VERSION_KEY: "2"}))
+    tables = json.loads(raw.metadata[META_KEY])
+    name = next(iter(tables))
+    tables[name]["shape"] = [s + 1 for s in tables[name]["shape"]]
+    with pytest.raises(CodecError, match=f"tensor '{name}'.*plain"):
+        logical_shard(dataclasses.replace(raw, metadata={**raw.metadata, META_KEY: json.dumps(tables)}))
+
+
+def test_without_zstandard_the_load_says_what_to_install(ckpts, tmp_path_factory, monkeypatch) -> None:
+    import builtins
+
+    d = _compressed(ckpts, tmp_path_factory, "llama")
+    real = builtins.__import__
+
+    def no_zstd(name, *a, **k):
+        if name == "zstandard":
+            raise ImportError("no zstandard")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_zstd)
+    with pytest.raises(TieredError, match=r"tiered\[compress\]"):
+        tiered.load(d)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "host_gb": 0.0002}],
+                         ids=["resident", "streamed", "host-tier"])
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_cuda_compressed_shards_equal_stock_on_the_gpu(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
+    """On the GPU: coded chunks decoded on the reader threads into the pinned ring slot, then the H2D copy; against
+    stock on the same GPU, bit for bit."""
+    d = _compressed(ckpts, tmp_path_factory, name)
+    ids = make_ids(3, (2, 8))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(ckpts[name]).eval().to("cuda")
+    ref = logits_of(ref_model, ids.cuda())
+    del ref_model
+    kw = {**kw, "ring_gb": _ring(d)} if kw.get("ring_gb") == "stream" else kw
+    with tiered.load(d, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
+        got = logits_of(m, ids.cuda())
+    assert torch.equal(got, ref)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import importlib
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,9 +31,11 @@ from safetensors.torch import load_file, save_file
 
 import tiered
 from tiered.cli import inspect_dir
-from tiered.errors import DuplicateTensorError, ShardNotFoundError, TieredError
+from tiered.errors import CodecError, DuplicateTensorError, ShardNotFoundError, TieredError
 from tiered.experts import find_experts
 from tiered.format import open_checkpoint, read_header
+from tiered.lossless import DEFAULT_CHUNK_BYTES, FORMAT_VERSION, META_KEY, VERSION_KEY, LosslessInfo
+from tiered.lossless import INDEX_NAME as LOSSLESS_INDEX
 from tiered.meta import build_meta_model
 from tiered.plan import build_plan
 
@@ -471,7 +476,8 @@ KILL_CHILD = textwrap.dedent(
     rs = importlib.import_module("tiered.reshard")
     writer = importlib.import_module("tiered.reshard.writer")
     src, dst, marker, cli = sys.argv[1:5]
-    force = sys.argv[5:] == ["force"]
+    force = "force" in sys.argv[5:]
+    compress = "compress" in sys.argv[5:]
     calls = [0]
 
     def stall(real):
@@ -487,15 +493,16 @@ KILL_CHILD = textwrap.dedent(
     writer._pwrite = stall(writer._pwrite)
     writer._copy_range = stall(writer._copy_range)
     if cli == "1":
-        sys.exit(rs.main([src, dst, "--quiet"] + ["--force"] * force))
-    rs.reshard(src, dst, quiet=True, force=force)
+        sys.exit(rs.main([src, dst, "--quiet"] + ["--force"] * force + ["--compress"] * compress))
+    rs.reshard(src, dst, quiet=True, force=force, compress=compress)
     """
 )
 
 
-def _start_and_wait(src: Path, dst: Path, marker: Path, cli: bool, force: bool = False) -> subprocess.Popen:
+def _start_and_wait(src: Path, dst: Path, marker: Path, cli: bool, force: bool = False,
+                    compress: bool = False) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(src), str(dst), str(marker), "1" if cli else "0",
-                          *(["force"] if force else [])],
+                          *(["force"] if force else []), *(["compress"] if compress else [])],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -1015,3 +1022,278 @@ def test_the_whole_model_directory_is_kept(minilm_dir: Path, tmp_path: Path) -> 
     want = st.SentenceTransformer(str(src), device="cpu").encode(["a sentence"], convert_to_tensor=True)
     got = st.SentenceTransformer(str(out), device="cpu").encode(["a sentence"], convert_to_tensor=True)
     assert got.shape == want.shape
+
+
+# ---------------------------------------------------------------------------------------------- --compress / --decompress
+# Issue 25's converter: compressed shards (tiered/lossless.py's format) and back. The checkpoints here have tensors of
+# 64 KiB and more (the tiny ones above have none, so nothing would be coded).
+
+rs_layout = importlib.import_module("tiered.reshard.layout")
+rs_compress = importlib.import_module("tiered.reshard.compress")
+
+
+@pytest.fixture(scope="module")
+def llama_z(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama of 3.4 MB in bf16, weights N(0, 0.02) (a trained model's scale), sharded: tensors of 64-512 KiB."""
+    pytest.importorskip("zstandard")
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama_z") / "model", seed=25,
+                             dtype=torch.bfloat16, max_shard_size="600KB", std=0.02)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    """Every file under ``d`` by relative path -> its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _assert_same_files(got: Path, want: Path) -> None:
+    g, w = _files(got), _files(want)
+    assert sorted(g) == sorted(w)
+    for name in w:
+        assert g[name] == w[name], f"{name} differs"
+
+
+def _check_compressed(d: Path) -> dict[str, object]:
+    """``d`` is a compressed checkpoint: its index, no stock index, 4 KiB-aligned data, valid tables; returns the
+    tensors as the loader sees them (open_checkpoint: coded ones as LosslessInfo)."""
+    assert (d / LOSSLESS_INDEX).is_file() and not (d / rs.INDEX_NAME).exists()
+    index = json.loads((d / LOSSLESS_INDEX).read_text())
+    meta = index["metadata"]
+    assert meta["format"] == "tiered-lossless" and meta["version"] == FORMAT_VERSION
+    stored = 0
+    for f in sorted(d.glob("*.safetensors")):
+        sh = read_header(f)
+        assert sh.data_start % 4096 == 0 and sh.metadata[VERSION_KEY] == FORMAT_VERSION and META_KEY in sh.metadata
+        stored += sum(t.nbytes for t in sh.tensors.values())
+    ckpt = open_checkpoint(d)
+    assert meta["stored_size"] == stored and meta["total_size"] == ckpt.nbytes
+    assert set(index["weight_map"]) == set(ckpt.tensors)
+    return ckpt.tensors
+
+
+def test_compress_round_trip_is_bitwise(llama_z: Path, tmp_path: Path) -> None:
+    """plain reshard = compress then decompress, file for file (shards, index, copied files); the compressed shards
+    hold bf16 N(0, 0.02) weights in under 0.75 of their bytes, and verify decodes every coded tensor from disk."""
+    a = _reshard(llama_z, tmp_path / "a", max_shard_size="1MB")
+    s = _reshard(llama_z, tmp_path / "b", max_shard_size="1MB", compress=True, verify=True)
+    c = _reshard(tmp_path / "b", tmp_path / "c", max_shard_size="1MB", decompress=True, verify=True)
+    _assert_same_files(tmp_path / "c", tmp_path / "a")
+    _assert_bit_equal(_tensors(tmp_path / "c"), _tensors(llama_z))
+    infos = _check_compressed(tmp_path / "b")
+    coded = {n for n, t in infos.items() if isinstance(t, LosslessInfo)}
+    assert coded == {n for n, t in infos.items() if t.nbytes >= 64 << 10} and len(coded) == s.coded_tensors == 16
+    ratio = s.stored_bytes / s.data_bytes
+    print(f"llama_z bf16 N(0, 0.02): compressed to {ratio:.3f} of {s.data_bytes} bytes")
+    assert ratio < 0.75 and s.data_bytes == a.data_bytes == c.data_bytes and c.stored_bytes is None
+    assert f"compressed: {ratio:.3f} of" in str(s) and "compressed" not in str(c) and s.kernel_copy_bytes == 0
+    assert s.shards == a.shards and s.file_bytes < a.file_bytes
+    # deterministic: a second run writes the same bytes (the coder's threads finish in any order)
+    _reshard(llama_z, tmp_path / "b2", max_shard_size="1MB", compress=True)
+    _assert_same_files(tmp_path / "b2", tmp_path / "b")
+    # one coded shard file as SRC decodes too (its tables read as the loader reads them)
+    one = sorted((tmp_path / "b").glob("*.safetensors"))[1]
+    _reshard(one, tmp_path / "one")
+    got, want = _tensors(tmp_path / "one"), _tensors(tmp_path / "a")
+    assert got and set(got) & coded
+    _assert_bit_equal(got, {k: want[k] for k in got})
+    # compressing a compressed checkpoint again decodes and codes it again: the same bytes
+    _reshard(tmp_path / "b", tmp_path / "b3", max_shard_size="1MB", compress=True)
+    _assert_same_files(tmp_path / "b3", tmp_path / "b")
+
+
+def test_compress_with_a_cast(minilm_dir: Path, tmp_path: Path) -> None:
+    """all-MiniLM-L6-v2 (fp32) cast to bf16 while compressing, then decompressed: every file equals a plain
+    ``dtype="bf16"`` reshard's (config.json with its new dtype, the tokenizer, 1_Pooling/)."""
+    pytest.importorskip("zstandard")
+    _reshard(minilm_dir, tmp_path / "a", dtype="bf16")
+    s = _reshard(minilm_dir, tmp_path / "b", dtype="bf16", compress=True)
+    _reshard(tmp_path / "b", tmp_path / "c", decompress=True)
+    _assert_same_files(tmp_path / "c", tmp_path / "a")
+    _check_compressed(tmp_path / "b")
+    ratio = s.stored_bytes / s.data_bytes
+    print(f"all-MiniLM-L6-v2 cast to bf16: compressed to {ratio:.3f} of {s.data_bytes} bytes")
+    assert s.cast > 0 and s.coded_tensors > 0 and ratio < 0.75
+
+
+def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Uniformly random bits (NaN payloads, infinities, subnormals, both zeros), the special values in front."""
+    g = torch.Generator().manual_seed(seed)
+    isz = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * isz,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw &= 1
+    t = raw.view(dtype)
+    if dtype.is_floating_point and t.numel() >= 6:
+        t[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40]).to(dtype)
+    return t.reshape(shape)
+
+
+def test_compress_every_dtype_bitwise(tmp_path: Path, monkeypatch) -> None:
+    """Every dtype, random bits (which seldom shrink: written plain) and N(0, 0.02) floats (coded), odd lengths,
+    small and zero-size tensors, a stacked (E, ...) tensor: compress then decompress gives the plain reshard's bytes.
+    Chunks of 8 KiB and source windows of 50,000 bytes, so windows end inside chunks and tensors have many chunks."""
+    pytest.importorskip("zstandard")
+    from tiered import lossless
+
+    small = functools.partial(lossless.chunk_geometry, chunk_bytes=8192)
+    monkeypatch.setattr(rs_layout, "chunk_geometry", small)
+    monkeypatch.setattr(rs_compress, "chunk_geometry", small)
+    monkeypatch.setattr(rs_writer, "CHUNK_BYTES", 50_000)
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+    g = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, dt in enumerate(dtypes):
+        name = str(dt).removeprefix("torch.")
+        tensors[f"bits.{name}"] = _random_bits(dt, (70_001,), seed=i)  # odd, >= 64 KiB at any itemsize
+        tensors[f"rows.{name}"] = _random_bits(dt, (7, 3), seed=100 + i)  # small: plain
+        tensors[f"empty.{name}"] = torch.empty((0, 5), dtype=dt)
+        if dt.is_floating_point:
+            n = (torch.randn(301, 257, generator=g) * 0.02).to(dt)  # odd rows; fp8: 77 KB
+            n[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40]).to(dt) if dt != torch.float8_e4m3fn \
+                else torch.tensor([float("nan"), 448.0, -0.0, 1e-3]).to(dt)
+            tensors[f"normal.{name}"] = n
+    tensors["experts.gate_up_proj"] = (torch.randn(8, 64, 96, generator=g) * 0.02).to(torch.bfloat16)  # (E, H, 2F)
+    tensors["vec.float32"] = torch.randn(30_000, generator=g) * 0.02  # its U8 entry renders longer than [30000]
+    tensors["experts.empty"] = torch.empty((4, 0, 3), dtype=torch.bfloat16)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, src / "model.safetensors")
+    _reshard(src, tmp_path / "a")
+    s = _reshard(src, tmp_path / "b", compress=True, verify=True)
+    _reshard(tmp_path / "b", tmp_path / "c", decompress=True, verify=True)
+    _assert_same_files(tmp_path / "c", tmp_path / "a")
+    got = _tensors(tmp_path / "c")
+    assert set(got) == set(tensors)
+    for k, want in tensors.items():
+        assert got[k].dtype == want.dtype and got[k].shape == want.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), k
+        assert want.numel() == 0 or want.reshape(-1).view(torch.uint8).any(), k
+    infos = _check_compressed(tmp_path / "b")
+    coded = {n: t.coded for n, t in infos.items() if isinstance(t, LosslessInfo)}
+    assert {f"normal.{d}" for d in ("float16", "bfloat16", "float32", "float64")} | {"vec.float32"} <= set(coded)
+    assert not any(n.startswith(("rows.", "empty.")) for n in coded)  # small ones stay plain
+    for n in ("bits.bfloat16", "bits.float32", "bits.int64", "bits.uint8"):
+        assert n not in coded  # random bits do not shrink: written plain (the bf16 one over its coded bytes)
+    assert s.coded_tensors == len(coded) and any("written plain" in note for note in s.notes)
+    e = coded["experts.gate_up_proj"]
+    assert e.slice == 64 * 96 and e.count() == 8 * e.per_slice and e.chunk % 96 == 0  # one expert per slice, rows
+    assert coded["normal.float32"].chunk == 8192 // 4 // 257 * 257  # whole rows of the last dimension
+
+
+def test_compressed_directory_is_refused_by_from_pretrained(llama_z: Path, tmp_path: Path) -> None:
+    _reshard(llama_z, tmp_path / "b", compress=True)
+    with pytest.raises(OSError, match="no file named"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+
+
+def test_corrupted_coded_tensor_is_refused_naming_file_tensor_and_offset(llama_z: Path, tmp_path: Path) -> None:
+    _reshard(llama_z, tmp_path / "b", compress=True)
+    infos = open_checkpoint(tmp_path / "b").tensors
+    name, info = next((n, t) for n, t in infos.items() if isinstance(t, LosslessInfo) and "layers.1" in n)
+    with open(info.file, "r+b") as f:  # flip one byte in the middle of the coded blob
+        f.seek(info.offset + info.stored_bytes // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
+    with pytest.raises(CodecError) as e:
+        _reshard(tmp_path / "b", tmp_path / "c2")
+    msg = str(e.value)
+    assert str(info.file) in msg and repr(name) in msg and "CRC-32" in msg
+    at = int(re.search(r"coded bytes (\d+)\.\.", msg).group(1))
+    assert info.offset <= at <= info.offset + info.stored_bytes // 2 < at + DEFAULT_CHUNK_BYTES
+    assert not (tmp_path / "c2").exists() and _strays(tmp_path) == []
+    with pytest.raises(CodecError, match=re.escape(name)):
+        _reshard(tmp_path / "b", tmp_path / "c3", compress=True)
+    assert not (tmp_path / "c3").exists() and _strays(tmp_path) == []
+
+
+def test_compress_refusals(llama_z: Path, tmp_path: Path) -> None:
+    with pytest.raises(rs.ReshardError, match="exclude each other"):
+        _reshard(llama_z, tmp_path / "x", compress=True, decompress=True)
+    with pytest.raises(rs.ReshardError, match=rf"SRC {re.escape(str(llama_z))} is not a compressed checkpoint"):
+        _reshard(llama_z, tmp_path / "x", decompress=True)
+    assert not (tmp_path / "x").exists() and _strays(tmp_path) == []
+
+
+def test_verify_catches_corruption_of_a_coded_chunk(llama_z: Path, tmp_path: Path, monkeypatch) -> None:
+    real = rs_writer._pwrite
+    calls = {"n": 0}
+
+    def corrupt(fd: int, buf, offset: int) -> int:
+        calls["n"] += 1
+        data = bytearray(memoryview(buf).cast("B"))
+        if calls["n"] == 1:  # the first coded chunk (the embedding's), before any header
+            data[len(data) // 2] ^= 0xFF
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(rs_writer, "_pwrite", corrupt)
+    with pytest.raises(rs.VerifyError, match="CRC-32"):
+        _reshard(llama_z, tmp_path / "out", compress=True, verify=True)
+    assert not (tmp_path / "out").exists() and _strays(tmp_path) == []
+
+
+@pytest.mark.parametrize("after", [0, 2, 9])
+def test_enospc_while_compressing_leaves_nothing(llama_z: Path, tmp_path: Path, monkeypatch, after: int) -> None:
+    calls = {"n": 0}
+    real = rs_writer._pwrite
+
+    def f(*a):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a)
+
+    monkeypatch.setattr(rs_writer, "_pwrite", f)
+    with pytest.raises(rs.DiskFullError, match="partial output was removed"):
+        _reshard(llama_z, tmp_path / "out", compress=True)
+    assert calls["n"] > after and not (tmp_path / "out").exists() and _strays(tmp_path) == []
+
+
+def test_sigkill_while_compressing_leaves_no_dst_and_next_run_succeeds(llama_z: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    p = _start_and_wait(llama_z, dst, tmp_path / "marker", cli=False, compress=True)
+    tmp = [n for n in _strays(tmp_path) if ".tiered-tmp-" in n]
+    assert tmp == [f".out.tiered-tmp-{p.pid}"] and any((tmp_path / tmp[0]).glob("*.safetensors"))
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    assert not dst.exists() and _strays(tmp_path) == tmp
+    s = _reshard(llama_z, dst, compress=True)
+    assert _strays(tmp_path) == [] and any("interrupted run" in n for n in s.notes) and s.coded_tensors > 0
+    _reshard(llama_z, tmp_path / "ref", compress=True)
+    _assert_same_files(dst, tmp_path / "ref")
+
+
+def test_sigterm_to_cli_while_compressing_cleans_up(llama_z: Path, tmp_path: Path) -> None:
+    p = _start_and_wait(llama_z, tmp_path / "out", tmp_path / "marker", cli=True, compress=True)
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=60) == 130
+    assert "interrupted" in p.stderr.read()
+    assert not (tmp_path / "out").exists() and _strays(tmp_path) == []
+
+
+def test_cli_compress_and_decompress(llama_z: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "tools" / "reshard.py")]
+    r = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--compress" in r.stdout and "--decompress" in r.stdout
+    r = subprocess.run([*cmd, str(llama_z), str(tmp_path / "z"), "--compress", "--verify"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "compressed: 0." in r.stdout and "verified" in r.stdout
+    _check_compressed(tmp_path / "z")
+    r = subprocess.run([*cmd, str(tmp_path / "z"), str(tmp_path / "plain"), "--decompress", "-q"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    _reshard(llama_z, tmp_path / "ref")
+    _assert_same_files(tmp_path / "plain", tmp_path / "ref")
+    r = subprocess.run([*cmd, str(llama_z), str(tmp_path / "x"), "--decompress"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and "not a compressed checkpoint" in r.stderr and not (tmp_path / "x").exists()
+    # both flags: a usage error (exit 2), said before torch is imported
+    code = ("import sys\nfrom tiered.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    rc = e.code\nprint(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, "reshard", str(llama_z), str(tmp_path / "y"), "--compress",
+                        "--decompress"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert "not allowed with argument" in r.stderr and not (tmp_path / "y").exists()

@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -240,24 +241,69 @@ def decode_chunk(body: memoryview | bytes | np.ndarray, coded: Coded, c: int, ou
     if zlib.crc32(src) != coded.crc[c]:
         raise CodecError(f"{where}: chunk {c} (coded bytes {at}..{at + length} of the file) fails its CRC-32: the file "
                          "is corrupted; re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
-    dest = out.reshape(n, isz) if isz > 1 else out.reshape(n, 1)
     d = zstandard.ZstdDecompressor()
-    off = 0
+    planes, off = [], 0
     for i, ln in enumerate(coded.lens[c]):
         part = src[off: off + ln]
         if ln != n:
+            plane = _scratch(len(planes), n)
             try:
-                plane = d.decompress(part, max_output_size=n)
+                got = _read_frame(d, part, plane)
             except zstandard.ZstdError as e:
                 raise CodecError(f"{where}: chunk {c} plane {i} (file offset {at + off}) does not decode: {e}") \
                     from None
         else:
-            plane = part
-        if len(plane) != n:
-            raise CodecError(f"{where}: chunk {c} plane {i} (file offset {at + off}) decodes to {len(plane)} bytes, "
-                             f"not {n}")
-        dest[:, i] = np.frombuffer(plane, dtype=np.uint8)
+            plane, got = np.frombuffer(part, dtype=np.uint8), n
+        if got != n:
+            raise CodecError(f"{where}: chunk {c} plane {i} (file offset {at + off}) decodes to "
+                             f"{'more than ' if got > n else ''}{min(got, n)} bytes, not {n}")
+        planes.append(plane)
         off += ln
+    _interleave(planes, out, n, isz)
+
+
+_local = threading.local()
+
+
+def _scratch(k: int, n: int) -> np.ndarray:
+    """This thread's scratch buffer ``k`` for a decoded plane, ``n`` bytes (grown, never shrunk: no page faults per
+    chunk)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    b = bufs.get(k)
+    if b is None or b.size < n:
+        b = bufs[k] = np.empty(max(n, 1 << 16), dtype=np.uint8)
+    return b[:n]
+
+
+def _read_frame(d: Any, frame: memoryview, out: np.ndarray) -> int:
+    """Decode one zstd frame into ``out`` (its length is what the table says); returns bytes it decodes to (more
+    than ``len(out)``: one more than ``len(out)``)."""
+    r = d.stream_reader(frame)
+    mv, got = memoryview(out), 0
+    while got < len(mv):
+        k = r.readinto(mv[got:])
+        if not k:
+            return got
+        got += k
+    return got + (1 if r.read(1) else 0)
+
+
+def _interleave(planes: list, out: np.ndarray, n: int, isz: int) -> None:
+    """Byte ``i`` of element ``k`` of ``out`` = ``planes[i][k]``: one ``torch.stack`` into ``out`` (measured 5.4 GB/s
+    of output for bf16 on the 2-core machine, against 2.8 GB/s per plane for a numpy strided assignment)."""
+    import torch
+
+    if isz == 1:
+        out[:] = planes[0]
+        return
+    ts = []
+    for k, p in enumerate(planes):
+        if not p.flags.writeable:  # a raw plane of a read-only blob (bytes): torch wants writable memory
+            p = np.copyto(_scratch(isz + k, n), p) or _scratch(isz + k, n)
+        ts.append(torch.from_numpy(p))
+    torch.stack(ts, dim=1, out=torch.from_numpy(out).view(n, isz))
 
 
 def decode_into(blob: memoryview | bytes | np.ndarray, coded: Coded, out: np.ndarray, chunks: range | None = None,
@@ -360,3 +406,28 @@ def logical_shard(shard: Shard) -> Shard:
         tensors[name] = LosslessInfo(name, dt, tuple(shape), blob.file, blob.offset, nbytes, coded=coded,
                                      stored=blob.nbytes)
     return dataclasses.replace(shard, tensors=tensors)
+
+
+# ---------------------------------------------------------------------------------------------- the converter's choices
+
+#: tensors of fewer plain bytes than this are stored plain by ``tiered reshard --compress`` (a table and a zstd frame
+#: per plane cost more than they save there, and a small tensor is read in one request anyway)
+MIN_CODED_BYTES = 64 << 10
+
+
+def chunk_geometry(shape: tuple[int, ...] | list[int], itemsize: int,
+                   chunk_bytes: int | None = None) -> tuple[int, int]:
+    """``(chunk, slice)`` in elements, as ``tiered reshard --compress`` codes a tensor of ``shape``: chunks of about
+    ``chunk_bytes`` plain bytes rounded down to whole rows of the last dimension where a row fits (so the loader's
+    row bands fall on chunk boundaries); a slice is one ``shape[0]`` slice of a tensor of 3 or more dimensions (one
+    expert of a stacked ``(E, ...)`` tensor decodes alone), else the whole tensor. Both are at least 1."""
+    numel = math.prod(shape)
+    sl = math.prod(shape[1:]) if len(shape) >= 3 else numel
+    chunk = max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // itemsize)  # read here: tests make chunks small
+    row = shape[-1] if len(shape) else 1
+    if 0 < row <= chunk:
+        chunk = chunk // row * row
+    return max(1, min(chunk, sl)), max(1, sl)
+
+
+__all__ += ["MIN_CODED_BYTES", "chunk_geometry"]

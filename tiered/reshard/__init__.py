@@ -17,6 +17,11 @@ Output (a new directory), as the loader wants it:
 * the checkpoint's own tensor names and bytes: each tensor is bit-equal to the input, or equal to
   ``tensor.to(dtype)`` for floating tensors when ``dtype`` is given. Duplicates of tied weights
   (an ``lm_head.weight`` sharing the embedding's storage in a ``.bin``) are written once.
+* with ``compress``: the same shards losslessly compressed (:mod:`tiered.lossless`'s format: tensors of
+  64 KiB or more coded in chunks, a CRC-32 each), indexed by ``model.lossless.index.json`` instead (stock
+  ``from_pretrained`` finds no weights there and refuses; ``tiered.load`` reads it). A compressed SRC is
+  decoded as it is read, so without ``compress`` (``--decompress``) it comes out plain, bit-equal to a
+  plain reshard of the original.
 
 Memory: bytes move in chunks of :data:`CHUNK_BYTES` (kernel to kernel with ``copy_file_range`` where
 possible); peak RSS growth is about two chunks whatever the checkpoint or shard size.
@@ -33,6 +38,7 @@ Command line: ``tiered reshard SRC DST ...`` or ``python tools/reshard.py SRC DS
 Modules: :mod:`.convert` (:func:`reshard`, the one pass), :mod:`.sources` (the inputs, one
 :class:`~tiered.reshard.sources.Source` per format, registered by file suffix), :mod:`.layout`
 (units, order, shards, headers), :mod:`.writer` (bytes, files, verify, memory bounds),
+:mod:`.compress` (compressed shards: coding on a thread pool, the header written last),
 :mod:`.install` (temporary directory, atomic install, recovery after a kill), :mod:`.summary`
 (:class:`ReshardSummary`), :mod:`.cli` (the command line), :mod:`.errors`, :mod:`.libc`.
 """

@@ -16,20 +16,28 @@
   tensors, so tensors stay packed.
 * Dtypes: with ``dtype``, floating tensors (F16/BF16/F32/F64) are written cast, except those the model
   keeps in float32 at that dtype (``_keep_in_fp32_modules``), as ``from_pretrained`` does.
+* Compressed output (``compress``): the same shards and order; tensors of at least
+  :data:`~tiered.lossless.MIN_CODED_BYTES` are candidates for coding, and since their coded sizes are known only
+  once written, each shard reserves room for the largest header it can have (:func:`_coded_header_bound`) and gets
+  its real one, space-padded to that room, last (:func:`_coded_header`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import lossless
 from ..errors import ConfigError, TieredError
-from ..format import TensorInfo, encode_header
+from ..format import TensorInfo, dtype_name, encode_header
+from ..lossless import FORMAT_VERSION, META_KEY, VERSION_KEY, Coded, chunk_geometry, table_entry
 from .sources import Source
 
 #: Alignment of every output shard's data section (bytes): one page, what mmap and O_DIRECT need.
@@ -199,8 +207,15 @@ class _Out:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-    data_offset: int = 0  # relative to the shard's data section
+    data_offset: int = 0  # relative to the shard's data section (compressed: set as the shard is written)
     cast: bool = False
+    code: bool = False  # compressed output: a candidate for coding (at least MIN_CODED_BYTES)
+    coded: Coded | None = None  # compressed output: the table, once written coded (None: written plain)
+
+    @property
+    def stored(self) -> int:
+        """Bytes of the tensor in the file: its coded length when written coded, else :attr:`nbytes`."""
+        return self.coded.coded_bytes if self.coded is not None else self.nbytes
 
 
 @dataclass
@@ -208,15 +223,27 @@ class _Shard:
     name: str
     units: list[_Unit]
     tensors: list[_Out]
-    header: bytes = b""
+    header: bytes = b""  # plain output: the header; compressed: written last, once the coded sizes are known
+    data_start: int = 0  # compressed output: bytes reserved for the header (:func:`_coded_header_bound`)
+    metadata: dict[str, str] = field(default_factory=dict)  # the header's __metadata__ (compressed: before tables)
+
+    @property
+    def compressed(self) -> bool:
+        return self.data_start > 0
 
     @property
     def data_bytes(self) -> int:
+        """Plain bytes of the tensors (the index's ``total_size``)."""
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes of the data section: :attr:`data_bytes` less what coding saved (an upper bound before writing)."""
+        return sum(t.stored for t in self.tensors)
+
+    @property
     def file_bytes(self) -> int:
-        return len(self.header) + self.data_bytes
+        return (self.data_start or len(self.header)) + self.stored_bytes
 
 
 def _header(tensors: list[_Out], metadata: dict[str, str]) -> bytes:
@@ -236,8 +263,11 @@ def _out_nbytes(info: TensorInfo, dtype: torch.dtype | None, keep: set[str]) -> 
 
 
 def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_bytes: int,
-            order: str) -> list[_Shard]:
-    """Pack units into shards in order: a new shard starts when the next unit would pass ``max_bytes``."""
+            order: str, compress: bool = False) -> list[_Shard]:
+    """Pack units into shards in order: a new shard starts when the next unit would pass ``max_bytes`` (plain
+    bytes, also with ``compress``: the shards of a compressed output are those of the plain one, each smaller).
+    With ``compress``, tensors of at least :data:`~tiered.lossless.MIN_CODED_BYTES` are marked for coding and each
+    shard's header space is reserved (:func:`_coded_header_bound`) instead of rendered."""
     groups: list[list[_Unit]] = []
     size = 0
     for u in units:
@@ -247,6 +277,7 @@ def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_b
         groups[-1].append(u)
         size += u.nbytes
     shards = []
+    least = lossless.MIN_CODED_BYTES  # read here, not at import: a test may lower it to code a tiny model
     for i, group in enumerate(groups):
         outs: list[_Out] = []
         off = 0
@@ -256,11 +287,14 @@ def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_b
                 dt = _out_dtype(info, dtype, source.keep_dtype)
                 cast = dt != info.dtype
                 nbytes = info.numel * dt.itemsize
-                outs.append(_Out(n, dt, info.shape, nbytes, off, cast))
+                outs.append(_Out(n, dt, info.shape, nbytes, off, cast, code=compress and nbytes >= least))
                 off += nbytes
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = _Shard(name, group, outs)
-        shard.header = _header(outs, {"format": "pt", "tiered_order": order})
+        shard = _Shard(name, group, outs, metadata={"format": "pt", "tiered_order": order})
+        if compress:
+            shard.data_start = -(-_coded_header_bound(outs, shard.metadata) // DATA_ALIGN) * DATA_ALIGN
+        else:
+            shard.header = _header(outs, shard.metadata)
         shards.append(shard)
     return shards
 
@@ -284,3 +318,71 @@ def _place(units: list[_Unit], source: Source, dropped: dict[str, str], dtype: t
     for u in units:
         u.nbytes = sum(_out_nbytes(source.infos[n], dtype, source.keep_dtype) for n in u.tensors)
     return units
+
+
+# ---------------------------------------------------------------------------------------------- compressed shards
+# A compressed shard (tiered/lossless.py "The file format") is written in one pass: the coded sizes are known only
+# once a tensor is coded, so the data section starts after room reserved for the largest header the shard can have,
+# and the real header, padded with spaces to fill that room (the safetensors spec allows trailing spaces), is
+# written last.
+
+_MAX_CRC = 0xFFFFFFFF
+
+
+def _coded_metadata(tensors: list[_Out], metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` with the format version and the tables of the coded tensors (:data:`~tiered.lossless.META_KEY`)."""
+    tables = {t.name: table_entry(dtype_name(t.dtype), t.shape, t.coded) for t in tensors if t.coded is not None}
+    return {**metadata, VERSION_KEY: FORMAT_VERSION,
+            META_KEY: json.dumps(tables, separators=(",", ":"), ensure_ascii=False)}
+
+
+def _worst_table(t: _Out) -> Coded:
+    """The table of ``t`` with every number at its largest: each plane raw (its plain length), each CRC 2^32 - 1."""
+    isz = t.dtype.itemsize
+    chunk, sl = chunk_geometry(t.shape, isz)
+    c = Coded(isz, t.nbytes, chunk, sl)
+    for k in range(c.count()):
+        lo, hi = c.elements(k)
+        c.lens.append([hi - lo] * isz)
+        c.crc.append(_MAX_CRC)
+    return c
+
+
+def _coded_header_bound(tensors: list[_Out], metadata: dict[str, str]) -> int:
+    """An upper bound of the header's length (its 8-byte size included) once the shard is written compressed.
+
+    Rendered by :func:`~tiered.format.encode_header` itself with every number at its largest: offsets at the plain
+    layout's (a coded tensor is never longer than its plain bytes, so every real offset is at most that), each
+    candidate both with its table (:func:`_worst_table`) and with whichever of its two entries (``U8 [plain bytes]``
+    or its own dtype and shape) renders longer. Lengths only grow with their digits, so the real header fits.
+    """
+    def entry(dt: torch.dtype, shape: tuple[int, ...]) -> int:
+        return len(json.dumps({"dtype": dtype_name(dt), "shape": list(shape)}, separators=(",", ":")))
+
+    rows = []
+    for t in tensors:
+        if t.code and entry(torch.uint8, (t.nbytes,)) > entry(t.dtype, t.shape):
+            rows.append((t.name, torch.uint8, (t.nbytes,), t.nbytes))
+        else:
+            rows.append((t.name, t.dtype, t.shape, t.nbytes))
+    worst = [_Out(t.name, t.dtype, t.shape, t.nbytes, coded=_worst_table(t) if t.code else None) for t in tensors]
+    return len(encode_header(rows, _coded_metadata(worst, metadata), align=1))
+
+
+def _coded_header(shard: _Shard) -> bytes:
+    """The header of a written compressed shard (coded tensors as ``U8`` entries of their coded length, plain ones
+    as they are), padded with spaces to exactly :attr:`_Shard.data_start` bytes.
+
+    Raises:
+        ReshardError: it does not fit the room reserved (a bug in :func:`_coded_header_bound`; nothing is installed).
+    """
+    from .errors import ReshardError
+
+    rows = [(t.name, torch.uint8, (t.stored,), t.stored) if t.coded is not None else (t.name, t.dtype, t.shape, t.nbytes)
+            for t in shard.tensors]
+    text = encode_header(rows, _coded_metadata(shard.tensors, shard.metadata), align=1)[8:]
+    room = shard.data_start - 8
+    if len(text) > room:  # pragma: no cover - the bound is an upper bound by construction
+        raise ReshardError(f"{shard.name}: the header ({len(text)} bytes) does not fit the {room} bytes reserved "
+                           "for it; this is a bug in tiered: report it")
+    return struct.pack("<Q", room) + text + b" " * (room - len(text))

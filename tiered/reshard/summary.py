@@ -41,6 +41,8 @@ class ReshardSummary:
     verified: bool  # every tensor re-read from disk and compared by BLAKE2b hash
     kernel_copy_bytes: int  # bytes moved with copy_file_range (no user-space pages)
     notes: tuple[str, ...] = ()
+    stored_bytes: int | None = None  # --compress: bytes of the shards' data sections (coded); None: not compressed
+    coded_tensors: int = 0  # --compress: tensors written coded (the rest are small or did not shrink)
 
     @property
     def gb_per_s(self) -> float:
@@ -65,6 +67,11 @@ class ReshardSummary:
             pairs = ", ".join(f"{d} (= {k})" for d, k in self.dropped_tied.items())
             changed.append(f"dropped duplicates of tied weights: {pairs}")
         lines.append(f"  changed: {'; '.join(changed)}")
+        if self.stored_bytes is not None:
+            ratio = self.stored_bytes / self.data_bytes if self.data_bytes else 1.0
+            lines.append(f"  compressed: {ratio:.3f} of {_human(self.data_bytes)} ({_human(self.stored_bytes)} "
+                         f"stored; {self.coded_tensors} of {self.tensors} tensors coded, bytegroup-zstd1, CRC-32 "
+                         "per chunk); index model.lossless.index.json (tiered.load reads it; from_pretrained does not)")
         if self.copied_files:
             lines.append(f"  copied: {', '.join(self.copied_files)}")
         if self.verified:

@@ -28,12 +28,15 @@ import json
 import mmap
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..checkpoint import LOSSLESS_INDEX_NAME
 from ..format import INDEX_NAME, TensorInfo, read_header
 from ..hostmem import PAGE_SIZE
 from ..reader import ShardMap
@@ -49,7 +52,7 @@ WRITEBACK_BYTES = 256 << 20
 
 # Files that describe the *source* weights; never copied (their content would be stale).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_STALE_FILES = {INDEX_NAME, BIN_INDEX_NAME, "tiered_checkpoint.json"}
+_STALE_FILES = {INDEX_NAME, LOSSLESS_INDEX_NAME, BIN_INDEX_NAME, "tiered_checkpoint.json"}
 
 
 # ---------------------------------------------------------------------------------------------- low-level I/O
@@ -130,11 +133,27 @@ class _Copier:
             span = self.file_range(out.name)
             if span is not None and self._kernel(info, span, fd, offset, wb):
                 return
-        h = hashlib.blake2b(digest_size=16) if self.hashes is not None else None
+        h = self.hash_of(out)
+        pos = offset
+        for buf in self.pieces(out, h):
+            pos += _pwrite(fd, buf, pos)
+            wb.advance(pos)
+        if h is not None:
+            self.hashes[out.name] = h.digest()  # type: ignore[index]
+
+    def hash_of(self, out: _Out) -> Any:
+        """A new BLAKE2b for ``out``'s bytes when verifying, else None."""
+        return hashlib.blake2b(digest_size=16) if self.hashes is not None else None
+
+    def pieces(self, out: _Out, h: Any, *, count: bool = True) -> Iterator[np.ndarray]:
+        """``out``'s output bytes front to back (cast to ``out.dtype`` where it is cast), as 1-D ``uint8`` arrays of at
+        most :data:`CHUNK_BYTES`, each valid until the next is asked for (the cast buffer is reused, the source's
+        pages dropped). Each piece is hashed into ``h`` (if any) on the hash thread while the caller uses it, and
+        counted on the progress bar (``count``) once the caller is done with it."""
+        info = self.source.infos[out.name]
         src, drop = self.source.byte_view(out.name)
         isz = info.dtype.itemsize
         step = max(1, CHUNK_BYTES // max(isz, out.dtype.itemsize)) * isz  # source bytes per chunk, whole elements
-        pos = offset
         for lo in range(0, info.nbytes, step):
             hi = min(info.nbytes, lo + step)
             piece = src[lo:hi]
@@ -148,14 +167,12 @@ class _Copier:
                 piece = self.cast_buf[:n]
             buf = piece.numpy()
             hashed = self.hasher.submit(h.update, buf) if self.hasher is not None and h is not None else None
-            pos += _pwrite(fd, buf, pos)
+            yield buf
             if hashed is not None:
                 hashed.result()  # before buf is reused or its pages dropped
             drop(lo, hi)
-            self.progress.update(buf.nbytes)
-            wb.advance(pos)
-        if h is not None:
-            self.hashes[out.name] = h.digest()  # type: ignore[index]
+            if count:
+                self.progress.update(buf.nbytes)
 
     def close(self) -> None:
         if self.hasher is not None:
@@ -215,10 +232,18 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _index_bytes(shards: list[_Shard]) -> bytes:
-    """``model.safetensors.index.json``: ``metadata.total_size`` (bytes of tensor data) and the weight map."""
-    index = {"metadata": {"total_size": sum(s.data_bytes for s in shards)},
-             "weight_map": {t.name: s.name for s in shards for t in s.tensors}}
+def _index_bytes(shards: list[_Shard], compressed: bool = False) -> bytes:
+    """``model.safetensors.index.json``: ``metadata.total_size`` (bytes of tensor data) and the weight map.
+
+    ``compressed``: the index of a compressed checkpoint (:data:`~tiered.lossless.INDEX_NAME`, written once the
+    shards are): ``total_size`` is still the plain bytes; ``stored_size`` the bytes of the data sections, and
+    ``format``/``version`` name the format (:mod:`tiered.lossless`)."""
+    meta: dict[str, Any] = {"total_size": sum(s.data_bytes for s in shards)}
+    if compressed:
+        from ..lossless import FORMAT_VERSION
+
+        meta.update(stored_size=sum(s.stored_bytes for s in shards), format="tiered-lossless", version=FORMAT_VERSION)
+    index = {"metadata": meta, "weight_map": {t.name: s.name for s in shards for t in s.tensors}}
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
@@ -310,34 +335,71 @@ def _write_generated(dst: Path, data: bytes, dtype: torch.dtype | None, notes: l
 def _verify(tmp: Path, shards: list[_Shard], hashes: dict[str, bytes], progress: Any) -> None:
     """Re-read every written tensor from disk (page cache dropped first) and compare BLAKE2b hashes.
 
-    Also re-validates each shard's header with :func:`~tiered.format.read_header` and checks that it
-    lists exactly the planned tensors at the planned offsets, data section 4 KiB-aligned.
+    Also re-validates each shard's header with :func:`~tiered.format.read_header` (a compressed shard's tables
+    with :func:`~tiered.lossless.logical_shard`, as the loader reads them) and checks that it lists exactly the
+    planned tensors at the planned offsets, coded where they were written coded, data section 4 KiB-aligned. A coded
+    tensor is decoded chunk by chunk (each chunk's CRC-32 checked) and the plain bytes hashed.
     """
+    from ..lossless import LosslessInfo, logical_shard
+
     for shard in shards:
         path = tmp / shard.name
-        parsed = read_header(path)
-        got = [(n, t.dtype, t.shape, t.offset - parsed.data_start) for n, t in parsed.tensors.items()]
-        want = [(t.name, t.dtype, tuple(t.shape), t.data_offset) for t in shard.tensors]
+        parsed = logical_shard(read_header(path))
+        got = [(n, t.dtype, t.shape, t.offset - parsed.data_start, isinstance(t, LosslessInfo))
+               for n, t in parsed.tensors.items()]
+        want = [(t.name, t.dtype, tuple(t.shape), t.data_offset, t.coded is not None) for t in shard.tensors]
         if got != want or parsed.data_start % DATA_ALIGN:
             raise VerifyError(f"{path}: the header read back differs from the one written; rerun, and check the disk")
         m = ShardMap(path)
         try:
             os.posix_fadvise(m.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after fsync: the read below hits the disk
             for t in shard.tensors:
+                info = parsed.tensors[t.name]
+                off = info.offset
                 h = hashlib.blake2b(digest_size=16)
-                off = parsed.data_start + t.data_offset
-                for lo in range(0, t.nbytes, CHUNK_BYTES):
-                    n = min(CHUNK_BYTES, t.nbytes - lo)
-                    ahead = (off + lo + n) // PAGE_SIZE * PAGE_SIZE
-                    if ahead < len(m.mm):  # start reading the next chunk while this one is hashed
-                        m.mm.madvise(mmap.MADV_WILLNEED, ahead, min(CHUNK_BYTES, len(m.mm) - ahead))
-                    h.update(m.span(off + lo, n).numpy())
-                    m.drop(off + lo, n, page_cache=True)
-                    progress.update(n)
+                if isinstance(info, LosslessInfo):
+                    _hash_coded(m, info, h, progress)
+                else:
+                    for lo in range(0, t.nbytes, CHUNK_BYTES):
+                        n = min(CHUNK_BYTES, t.nbytes - lo)
+                        ahead = (off + lo + n) // PAGE_SIZE * PAGE_SIZE
+                        if ahead < len(m.mm):  # start reading the next chunk while this one is hashed
+                            m.mm.madvise(mmap.MADV_WILLNEED, ahead, min(CHUNK_BYTES, len(m.mm) - ahead))
+                        h.update(m.span(off + lo, n).numpy())
+                        m.drop(off + lo, n, page_cache=True)
+                        progress.update(n)
                 if h.digest() != hashes[t.name]:
                     raise VerifyError(
-                        f"{path}: tensor {t.name!r} at offset {off} ({t.nbytes} bytes) reads back differently from "
-                        "what was written; the disk or filesystem corrupted it: check it (dmesg, smartctl) and rerun"
+                        f"{path}: tensor {t.name!r} at offset {off} ({t.stored} bytes in the file) reads back "
+                        "differently from what was written; the disk or filesystem corrupted it: check it (dmesg, "
+                        "smartctl) and rerun"
                     )
         finally:
             m.close()
+
+
+def _hash_coded(m: ShardMap, info: Any, h: Any, progress: Any) -> None:
+    """Decode the coded tensor ``info`` (a :class:`~tiered.lossless.LosslessInfo`) chunk by chunk from ``m`` into
+    one chunk's buffer, hashing the plain bytes into ``h``; each chunk's pages dropped (page cache too) after.
+
+    Raises:
+        VerifyError: a chunk fails its CRC-32 or does not decode (the message says which, and where).
+    """
+    from ..errors import CodecError
+    from ..lossless import decode_chunk
+
+    coded = info.coded
+    buf = np.empty(coded.chunk * coded.itemsize, dtype=np.uint8)
+    for c in range(coded.count()):
+        start, length = coded.chunk_span(c)
+        lo, hi = coded.chunk_range(c)
+        at = info.offset + start
+        try:
+            decode_chunk(m.span(at, length).numpy(), coded, c, buf[: hi - lo], where=f"{m.path}: tensor {info.name!r}",
+                         at=at)
+        except CodecError as e:
+            raise VerifyError(f"{e} (read back after writing: the disk or filesystem corrupted it: check it "
+                              "(dmesg, smartctl) and rerun)") from None
+        h.update(buf[: hi - lo])
+        m.drop(at, length, page_cache=True)
+        progress.update(hi - lo)
