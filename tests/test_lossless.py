@@ -135,9 +135,9 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import transformers  # noqa: E402
+from conftest import STOCK, logits_of, make_ids, streaming_ring_gb  # noqa: E402
 
 import tiered  # noqa: E402
-from conftest import STOCK, logits_of, make_ids, streaming_ring_gb  # noqa: E402
 from tiered import lossless  # noqa: E402
 from tiered.errors import TieredError  # noqa: E402
 from tiered.format import open_checkpoint  # noqa: E402
