@@ -275,3 +275,28 @@ def test_cuda_compressed_shards_equal_stock_on_the_gpu(ckpts, tmp_path_factory, 
     with tiered.load(d, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
         got = logits_of(m, ids.cuda())
     assert torch.equal(got, ref)
+
+
+def test_quantized_codes_are_never_read_coded(tmp_path) -> None:
+    """FP8 codes and scales are read by byte ranges to be dequantized: `--compress` of a quantized checkpoint is
+    refused, and a compressed directory whose codes are coded anyway (its config stripped while converting) is refused
+    at load, before any read — never decoded as if plain."""
+    import models
+
+    from tiered.reshard.errors import UnsupportedCheckpointError
+
+    fp8 = models.fp8_block(models.llama(tmp_path / "bf16"), tmp_path / "fp8")
+    with pytest.raises(UnsupportedCheckpointError, match="--compress of quantized codes"):
+        tiered.reshard(fp8, tmp_path / "no", compress=True, quiet=True)
+    assert not (tmp_path / "no").exists()
+    cfg = json.loads((fp8 / "config.json").read_text())
+    stripped = Path(shutil.copytree(fp8, tmp_path / "stripped"))
+    (stripped / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    out = tmp_path / "coded"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        tiered.reshard(stripped, out, compress=True, quiet=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert any(t.dtype == torch.float8_e4m3fn for t in _coded(out))
+    with pytest.raises(CodecError, match="quantized codes or scales that are also losslessly compressed"):
+        tiered.load(out)

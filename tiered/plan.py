@@ -126,6 +126,27 @@ class Unit:
         return self.nbytes - self.coded_at if self.coded_at is not None else 0
 
 
+def _refuse_coded_codes(targets: dict[str, Target]) -> None:
+    """Quantized codes or scales that are also losslessly coded (:mod:`tiered.lossless`) cannot be read yet: the
+    dequantize path reads codes and scales by byte ranges of the file. Refused here, before any read (a plain read of
+    a coded blob would be silently wrong numbers).
+
+    Raises:
+        CodecError: naming the tensor and its file.
+    """
+    from .errors import CodecError
+
+    for t in targets.values():
+        for c in t.copies:
+            if c.decode is None:
+                continue
+            for info in (c.src, c.decode.scale):
+                if getattr(info, "coded", None) is not None:
+                    raise CodecError(f"{info.file}: tensor {info.name!r} holds quantized codes or scales that are "
+                                     "also losslessly compressed; tiered does not decode both yet: run `tiered reshard "
+                                     "SRC DST --decompress` and load DST")
+
+
 def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
     """Give ``u``'s targets their offsets (``align``-byte aligned, in order) and set ``nbytes`` and ``src_bytes``.
 
@@ -600,6 +621,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
                                       {k: d for k, (_, d) in coded.items()})
     quant.ct_forward(model, ct)
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
+    _refuse_coded_codes(targets)
     units = _group_units(model, targets, converts, align, stored)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,

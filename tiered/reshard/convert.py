@@ -244,6 +244,11 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
 
     notes += source.notes
     qc = _quant_config(source)
+    if qc is not None and compress:  # tiered.load cannot dequantize coded codes yet (tiered/plan.py refuses them)
+        raise UnsupportedCheckpointError(
+            f"{source.root / 'config.json'}: a quant_method={str(qc.get('quant_method', '')).lower()!r} checkpoint; "
+            "--compress of quantized codes is not supported yet (tiered.load could not dequantize them): reshard it "
+            "without --compress")
     if qc is not None and dtype is not None:
         method = str(qc.get("quant_method", "")).lower()
         if method not in STREAMED or method == "compressed-tensors":  # (its scales are in the model's dtype)
