@@ -189,6 +189,89 @@ def test_compressed_shards_load_bitwise_equal_to_stock(ckpts, tmp_path_factory, 
             t.nbytes for t in open_checkpoint(d).tensors.values() if not isinstance(t, LosslessInfo))
 
 
+def test_a_row_read_embedding_stays_plain_and_is_read_by_rows(ckpts, tmp_path_factory) -> None:
+    """``reshard --compress`` leaves an embedding ``tiered.load`` reads by rows plain (a token reads a few KiB of
+    it): streamed, it is read by rows, not decoded whole; an untied head stays coded."""
+    d = _compressed(ckpts, tmp_path_factory, "llama")
+    coded = {t.name for t in _coded(d)}
+    assert "model.embed_tokens.weight" not in coded and "lm_head.weight" in coded
+    with tiered.load(d, ring_gb=_ring(d)) as m:
+        assert [rg.unit.name for rg in m._tiered.rows] == ["model.embed_tokens"]
+        assert torch.equal(logits_of(m, make_ids(4, (1, 5))), logits_of(STOCK(ckpts["llama"]), make_ids(4, (1, 5))))
+
+
+@pytest.mark.parametrize(("name", "kw"), [("llama", {}), ("llama_fp32", {"dtype": torch.bfloat16}),
+                                          ("mixtral", {"routed_experts": False})], ids=["bf16", "cast", "mixtral"])
+def test_coded_units_cut_into_pieces_read_every_byte(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
+    """A coded unit cut into pieces (tiered.dist.split_unit: CUDA units larger than the ring, ranks of a job): each
+    run of a coded tensor is a window of the chunks covering it, a chunk cut by a piece's edge decoded by both
+    pieces; the pieces put together equal the unit read whole, whatever the slots held before, and a piece reads only
+    the coded bytes of its chunks."""
+    from tiered.dist import split_unit
+
+    d = _compressed(ckpts, tmp_path_factory, name)
+    with tiered.load(d, ring_gb=1.0, zero_copy=False, **kw) as m:
+        h = m._tiered
+        units = [u for u in h.plan.units if any(isinstance(c.src, LosslessInfo) for t in u.targets for c in t.copies)]
+        assert len(units) >= 3
+        for u in units:
+            whole = torch.zeros(u.nbytes, dtype=torch.uint8)
+            h.reader.read_unit(u, whole)
+            assert whole.any()
+            stored = sum(c.nbytes for t in u.targets for c in t.copies)
+            for n in (2, 3, 7, 64):
+                got = torch.full((u.nbytes,), 0xA5, dtype=torch.uint8)
+                read = 0
+                for k in range(n):
+                    piece, chunk = split_unit(u, k, n, h.plan.align)
+                    if k * chunk >= u.nbytes:
+                        continue
+                    slot = torch.full((chunk,), 0x5A, dtype=torch.uint8)
+                    assert h.reader.read_unit(piece, slot) == piece.src_bytes
+                    read += piece.src_bytes
+                    span = min(chunk, u.nbytes - k * chunk)
+                    for t in piece.targets:  # only the targets' bytes are defined (the rest is alignment padding)
+                        got[k * chunk + t.offset: k * chunk + t.offset + t.nbytes] = slot[t.offset: t.offset + t.nbytes]
+                    assert all(t.offset + t.nbytes <= span for t in piece.targets)
+                for t in u.targets:
+                    assert torch.equal(got[t.offset: t.offset + t.nbytes], whole[t.offset: t.offset + t.nbytes]), \
+                        f"{u.name} in {n} pieces: {t.key}"
+                most = max(c.src.coded.chunk_span(i)[1] for t in u.targets for c in t.copies
+                           if isinstance(c.src, LosslessInfo) for i in c.src.chunks)
+                assert stored <= read <= stored + (n - 1) * most  # an edge chunk is read by both sides
+
+
+def test_a_window_of_a_coded_tensor_decodes_its_elements_only(ckpts, tmp_path_factory) -> None:
+    """:func:`tiered.lossless.window`: any element range, cut mid-chunk or not, decodes to the plain tensor's same
+    elements; its ``stored`` counts the covering chunks only."""
+    import safetensors.torch
+
+    from tiered.reader import Reader
+
+    d = _compressed(ckpts, tmp_path_factory, "llama")
+    info = max(_coded(d), key=lambda t: len(t.coded.lens))
+    plain = next(f[info.name] for f in map(safetensors.torch.load_file, Path(ckpts["llama"]).glob("*.safetensors"))
+                 if info.name in f).reshape(-1)
+    assert len(info.coded.lens) >= 4
+    n, per = plain.numel(), info.coded.chunk
+    g = torch.Generator().manual_seed(7)
+    cuts = [(0, n), (0, 1), (n - 1, n), (per - 1, per + 1), (per, 2 * per), (3, n - 5)]
+    cuts += [tuple(sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())) for _ in range(12)]
+    r = Reader(open_checkpoint(d), threads=2)
+    try:
+        for lo, hi in cuts:
+            w = lossless.window(info, lo, hi)
+            assert w.stored == sum(info.coded.chunk_span(c)[1] for c in w.chunks)
+            assert torch.equal(r.decode_whole(w), plain[lo:hi]), (lo, hi)
+            ww = lossless.window(w, 1, max(1, hi - lo - 1)) if hi - lo >= 2 else w  # a window of a window
+            assert torch.equal(r.decode_whole(ww).reshape(-1), plain[lo:hi][1: max(1, hi - lo - 1)] if hi - lo >= 2
+                               else plain[lo:hi])
+    finally:
+        r.close()
+    with pytest.raises(ValueError):
+        lossless.window(info, 0, n + 1)
+
+
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
     """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
     d = _compressed(ckpts, tmp_path_factory, "llama_fp32")
@@ -275,6 +358,43 @@ def test_cuda_compressed_shards_equal_stock_on_the_gpu(ckpts, tmp_path_factory, 
     with tiered.load(d, device="cuda", gpu_gb=0 if kw else None, **kw) as m:
         got = logits_of(m, ids.cuda())
     assert torch.equal(got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_cuda_coded_units_larger_than_the_ring_stream_in_pieces(io: str, tmp_path: Path, monkeypatch) -> None:
+    """A compressed checkpoint whose layers and untied head are each larger than the ring: each coded unit is read
+    in pieces (windows of its chunks) through the ring into one device buffer; logits and greedy generate equal stock
+    on the GPU bit for bit, and the pieces read about the coded bytes, not the plain ones."""
+    import models
+
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=704, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    src = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=11, dtype=torch.bfloat16,
+                            max_shard_size=None, std=0.02)
+    d = tmp_path / "z"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 16 << 10)
+        tiered.reshard(src, d, compress=True, quiet=True)
+    monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 32 << 10)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src).eval().to("cuda")
+    ids = make_ids(6, (2, 9)).cuda()
+    with torch.no_grad():
+        want, want_gen = ref(ids).logits, ref.generate(ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    del ref
+    with tiered.load(d, device="cuda", ring_gb=(256 << 10) / (1 << 30), gpu_gb=0, io=io) as m, torch.no_grad():
+        h = m._tiered
+        big = [u for u in h.plan.units if u.nbytes > h.ring.size and u.index not in {rg.unit.index for rg in h.rows}]
+        assert len(big) >= 4 and tiered.stats(m).piece_units == len(big)  # 3 layers and the head
+        assert all(any(isinstance(c.src, LosslessInfo) for t in u.targets for c in t.copies) for u in big)
+        before = tiered.stats(m).streamed_bytes
+        assert torch.equal(m(ids).logits, want)
+        per_pass = tiered.stats(m).streamed_bytes - before
+        assert per_pass < 0.85 * sum(u.nbytes for u in big)  # coded bytes moved (bf16 N(0, 0.02): ~0.7)
+        assert torch.equal(m.generate(ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0), want_gen)
+        assert h.ring.high_water <= h.ring.size
 
 
 def test_quantized_codes_are_never_read_coded(tmp_path) -> None:

@@ -1082,11 +1082,15 @@ def test_compress_round_trip_is_bitwise(llama_z: Path, tmp_path: Path) -> None:
     _assert_bit_equal(_tensors(tmp_path / "c"), _tensors(llama_z))
     infos = _check_compressed(tmp_path / "b")
     coded = {n for n, t in infos.items() if isinstance(t, LosslessInfo)}
-    assert coded == {n for n, t in infos.items() if t.nbytes >= 64 << 10} and len(coded) == s.coded_tensors == 16
+    # every tensor of 64 KiB or more, but the embedding tiered.load reads by rows (kept plain: tiered/reshard/layout.py)
+    rows = "model.embed_tokens.weight"
+    assert coded == {n for n, t in infos.items() if t.nbytes >= 64 << 10} - {rows} and len(coded) == s.coded_tensors \
+        == 15 and infos[rows].nbytes >= 64 << 10
     ratio = s.stored_bytes / s.data_bytes
     print(f"llama_z bf16 N(0, 0.02): compressed to {ratio:.3f} of {s.data_bytes} bytes")
     assert ratio < 0.75 and s.data_bytes == a.data_bytes == c.data_bytes and c.stored_bytes is None
-    assert f"compressed: {ratio:.3f} of" in str(s) and "compressed" not in str(c) and s.kernel_copy_bytes == 0
+    assert f"compressed: {ratio:.3f} of" in str(s) and "compressed" not in str(c)
+    assert s.kernel_copy_bytes <= infos[rows].nbytes  # the plain embedding may go kernel to kernel, nothing coded
     assert s.shards == a.shards and s.file_bytes < a.file_bytes
     # deterministic: a second run writes the same bytes (the coder's threads finish in any order)
     _reshard(llama_z, tmp_path / "b2", max_shard_size="1MB", compress=True)
@@ -1218,17 +1222,19 @@ def test_compress_refusals(llama_z: Path, tmp_path: Path) -> None:
 
 
 def test_verify_catches_corruption_of_a_coded_chunk(llama_z: Path, tmp_path: Path, monkeypatch) -> None:
-    real = rs_writer._pwrite
+    real = rs_compress._code
     calls = {"n": 0}
 
-    def corrupt(fd: int, buf, offset: int) -> int:
+    def corrupt(part, itemsize: int):
+        lens, body, crc = real(part, itemsize)
         calls["n"] += 1
-        data = bytearray(memoryview(buf).cast("B"))
-        if calls["n"] == 1:  # the first coded chunk (the embedding's), before any header
+        if calls["n"] == 1:  # the first coded chunk, after its CRC-32 was taken
+            data = bytearray(body)
             data[len(data) // 2] ^= 0xFF
-        return real(fd, data, offset)
+            body = bytes(data)
+        return lens, body, crc
 
-    monkeypatch.setattr(rs_writer, "_pwrite", corrupt)
+    monkeypatch.setattr(rs_compress, "_code", corrupt)
     with pytest.raises(rs.VerifyError, match="CRC-32"):
         _reshard(llama_z, tmp_path / "out", compress=True, verify=True)
     assert not (tmp_path / "out").exists() and _strays(tmp_path) == []

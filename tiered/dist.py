@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, StreamerError
+from .lossless import LosslessInfo, window
 from .plan import Copy, Plan, Target, Unit
 
 __all__ = ["Dist", "Single", "SINGLE", "IoPlan", "read_args", "resolve", "split_unit", "io_plans", "check_same_plan",
@@ -187,14 +188,16 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
     tensor that lands in layout bytes ``[rank * chunk, (rank + 1) * chunk)``; reading it with
     :meth:`tiered.reader.Reader.read_unit` into ``chunk`` bytes gives exactly those layout bytes (gaps
     between targets are alignment padding, never read). Its ``src_bytes`` are the checkpoint bytes
-    this rank reads. ``chunk`` is a multiple of ``align``, so runs start on element boundaries.
+    this rank reads. ``chunk`` is a multiple of ``align``, so runs start on element boundaries. A run of a
+    losslessly coded source (:mod:`tiered.lossless`) is a :func:`~tiered.lossless.window` of it: the coded chunks
+    covering the run, a chunk cut by the run's edge read and decoded by both pieces (its coded bytes count in both
+    ``src_bytes``).
 
     None: the unit runs a ``transformers`` conversion on whole tensors (``Unit.converts``), decodes float8 codes
     (``Copy.decode``), or one of its stacked sources lands in a non-contiguous slice of its target.
     """
-    if unit.converts or any(c.decode is not None or getattr(c.src, "coded", None) is not None
-                            for t in unit.targets for c in t.copies):
-        return None  # a conversion, float8 codes decoded whole (tiered.quant), or losslessly coded (tiered.lossless)
+    if unit.converts or any(c.decode is not None for t in unit.targets for c in t.copies):
+        return None  # a conversion, or float8 codes decoded whole (tiered.quant)
     chunk = _align(max(1, math.ceil(unit.nbytes / world)), align)
     lo, hi = rank * chunk, min(unit.nbytes, (rank + 1) * chunk)
     runs: list[Target] = []
@@ -216,11 +219,15 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
             if x >= y:
                 continue
             sisz = c.src.dtype.itemsize
-            src = dataclasses.replace(c.src, offset=c.src.offset + (x - p) * sisz, shape=(y - x,), nbytes=(y - x) * sisz)
+            if isinstance(c.src, LosslessInfo):  # coded: the chunks covering the run (an edge chunk read by both sides)
+                src = window(c.src, x - p, y - p)
+            else:
+                src = dataclasses.replace(c.src, offset=c.src.offset + (x - p) * sisz, shape=(y - x,),
+                                          nbytes=(y - x) * sisz)
             runs.append(Target(f"{t.key}[{x}:{y}]", None, t.attr, t.is_param, (y - x,), t.dtype,  # type: ignore[arg-type]
                                copies=[Copy(src)], offset=t.offset + x * isz - lo))
     piece = Unit(unit.index, unit.name, None, runs, nbytes=chunk,  # type: ignore[arg-type]
-                 src_bytes=sum(r.copies[0].src.nbytes for r in runs))
+                 src_bytes=sum(r.copies[0].nbytes for r in runs))
     return piece, chunk
 
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CODEC", "Coded", "CodecError", "encode", "decode_into", "decode_chunk", "DEFAULT_CHUNK_BYTES",
            "META_KEY", "VERSION_KEY", "FORMAT_VERSION", "INDEX_NAME", "LosslessInfo", "logical_shard", "is_coded",
-           "table_entry"]
+           "table_entry", "window"]
 
 #: the codec's name, as the converter records it
 CODEC = "bytegroup-zstd1"
@@ -353,10 +353,43 @@ class LosslessInfo(_TensorInfoBase):
 
     coded: Coded | None = field(default=None, compare=False, hash=False)
     stored: int = 0
+    #: a window (:func:`window`): the element of the whole coded tensor this view's first element is; ``shape`` and
+    #: ``nbytes`` are the window's, ``coded`` and ``offset`` the whole tensor's, ``stored`` its covering chunks' bytes
+    first: int = 0
 
     @property
     def stored_bytes(self) -> int:
         return self.stored
+
+    @property
+    def chunks(self) -> range:
+        """The chunks of :attr:`coded` this tensor (or window) decodes from, in order (empty for no elements)."""
+        n = self.nbytes // self.dtype.itemsize
+        return self.coded.covering(self.first, self.first + n) if n and self.coded is not None else range(0)
+
+    def overlap(self, c: int) -> tuple[int, int, int]:
+        """For chunk ``c`` of :attr:`chunks`: ``(skip, start, count)`` in elements: the chunk's first ``skip``
+        elements lie before this view, its elements ``[skip, skip + count)`` are this view's ``[start, start +
+        count)``."""
+        lo, hi = self.coded.elements(c)  # type: ignore[union-attr]
+        a, b = max(lo, self.first), min(hi, self.first + self.nbytes // self.dtype.itemsize)
+        return a - lo, a - self.first, b - a
+
+
+def window(info: LosslessInfo, lo: int, hi: int) -> LosslessInfo:
+    """Elements ``[lo, hi)`` of ``info`` (flattened; ``0 <= lo <= hi <= numel``) as a 1-D :class:`LosslessInfo` that
+    decodes from the chunks covering them (:meth:`Coded.covering`; the reader decodes a chunk cut by the window's
+    edge into a temporary and copies the part inside). ``stored`` counts those chunks' coded bytes: what reading the
+    window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`)."""
+    isz = info.dtype.itemsize
+    numel = info.nbytes // isz
+    if not 0 <= lo <= hi <= numel:
+        raise ValueError(f"window [{lo}, {hi}) of {info.name!r} ({numel} elements)")
+    w = dataclasses.replace(info, shape=(hi - lo,), nbytes=(hi - lo) * isz, first=info.first + lo, stored=0)
+    coded = w.coded
+    assert coded is not None
+    stored = sum(coded.chunk_span(c)[1] for c in w.chunks)
+    return dataclasses.replace(w, stored=stored)
 
 
 def logical_shard(shard: Shard) -> Shard:

@@ -490,7 +490,7 @@ class Reader:
             jobs.append(fut)
             self.pool.submit(_run_job, fut, self._lossless_whole, (unit, src, dest, backend))
             return
-        for c in range(len(src.coded.lens)):
+        for c in src.chunks:
             fut = Future()
             jobs.append(fut)
             self.pool.submit(_run_job, fut, self._lossless_task, (unit, src, dest, c, backend))
@@ -522,14 +522,16 @@ class Reader:
         body = self._read_chunk(src, c, backend)
         took = time.perf_counter() - t0
         lo, hi = src.coded.elements(c)
+        skip, at, n = src.overlap(c)  # a window's edge may cut the chunk: its part inside goes to dest[at:at + n]
         isz = src.dtype.itemsize
-        if dest.dtype == src.dtype:
-            out = dest.reshape(-1).view(torch.uint8)[lo * isz: hi * isz]
-        else:  # a cast: the chunk's plain bytes first, then copy_ casts them
+        whole = n == hi - lo
+        if dest.dtype == src.dtype and whole:
+            out = dest.reshape(-1).view(torch.uint8)[at * isz: (at + n) * isz]
+        else:  # a cast or a cut chunk: the chunk's plain bytes first, then copy_ casts or copies the part
             out = self._coded_buf((hi - lo) * isz, "plain")
         decode_chunk(body.numpy(), src.coded, c, out.numpy(), where=f"{src.file}: tensor {src.name!r}", at=start)
-        if dest.dtype != src.dtype:
-            dest.reshape(-1)[lo:hi].copy_(out.view(src.dtype))
+        if dest.dtype != src.dtype or not whole:
+            dest.reshape(-1)[at: at + n].copy_(out.view(src.dtype)[skip: skip + n])
         if self.adapt and self.choice is None:
             self._measured(backend, body.numel(), took)
 
@@ -541,13 +543,17 @@ class Reader:
         """All of ``src`` decoded into a new tensor of its dtype and shape, on the calling thread."""
         backend = backend or self.io
         plain = torch.empty(src.nbytes, dtype=torch.uint8)
-        for c in range(len(src.coded.lens)):
+        isz = src.dtype.itemsize
+        for c in src.chunks:
             start = src.offset + src.coded.chunk_span(c)[0]
             faults.hit("read", unit=unit, tensor=src.name, offset=start, io=backend)
             body = self._read_chunk(src, c, backend)
             lo, hi = src.coded.chunk_range(c)
-            decode_chunk(body.numpy(), src.coded, c, plain[lo:hi].numpy(), where=f"{src.file}: tensor {src.name!r}",
-                         at=start)
+            skip, at, n = src.overlap(c)
+            out = plain[at * isz: (at + n) * isz] if n * isz == hi - lo else self._coded_buf(hi - lo, "plain")
+            decode_chunk(body.numpy(), src.coded, c, out.numpy(), where=f"{src.file}: tensor {src.name!r}", at=start)
+            if n * isz != hi - lo:  # a window's edge cuts the chunk
+                plain[at * isz: (at + n) * isz].copy_(out[skip * isz: (skip + n) * isz])
         return plain.view(src.dtype).view(src.shape)
 
     def _decoded(self, n: int) -> None:

@@ -55,6 +55,7 @@ class _Unit:
     name: str
     tensors: list[str] = field(default_factory=list)
     nbytes: int = 0  # output bytes (after a cast)
+    rows: bool = False  # an embedding tiered.load reads by rows (tiered/rows.py): never coded by --compress
 
 
 _LAYER_PREFIX = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|layer|h|blocks|block))\.(?P<idx>\d+)\.")
@@ -130,8 +131,10 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
     # Checkpoint names each model key reads (a tied parameter absent from the checkpoint reads its source's).
     reads: dict[str, list[str]] = {}
     units: list[_Unit] = []
+    from ..rows import row_eligible
+
     for u in plan.units:
-        unit = _Unit(u.name)
+        unit = _Unit(u.name, rows=row_eligible(u))
         experts, expert_targets = _expert_order(u)
         for t in u.targets:
             reads[t.key] = [c.src.name for c in t.copies]
@@ -266,8 +269,10 @@ def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_b
             order: str, compress: bool = False) -> list[_Shard]:
     """Pack units into shards in order: a new shard starts when the next unit would pass ``max_bytes`` (plain
     bytes, also with ``compress``: the shards of a compressed output are those of the plain one, each smaller).
-    With ``compress``, tensors of at least :data:`~tiered.lossless.MIN_CODED_BYTES` are marked for coding and each
-    shard's header space is reserved (:func:`_coded_header_bound`) instead of rendered."""
+    With ``compress``, tensors of at least :data:`~tiered.lossless.MIN_CODED_BYTES` are marked for coding (not an
+    embedding ``tiered.load`` reads by rows: a token reads a few KiB of it by byte range, and coding would make it
+    read and decode whole chunks) and each shard's header space is reserved (:func:`_coded_header_bound`) instead of
+    rendered."""
     groups: list[list[_Unit]] = []
     size = 0
     for u in units:
@@ -287,7 +292,8 @@ def _layout(units: list[_Unit], source: Source, dtype: torch.dtype | None, max_b
                 dt = _out_dtype(info, dtype, source.keep_dtype)
                 cast = dt != info.dtype
                 nbytes = info.numel * dt.itemsize
-                outs.append(_Out(n, dt, info.shape, nbytes, off, cast, code=compress and nbytes >= least))
+                code = compress and nbytes >= least and not u.rows  # rows: a few KiB a token, read by byte range
+                outs.append(_Out(n, dt, info.shape, nbytes, off, cast, code=code))
                 off += nbytes
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         shard = _Shard(name, group, outs, metadata={"format": "pt", "tiered_order": order})
