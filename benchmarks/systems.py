@@ -64,7 +64,7 @@ class Spec:
     ring_gb: float | None = 1.0  # tiered: host ring (None: tiered's default, chosen from what the host leaves)
     gpu_gb: float | None = None  # tiered: GPU budget for resident units (None: all that fits); accelerate: max_memory[0]
     cpu_gb: float = 1.0  # accelerate: max_memory["cpu"]
-    threads: int = 4  # tiered: reader threads
+    threads: int | None = None  # tiered: reader threads (None: tiered's default)
     prefetch: int = 2  # tiered: units of lookahead
     io: str = "mmap"  # tiered: "mmap", "pread", "direct" or "auto"
     offload_folder: str | None = None  # accelerate / deepspeed scratch

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="reader threads (default: tiered's)")
     p.add_argument("--io", default="auto")
     p.add_argument("--stock", action="store_true", help="also run stock transformers on the quantized checkpoint")
     p.add_argument("--accelerate", action="store_true",

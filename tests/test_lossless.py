@@ -272,6 +272,28 @@ def test_a_window_of_a_coded_tensor_decodes_its_elements_only(ckpts, tmp_path_fa
         lossless.window(info, 0, n + 1)
 
 
+def test_reader_threads_default_grows_for_a_coded_checkpoint(ckpts, tmp_path_factory, monkeypatch) -> None:
+    """The readers decode coded chunks: with ``threads`` not given, a coded checkpoint gets more reader threads (cores
+    less two on CUDA, half on the CPU, 4 to 16); a plain one 4; a given number is kept."""
+    from tiered import policy
+
+    assert policy.reader_threads(None, False, False, 16) == (4, "automatic: the default")
+    assert policy.reader_threads(None, True, False, 16)[0] == 14
+    assert policy.reader_threads(None, True, True, 16)[0] == 8
+    assert policy.reader_threads(None, True, True, 2)[0] == 4 and policy.reader_threads(None, True, False, 64)[0] == 16
+    assert policy.reader_threads(3, True, False, 16) == (3, "given (threads)")
+    seen = []
+    real = policy.reader_threads
+    monkeypatch.setattr(policy, "reader_threads", lambda *a: seen.append(a[:2]) or real(*a))
+    for d, coded in ((_compressed(ckpts, tmp_path_factory, "llama"), True), (ckpts["llama"], False)):
+        with tiered.load(d, ring_gb=_ring(d)) as m:
+            pl = tiered.stats(m).placement
+            assert seen[-1] == (None, coded) and pl.threads == m._tiered.reader.pool._max_workers
+            assert ("losslessly coded" in pl.threads_why) == coded
+    with tiered.load(ckpts["llama"], threads=2) as m:
+        assert tiered.stats(m).placement.threads == 2 and m._tiered.reader.pool._max_workers == 2
+
+
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
     """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
     d = _compressed(ckpts, tmp_path_factory, "llama_fp32")

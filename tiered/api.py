@@ -142,7 +142,7 @@ def attach(
     prefetch: int = 2,
     gpu_gb: float | None = None,
     io: str = "auto",
-    threads: int = 4,
+    threads: int | None = None,
     drop_pages: bool = True,
     drop_page_cache: bool = False,
     progress: bool | None = None,
@@ -249,7 +249,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     h.ring = _allocate(lambda: Ring(p.ring_bytes, pin=cuda), f"a {p.ring_bytes / GiB:.3f} GiB ring",
                        f"lower ring_gb (>= {gib_up(p.largest_unit_bytes)} GiB is enough to run)")
     h.stats.ring_bytes = h.ring.size
-    h.reader = Reader(h.ckpt, threads=opts.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
+    h.reader = Reader(h.ckpt, threads=p.threads, drop_pages=opts.drop_pages, drop_page_cache=opts.drop_page_cache,
                       io=p.io, adapt=p.io_probe)
     h.reader.on_choice = h.stats.set_io_choice
     h.reader.on_decoded = h.stats.add_decoded
@@ -303,12 +303,12 @@ def _set_compute_threads(p: Placement, opts: Options) -> None:
     if p.device != "cpu" or not (p.streamed or p.routed) or opts.compute_threads == "auto":
         return
     cores = usable_cores()
-    busy = min(opts.threads, (cores or 0) // 2)
+    busy = min(p.threads, (cores or 0) // 2)
     have = torch.get_num_threads()
     if cores and have + busy > cores and not _warned_oversubscribed[0]:
         _warned_oversubscribed[0] = True
-        auto = _policy.compute_threads("auto", opts.threads, cores, True)
-        warnings.warn(f"{have} torch compute threads and {opts.threads} reader threads share {cores} cores while units "
+        auto = _policy.compute_threads("auto", p.threads, cores, True)
+        warnings.warn(f"{have} torch compute threads and {p.threads} reader threads share {cores} cores while units "
                       "stream: torch's spinning threads can starve the readers (10x slower decode measured on 2 cores); "
                       f"pass compute_threads='auto' (here {auto}) or a number, or set OMP_NUM_THREADS (said once)",
                       OversubscribedWarning, stacklevel=4)
@@ -411,7 +411,7 @@ def load(
     prefetch: int = 2,
     gpu_gb: float | None = None,
     io: str = "auto",
-    threads: int = 4,
+    threads: int | None = None,
     model_class: type | str | None = None,
     drop_pages: bool = True,
     drop_page_cache: bool = False,

@@ -399,8 +399,9 @@ def _add_streaming_args(g: argparse.ArgumentParser) -> None:
                    "--gpu-gb leaves; 0: none)")
     r.add_argument("--prefetch", type=_number(int, low=0), default=2, metavar="N",
                    help="units loaded ahead of the one running (default %(default)s)")
-    r.add_argument("--threads", type=_number(int, low=1), default=4, metavar="N",
-                   help="reader threads (default %(default)s)")
+    r.add_argument("--threads", type=_number(int, low=1), default=None, metavar="N",
+                   help="reader threads (default: 4, more for a losslessly compressed checkpoint, whose chunks the "
+                   "readers decode)")
     r.add_argument("--compute-threads", type=_compute_threads, default="auto", metavar="N",
                    help="torch's CPU compute threads (llama.cpp's -t), or 'auto' (default): where units stream on the "
                    "CPU, the cores less those the reader threads take (min(--threads, cores / 2)), so the two do not "

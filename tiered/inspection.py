@@ -279,7 +279,7 @@ def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_
     except TieredError as e:
         return {**out, "error": f"{type(e).__name__}: {e}"}
     out.update(gb=pl.ring_gb, why=pl.ring_why.removeprefix("automatic: "), host_gb=pl.host_gb, host_why=pl.host_why,
-               io=pl.io, refused=pl.refused)
+               io=pl.io, threads=pl.threads, threads_why=pl.threads_why, refused=pl.refused)
     return out
 
 
@@ -332,7 +332,8 @@ def _print_checkpoint(info: dict, a: Any) -> None:
           f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
     if "host_gb" in dr:
         print(f"default host tier here: {dr['host_gb']:.3g} GiB ({dr['host_why']}); io=auto reads with "
-              f"{dr['io']} here" + "".join(f"; a load with the defaults would refuse: {r}" for r in dr["refused"]))
+              f"{dr['io']} here, {dr['threads']} reader threads ({dr['threads_why']})"
+              + "".join(f"; a load with the defaults would refuse: {r}" for r in dr["refused"]))
     elif "error" in dr:
         print(f"a load with the defaults would refuse here: {dr['error']}")
     print(f"layout: {'stream-ordered' if info['stream_ordered'] else 'not in execution order'}; "

@@ -68,7 +68,9 @@ OPTION_DOCS = """\
             When ``"auto"`` picks ``direct``, the reader also times it against buffered ``pread`` (each followed by
             ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
             ``tiered/reader.py``).
-        threads: reader threads.
+        threads: reader threads. Default ``None``: :func:`tiered.policy.reader_threads` — 4 (one stream does not
+            saturate NVMe), more for a losslessly compressed checkpoint, whose chunks the reader threads decode
+            (``tiered.stats(model).placement.threads`` and ``threads_why`` say what was chosen).
         compute_threads: torch's CPU compute threads (``torch.set_num_threads``, process-wide) for a model on the CPU.
             Default ``None``: torch's setting is left as it is — results are then stock's bit for bit in the same
             process (torch's float32 matmuls can round differently with another thread count: measured on the 2-core
@@ -130,7 +132,7 @@ class Options:
     prefetch: int = 2  # units loaded ahead of the one running
     gpu_gb: float | None = None  # GPU budget: resident units + one device buffer (None: free - 4 GiB, all buffers)
     io: str = "auto"  # reader: "mmap"/"pread" (page cache), "direct" (O_DIRECT) or "auto" (direct if it won't fit)
-    threads: int = 4  # reader threads (one stream does not saturate NVMe)
+    threads: int | None = None  # reader threads (None: policy.reader_threads, 4 unless the checkpoint is coded)
     compute_threads: int | str | None = None  # torch's CPU threads: None leaves torch's; "auto"; N
     drop_pages: bool = True  # madvise(MADV_DONTNEED) after each copy: what bounds RssFile
     drop_page_cache: bool = False  # also posix_fadvise(DONTNEED): for cgroups that charge page cache
@@ -157,8 +159,11 @@ class Options:
                                   f"{self.ring_gb!r}")
         if self.ring_gb is not None and self.ring_gb <= 0:
             raise _bad("ring_gb", f"ring_gb must be > 0, got {self.ring_gb}", RingTooSmallError)
-        for name, what in (("prefetch", "integer >= 0 (units of lookahead)"), ("threads", "integer >= 1 (reader threads)")):
+        for name, what in (("prefetch", "integer >= 0 (units of lookahead)"),
+                           ("threads", "integer >= 1 (reader threads) or None (automatic)")):
             v = getattr(self, name)
+            if name == "threads" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < (name == "threads"):
                 raise _bad(name, f"{name} must be an {what}, got {v!r}")
         c = self.compute_threads

@@ -104,6 +104,8 @@ class Placement:
     ring_why: str = ""  # where ring_gb came from ("given", or policy.auto_ring_bytes's reason)
     host_gb: float = 0.0  # the host tier asked for (GiB): host_gb, or what host_gb=None resolved to
     host_why: str = ""  # where host_gb came from ("given", or why tiered chose it: policy.auto_split)
+    threads: int = 4  # reader threads (policy.reader_threads: given, or chosen)
+    threads_why: str = ""  # where threads came from
     compute_threads: int | None = None  # torch's CPU threads to set (None: left as they are; policy.compute_threads)
 
     def resident_bytes_of(self, plan: Plan) -> int:
@@ -183,6 +185,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
+    p.threads, p.threads_why = policy.reader_threads(opts.threads, _coded(plan), cpu, machine.cores)
     p.routed = experts
 
     def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank
@@ -219,7 +222,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     mapped = mappable - resident - host  # a host-tier unit computes on its own copy, not on the mapping
     if p.io_probe and cpu and opts.zero_copy and opts.drop_pages:
         cached = policy.choose_page_cache_tier(plan, resident | host | rows, need, p.ring_bytes, opts.host_gb,
-                                               opts.threads, machine.page_cache_room)
+                                               p.threads, machine.page_cache_room)
         mapped |= cached
         p.page_cache, p.page_cache_bytes = sorted(cached), sum(plan.units[i].src_bytes for i in cached)
     p.resident, p.rows, p.host, p.mapped = sorted(resident), sorted(rows), sorted(host), sorted(mapped)
@@ -229,7 +232,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     _host_tier(plan, opts, machine, p, need, cpu, strict)
     _device_memory(plan, opts, p, config, dist, cpu)
     _per_token(plan, p, config)
-    p.compute_threads = policy.compute_threads(opts.compute_threads, opts.threads, machine.cores,
+    p.compute_threads = policy.compute_threads(opts.compute_threads, p.threads, machine.cores,
                                                cpu and bool(p.streamed or p.routed))
     return p
 
@@ -359,6 +362,11 @@ def _refuse(p: Placement, strict: bool, e: Exception) -> None:
     if strict:
         raise e
     p.refused.append(f"{type(e).__name__}: {e}")
+
+
+def _coded(plan: Plan) -> bool:
+    """Whether any copy of ``plan`` reads a losslessly coded tensor (:mod:`tiered.lossless`: decoded by the readers)."""
+    return any(getattr(c.src, "coded", None) is not None for u in plan.units for t in u.targets for c in t.copies)
 
 
 def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligible: set[int],

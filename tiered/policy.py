@@ -324,6 +324,30 @@ def choose_host_experts(specs: list[ExpertSpec], left: int) -> list[int]:
     return chosen
 
 
+#: reader threads for a plain checkpoint (one stream of requests does not saturate NVMe; issue 23's sweeps on the
+#: H200's disk: 4, 8 and 16 threads read at the same rate)
+READER_THREADS = 4
+#: most reader threads chosen for a losslessly coded checkpoint
+MAX_DECODE_THREADS = 16
+
+
+def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None) -> tuple[int, str]:
+    """Reader threads and why: ``asked`` when given; else :data:`READER_THREADS`, or, when the checkpoint is
+    losslessly coded (:mod:`tiered.lossless`: the reader threads read *and* decode each chunk, ~1.1 GB/s of output
+    per thread, where the disk gives 1.4-2 GB/s of coded bytes), more: on CUDA the cores less two (the model's
+    thread and the copy stage), on the CPU half the cores (the other half computes), at least
+    :data:`READER_THREADS`, at most :data:`MAX_DECODE_THREADS`. Measured on the H200 machine (16 cores; Llama-3-8B
+    shape, 6 layers, 2 GiB cgroup, cold): the coded twin at 4 threads 2.79 s/token, at 8 threads 2.09, the plain
+    twin 2.3-2.9 with either (benchmarks/NOTES.md, issue 25)."""
+    if asked is not None:
+        return asked, "given (threads)"
+    if not coded or not cores:
+        return READER_THREADS, "automatic: the default" + ("" if not coded else " (cores unknown)")
+    n = max(READER_THREADS, min(MAX_DECODE_THREADS, cores // 2 if cpu else cores - 2))
+    return n, (f"automatic: {n} of {cores} cores, the checkpoint is losslessly coded (the readers decode it"
+               f"{'; half the cores compute' if cpu else ''})")
+
+
 def compute_threads(asked: int | str | None, reader_threads: int, cores: int | None, streams_on_cpu: bool) -> int | None:
     """torch's CPU compute threads to set (``torch.set_num_threads``), or None to leave torch as it is.
 
