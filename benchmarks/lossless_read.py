@@ -71,10 +71,10 @@ def main() -> None:
         for t_n in (threads if r % 2 == 0 else threads[::-1]):
             reader = Reader(ckpt, threads=t_n, io=a.io)
             try:
-                def read(job):
+                def read(job, reader=reader):
                     reader._read_chunk(job[0], job[1], a.io)
 
-                def read_decode(job):
+                def read_decode(job, reader=reader):
                     t, c = job
                     body = reader._read_chunk(t, c, a.io)
                     lo, hi = t.coded.chunk_range(c)
@@ -83,7 +83,7 @@ def main() -> None:
                 if blobs is None:  # the coded bytes in memory once, for the decode-only mode
                     blobs = [reader._read_chunk(t, c, a.io).clone().numpy() for t, c in jobs]
 
-                def decode(k):
+                def decode(k, blobs=blobs):
                     t, c = jobs[k]
                     lo, hi = t.coded.chunk_range(c)
                     decode_chunk(blobs[k], t.coded, c, out_buf(hi - lo))
