@@ -294,6 +294,22 @@ def test_reader_threads_default_grows_for_a_coded_checkpoint(ckpts, tmp_path_fac
         assert tiered.stats(m).placement.threads == 2 and m._tiered.reader.pool._max_workers == 2
 
 
+@pytest.mark.parametrize("group", [1 << 16, 1 << 30], ids=["64KiB", "whole"])
+def test_consecutive_chunks_read_in_one_request_decode_in_place(ckpts, tmp_path_factory, monkeypatch,
+                                                                group: int) -> None:
+    """``reader.LOSSLESS_READ``: a task reads a run of consecutive chunks in one request and decodes each into its
+    place (a cast, pieces' windows too); stock's logits bit for bit."""
+    from tiered import reader
+
+    monkeypatch.setattr(reader, "LOSSLESS_READ", group)
+    ids = make_ids(8, (2, 7))
+    for name, kw in (("llama", {}), ("llama_fp32", {"dtype": torch.bfloat16})):
+        d = _compressed(ckpts, tmp_path_factory, name)
+        ref = logits_of(STOCK(ckpts[name], **({"dtype": kw["dtype"]} if kw else {})), ids)
+        with tiered.load(d, ring_gb=_ring(d), io="direct", **kw) as m:
+            assert torch.equal(logits_of(m, ids), ref)
+
+
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
     """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
     d = _compressed(ckpts, tmp_path_factory, "llama_fp32")

@@ -59,9 +59,11 @@ from .shard_map import ShardMap
 __all__ = ["ShardMap", "Reader"]
 _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough to spread over threads
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues busy; x threads = staging RSS
-#: coded bytes per read task of a losslessly coded tensor (consecutive chunks, one request): the plain reads' size. One
-#: request per 4 MiB chunk (~2.8 MiB coded) read the H200's disk at 1.2-1.5 GB/s (benchmarks/lossless_read.py).
-LOSSLESS_READ = DIRECT_CHUNK
+#: coded bytes per read task of a losslessly coded tensor: consecutive chunks up to this many are read in one request,
+#: then decoded in turn (0: one chunk, ~2.8 MiB coded, per task). 0 because 8 MiB tasks made the 2-core CPU machine's
+#: compressed TinyLlama 1.3-1.8x slower per token (fewer, longer tasks per unit: the unit waits for its last one's
+#: decode; benchmarks/NOTES.md, issue 25, third session); on the H200 the 8 MiB figure was not measured.
+LOSSLESS_READ = 0
 #: adapt=True: unit reads each backend makes before the choice, and bytes it must have read (both must be reached)
 PROBE_UNITS = 4
 PROBE_BYTES = 256 << 20
