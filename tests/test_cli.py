@@ -835,9 +835,10 @@ _SAME = ("model_dir", "architecture", "shards", "tensors", "checkpoint_bytes", "
          "data_aligned_4k", "index_names_missing_from_shards")
 
 
-@pytest.mark.parametrize("name", ["llama", "minilm", "gptj", "mixtral", "fp8", "resharded"])
+@pytest.mark.parametrize("name", ["llama", "minilm", "gptj", "mixtral", "fp8", "resharded", "compressed"])
 def test_inspect_from_headers_gives_the_figures_of_units(name: str, dirs: dict[str, Path], minilm_dir: Path,
-                                                        ckpts: Checkpoints, tmp_path: Path) -> None:
+                                                        ckpts: Checkpoints, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The header report's figures (shards, tensors, bytes, dtypes, quantized stored bytes) are --units' (the model
     built), figure for figure; its layout facts agree with the units'; a ring the model fits is the same default."""
     from tiered.inspection import inspect_dir
@@ -850,6 +851,13 @@ def test_inspect_from_headers_gives_the_figures_of_units(name: str, dirs: dict[s
     elif name == "resharded":
         d = tmp_path / "resharded"
         tiered.reshard(dirs["notok"], d, quiet=True)
+    elif name == "compressed":  # coded tensors count as the dtype and bytes they decode to, as open_checkpoint's do
+        pytest.importorskip("zstandard")
+        from tiered import lossless
+
+        monkeypatch.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        d = tmp_path / "compressed"
+        tiered.reshard(ckpts["llama"], d, quiet=True, compress=True)
     else:
         d = {"llama": dirs["notok"], "minilm": minilm_dir}.get(name) or ckpts[name]
     head, full = _inspect_json(d), inspect_dir(d)
@@ -862,6 +870,16 @@ def test_inspect_from_headers_gives_the_figures_of_units(name: str, dirs: dict[s
         keys = ("method", "block", "tensors", "stored_bytes")
         assert {k: head["quantized"][k] for k in keys} == {k: q[k] for k in keys}
         assert "quantized: fp8 (weight_block_size [32, 32]), 28 tensors of codes" in cli("inspect", d).stdout
+    z = head["compressed"]
+    assert (z is None) == (name != "compressed")
+    if z:
+        from tiered.format import open_checkpoint
+        from tiered.lossless import LosslessInfo
+
+        coded = [t for t in open_checkpoint(d).tensors.values() if isinstance(t, LosslessInfo)]
+        assert z["tensors"] == len(coded) >= 5 and not z["unreadable"]
+        assert (z["stored_bytes"], z["plain_bytes"]) == (sum(t.stored for t in coded), sum(t.nbytes for t in coded))
+        assert f"compressed (tiered reshard --compress): {len(coded)} tensors stored in" in cli("inspect", d).stdout
     lay = head["layout"]
     assert lay["blocks"] == len({u["layer"] for u in full["units"] if u["layer"] is not None}) > 0
     if full["units_contiguous_on_disk"] == len(full["units"]) and full["stream_ordered"]:

@@ -545,6 +545,29 @@ def _block_layout(spans: dict[str, tuple[int, int, int]]) -> dict:
             "block_names": [p + "N" for p in stacks]}
 
 
+def _lossless_tables(meta: dict | None, path: Path, bad: list[str]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """A compressed shard's coded tensors (``tiered reshard --compress``, :mod:`tiered.lossless`'s format): name ->
+    (dtype as safetensors names it, shape, plain bytes), from ``__metadata__`` alone (torch-free). A table this cannot
+    read is named in ``bad`` (``tiered.load`` refuses it with the reason) and its tensors stay ``U8``."""
+    import json
+    import math
+
+    from .spec_dtypes import SPEC_DTYPE_BITS
+
+    raw = (meta or {}).get("tiered_lossless")  # tiered.lossless.META_KEY (that module imports numpy)
+    if raw is None:
+        return {}
+    out = {}
+    try:
+        for name, e in json.loads(raw).items():
+            dt, shape = e["dtype"], tuple(int(x) for x in e["shape"])
+            out[name] = (dt, shape, math.prod(shape) * SPEC_DTYPE_BITS[dt] // 8)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        bad.append(f"{path.name}: {type(e).__name__}: {e}")
+        return {}
+    return out
+
+
 def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     """What plain ``tiered inspect`` prints, as a dict, from ``config.json`` and the safetensors headers only: never
     imports torch or transformers (bytes exact; GiB = 2**30 bytes).
@@ -555,7 +578,9 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     ``index_names_missing_from_shards``. Beside them: ``quantized`` (config.json's ``quantization_config``: method,
     block, the tensors of codes found with their scales and their stored bytes; what they decode to needs the model:
     :func:`inspect_dir`), ``layout`` (the numbered blocks by tensor name: contiguous, in order),
-    ``tensors_not_in_index`` (shard tensors the index omits: loaded all the same), and ``default_ring``
+    ``tensors_not_in_index`` (shard tensors the index omits: loaded all the same), ``compressed`` (a ``tiered reshard
+    --compress`` output: its coded tensors, counted above as the dtype and bytes they decode to, their stored and
+    plain bytes; None otherwise), and ``default_ring``
     (``{"gb", "why"}``: the ring ``ring_gb`` not given takes on ``device`` here when the model fits in it:
     :func:`tiered.policy.auto_ring_bytes`; the split with a host tier needs the units).
 
@@ -578,14 +603,26 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     dtypes: dict[str, str] = {}  # every tensor: its header dtype
     nbytes: dict[str, int] = {}
     spans: dict[str, tuple[int, int, int]] = {}
+    coded = {"tensors": 0, "stored_bytes": 0, "plain_bytes": 0, "unreadable": []}
     for rank, p in enumerate(files.paths):
-        size, start, _, entries = scan_header(p)
+        size, start, meta, entries = scan_header(p)
+        tables = _lossless_tables(meta, p, coded["unreadable"])
         held = 0
         for begin, end, name, dt, shape in entries:
             prev = where.get(name)
             if prev is not None:
                 raise DuplicateTensorError(f"tensor {name!r} is in both {prev[0]} (offset {prev[1]}) and {p} (offset "
                                            f"{start + begin}); remove one copy")
+            entry = tables.get(name)
+            if entry is not None and dt == "U8":  # a coded tensor (tiered.lossless): seen as what it decodes to
+                coded["tensors"] += 1
+                coded["stored_bytes"] += end - begin
+                coded["plain_bytes"] += entry[2]
+                dt, shape = entry[0], entry[1]
+                where[name], dtypes[name], nbytes[name] = (p, start + begin), dt, entry[2]
+                spans[name] = (rank, start + begin, start + end)
+                held += 1
+                continue
             where[name], dtypes[name], nbytes[name] = (p, start + begin), dt, end - begin
             spans[name] = (rank, start + begin, start + end)
             bits = SPEC_DTYPE_BITS[dt]
@@ -617,6 +654,7 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
         "dtypes": dict(counts),
         "bytes_by_dtype": dict(dtype_bytes),
         "quantized": _quant_headers(cfg, dtypes, nbytes, str(model_dir / "config.json")),
+        "compressed": coded if coded["tensors"] or coded["unreadable"] else None,
         "layout": _block_layout(spans),
         "data_aligned_4k": all(s["data_start"] % 4096 == 0 for s in shards),
         "default_ring": {"gb": ring / GiB, "why": ring_why},
@@ -648,6 +686,12 @@ def print_headers(info: dict) -> None:
     elif q:
         print(f"quantized: {q['method']}{_quant_how(q)}, {q['tensors']} tensors of codes: {gib(q['stored_bytes'])} "
               f"stored (codes and scales); disk and page cache carry the stored bytes (--units: what they decode to)")
+    z = info.get("compressed")
+    if z:
+        ratio = f" ({z['stored_bytes'] / z['plain_bytes']:.3f})" if z["plain_bytes"] else ""
+        print(f"compressed (tiered reshard --compress): {z['tensors']} tensors stored in {gib(z['stored_bytes'])} for "
+              f"{gib(z['plain_bytes'])} of plain bytes{ratio}; tiered.load decodes them on its reader threads"
+              + "".join(f"; unreadable lossless table in {b} (tiered.load refuses it)" for b in z["unreadable"]))
     lay = info["layout"]
     blocks = (f"{lay['blocks_contiguous_on_disk']}/{lay['blocks']} numbered blocks ({', '.join(lay['block_names'])}) "
               f"contiguous on disk, {'in' if lay['blocks_in_order'] else 'not in'} order; " if lay["blocks"] else "")
