@@ -171,8 +171,8 @@ def _ring(path: Path) -> float:
 @pytest.mark.parametrize("name", ["llama", "mixtral", "gptj", "llama_tied_single"])
 def test_compressed_shards_load_bitwise_equal_to_stock(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
     """Coded tensors are decoded on the reader threads into the ring slot (or the host tier's), whatever the unit:
-    dense layers, a row-read embedding (read whole when coded), MoE experts (read with their unit when coded), tied
-    weights; stock's logits on the plain checkpoint, bit for bit."""
+    dense layers, a row-read embedding (kept plain by the converter), MoE experts (routed when the ring is small: each
+    expert's chunks alone), tied weights; stock's logits on the plain checkpoint, bit for bit."""
     d = _compressed(ckpts, tmp_path_factory, name)
     assert len(_coded(d)) >= 5  # most weights are coded: a decode that went wrong would show
     ids = make_ids(1, (2, 9))
@@ -308,6 +308,32 @@ def test_consecutive_chunks_read_in_one_request_decode_in_place(ckpts, tmp_path_
         ref = logits_of(STOCK(ckpts[name], **({"dtype": kw["dtype"]} if kw else {})), ids)
         with tiered.load(d, ring_gb=_ring(d), io="direct", **kw) as m:
             assert torch.equal(logits_of(m, ids), ref)
+
+
+@pytest.mark.parametrize("kw", [{}, {"host_gb": 1.0}], ids=["streamed", "host-tier"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_compressed_routed_experts_read_only_their_chunks(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
+    """Routed MoE experts of a compressed checkpoint (tiered/experts.py): each expert's bytes are the chunks of its
+    own tensor, or a window of a stacked ``(E, ...)`` tensor's (the converter's chunks never cross an expert), read
+    and decoded alone; logits and greedy generate equal stock's on the plain checkpoint bit for bit, and an expert
+    read counts its coded bytes."""
+    from conftest import ring_below_layer
+
+    d = _compressed(ckpts, tmp_path_factory, name)
+    ref = STOCK(ckpts[name], impl="grouped_mm")
+    ids = make_ids(9, (2, 7))
+    with torch.no_grad():
+        want, want_gen = ref(ids).logits, ref.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    with tiered.load(d, ring_gb=ring_below_layer(ref), device="cpu", **kw) as m:
+        st = tiered.stats(m)
+        specs = st.placement.specs
+        assert st.expert_modules >= 2 and specs
+        coded = [sp for sp in specs if any(isinstance(info, LosslessInfo) for p in sp.parts for info, _ in p.per[0])]
+        assert coded and all(sp.expert_src_bytes < sp.expert_bytes for sp in coded)
+        assert torch.equal(m(ids).logits, want)
+        assert torch.equal(m.generate(ids[:1], max_new_tokens=5, do_sample=False), want_gen)
+        s = tiered.stats(m).snapshot()
+        assert (s["experts_read"] > 0) == (not kw)
 
 
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:

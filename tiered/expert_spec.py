@@ -39,6 +39,7 @@ from . import quant
 from .errors import QuantizationError
 from .format import TensorInfo
 from .guard import foreign_forward
+from .lossless import LosslessInfo, window
 from .plan import Target, Unit, lay_out
 
 __all__ = ["ExpertPart", "ExpertSpec", "find_experts", "route_out", "merge_adjacent", "expert_pairs", "slot_layout",
@@ -161,8 +162,6 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
-    if any(getattr(c.src, "coded", None) is not None for c in tgt.copies):
-        return None  # losslessly coded (tiered.lossless): read and decoded with the unit, not expert by expert
     if any(isinstance(c.decode, quant.Mxfp4Block) for c in tgt.copies):  # gpt-oss's packed experts: per expert
         c = tgt.copies[0]
         if len(tgt.copies) != 1 or c.place is not None or rows is not None or len(c.src.shape) != 4 \
@@ -188,6 +187,9 @@ def _slices(tgt: Target, E: int, converted: set[str],
                         out[j].append((quant.slab(s, c.decode, j), None))
                     except QuantizationError:
                         return None
+                    continue
+                if isinstance(s, LosslessInfo):  # losslessly coded: expert j's chunks (never shared with another)
+                    out[j].append((window(s, j * per_el, (j + 1) * per_el, slab_shape), None))
                     continue
                 out[j].append((TensorInfo(f"{s.name}[{j}]", s.dtype, slab_shape, s.file, s.offset + j * pb, pb), None))
             continue
@@ -289,7 +291,8 @@ def merge_adjacent(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> list[tuple[T
     order = sorted(pairs, key=lambda p: (str(p[0].file), p[0].offset))
     out: list[tuple[TensorInfo, torch.Tensor]] = []
     for info, dest in order:
-        if out and getattr(info, "decode", None) is None and getattr(out[-1][0], "decode", None) is None:
+        if out and getattr(info, "decode", None) is None and getattr(out[-1][0], "decode", None) is None \
+                and not isinstance(info, LosslessInfo) and not isinstance(out[-1][0], LosslessInfo):  # coded: by chunks
             last, ld = out[-1]
             if (info.file == last.file and info.offset == last.offset + last.nbytes and info.dtype == last.dtype
                     and info.numel and last.numel and dest.dtype == ld.dtype and dest.device == ld.device

@@ -83,6 +83,7 @@ from .expert_spec import _is_experts_module as _is_experts_module
 from .expert_spec import _slices as _slices
 from .format import TensorInfo
 from .hostmem import page_up
+from .lossless import LosslessInfo, window
 from .quant import DEVICE_BAND, Fp8Block, Mxfp4Block, decode_mxfp4, decode_rows, rows_of, scale_f32
 from .ring import Ring
 
@@ -450,6 +451,9 @@ class ExpertGather:
             step = max(1, half // isz)
             for lo in range(0, info.numel, step):
                 hi = min(info.numel, lo + step)
+                if isinstance(info, LosslessInfo):  # losslessly coded: the chunks covering [lo, hi), decoded
+                    chunks.append(([window(info, lo, hi)], flat[lo:hi], None))
+                    continue
                 sub = TensorInfo(info.name, info.dtype, (hi - lo,), info.file, info.offset + lo * info.dtype.itemsize,
                                  (hi - lo) * info.dtype.itemsize)
                 chunks.append(([sub], flat[lo:hi], None))

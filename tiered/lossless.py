@@ -376,16 +376,22 @@ class LosslessInfo(_TensorInfoBase):
         return a - lo, a - self.first, b - a
 
 
-def window(info: LosslessInfo, lo: int, hi: int) -> LosslessInfo:
-    """Elements ``[lo, hi)`` of ``info`` (flattened; ``0 <= lo <= hi <= numel``) as a 1-D :class:`LosslessInfo` that
+def window(info: LosslessInfo, lo: int, hi: int, shape: tuple[int, ...] | None = None) -> LosslessInfo:
+    """Elements ``[lo, hi)`` of ``info`` (flattened; ``0 <= lo <= hi <= numel``) as a :class:`LosslessInfo` (1-D, or
+    ``shape``: one routed expert's slab) that
     decodes from the chunks covering them (:meth:`Coded.covering`; the reader decodes a chunk cut by the window's
     edge into a temporary and copies the part inside). ``stored`` counts those chunks' coded bytes: what reading the
-    window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`)."""
+    window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`) and to read one expert of a
+    stacked ``(E, ...)`` tensor (:func:`tiered.expert_spec.find_experts`: the converter's chunks never cross an
+    expert)."""
     isz = info.dtype.itemsize
     numel = info.nbytes // isz
     if not 0 <= lo <= hi <= numel:
         raise ValueError(f"window [{lo}, {hi}) of {info.name!r} ({numel} elements)")
-    w = dataclasses.replace(info, shape=(hi - lo,), nbytes=(hi - lo) * isz, first=info.first + lo, stored=0)
+    if shape is not None and math.prod(shape) != hi - lo:
+        raise ValueError(f"window [{lo}, {hi}) of {info.name!r} as shape {shape}")
+    w = dataclasses.replace(info, shape=tuple(shape) if shape is not None else (hi - lo,), nbytes=(hi - lo) * isz,
+                            first=info.first + lo, stored=0)
     coded = w.coded
     assert coded is not None
     stored = sum(coded.chunk_span(c)[1] for c in w.chunks)
