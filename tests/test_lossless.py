@@ -336,6 +336,34 @@ def test_compressed_routed_experts_read_only_their_chunks(ckpts, tmp_path_factor
         assert (s["experts_read"] > 0) == (not kw)
 
 
+def test_a_coded_fused_tensor_chunked_into_parameters_equals_stock(tmp_path) -> None:
+    """NomicBert's fused ``attn.Wqkv``, which transformers splits into q/k/v with ``Chunk(dim=0)`` (tiered/chunks.py):
+    coded, each parameter is a window of its rows' chunks (chunks of 24 rows here, so the q/k/v edges cut them);
+    streamed, equal to stock on the plain checkpoint bit for bit."""
+    import models
+    from conftest import make_ids
+
+    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
+    models.randomize_(m, seed=27)
+    m.save_pretrained(tmp_path / "nomic")
+    d = tmp_path / "z"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 24 * 64 * 2)
+        tiered.reshard(tmp_path / "nomic", d, compress=True, quiet=True)
+    assert any(t.name.endswith("attn.Wqkv.weight") for t in _coded(d))
+    ref = transformers.AutoModel.from_pretrained(tmp_path / "nomic").eval()
+    ids = make_ids(11, (2, 7))
+    with torch.no_grad():
+        want = ref(ids).last_hidden_state
+        for kw in ({}, {"ring_gb": _ring(d)}):
+            with tiered.load(d, **kw) as t:
+                assert torch.equal(t(ids).last_hidden_state, want)
+
+
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
     """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
     d = _compressed(ckpts, tmp_path_factory, "llama_fp32")

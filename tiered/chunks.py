@@ -33,6 +33,12 @@ def chunk_sources(converter: Any, key: str, info: TensorInfo, sd: dict[str, Any]
     if any(k not in sd for k in keys) or rows % n:
         return None
     per = rows // n
-    row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+    row_el = math.prod(info.shape[1:])
+    if getattr(info, "coded", None) is not None:  # losslessly coded (tiered.lossless): the chunks covering the rows
+        from .lossless import window
+
+        return {k: replace(window(info, i * per * row_el, (i + 1) * per * row_el, (per, *info.shape[1:])),
+                           name=f"{info.name}[{i * per}:{(i + 1) * per}]") for i, k in enumerate(keys)}
+    row_bytes = row_el * info.dtype.itemsize
     return {k: replace(info, name=f"{info.name}[{i * per}:{(i + 1) * per}]", shape=(per, *info.shape[1:]),
                        offset=info.offset + i * per * row_bytes, nbytes=per * row_bytes) for i, k in enumerate(keys)}

@@ -552,7 +552,7 @@ def _lossless_tables(meta: dict | None, path: Path, bad: list[str]) -> dict[str,
     import json
     import math
 
-    from .spec_dtypes import SPEC_DTYPE_BITS
+    from .spec_dtypes import SPEC_DTYPE_BITS, SPEC_DTYPE_TORCH_NAMES
 
     raw = (meta or {}).get("tiered_lossless")  # tiered.lossless.META_KEY (that module imports numpy)
     if raw is None:
@@ -561,6 +561,8 @@ def _lossless_tables(meta: dict | None, path: Path, bad: list[str]) -> dict[str,
     try:
         for name, e in json.loads(raw).items():
             dt, shape = e["dtype"], tuple(int(x) for x in e["shape"])
+            if dt not in SPEC_DTYPE_TORCH_NAMES:
+                raise ValueError(f"tensor {name!r}: dtype {dt!r} is not one torch holds")
             out[name] = (dt, shape, math.prod(shape) * SPEC_DTYPE_BITS[dt] // 8)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         bad.append(f"{path.name}: {type(e).__name__}: {e}")

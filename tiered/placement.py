@@ -164,6 +164,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
     io = choose_io(opts.io, ckpt_bytes, machine)
+    coded = _coded(plan)  # before route_out takes routed experts' targets out of their units
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
     call = _expert_call_bytes(experts, cpu)
     split = opts.ring_gb is None and opts.host_gb is None and dist is None  # both left to tiered: share the memory
@@ -185,7 +186,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
-    p.threads, p.threads_why = policy.reader_threads(opts.threads, _coded(plan), cpu, machine.cores)
+    p.threads, p.threads_why = policy.reader_threads(opts.threads, coded, cpu, machine.cores)
     p.routed = experts
 
     def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank

@@ -80,8 +80,10 @@ def _calls_embedding_forward(cls: type) -> bool:
     return False
 
 
-def row_eligible(unit: Unit) -> bool:
-    """True when ``unit`` is one embedding table read from one checkpoint tensor of the same shape."""
+def row_eligible(unit: Unit, *, coded: bool = False) -> bool:
+    """True when ``unit`` is one embedding table read from one checkpoint tensor of the same shape (``coded``: also
+    when that tensor is losslessly coded, as ``tiered reshard --compress`` of a compressed source asks: it writes the
+    table plain, and then it is row-read)."""
     m = unit.module
     if not isinstance(m, nn.Embedding) or len(unit.targets) != 1 or unit.converts or getattr(unit, "readers", None):
         return False
@@ -92,7 +94,7 @@ def row_eligible(unit: Unit) -> bool:
     src = t.copies[0].src
     if tuple(src.shape) != tuple(t.shape) or len(t.shape) != 2 or src.dtype.is_complex != t.dtype.is_complex:
         return False
-    if getattr(src, "coded", None) is not None:  # losslessly coded (tiered.lossless): read and decoded whole
+    if getattr(src, "coded", None) is not None and not coded:  # losslessly coded (tiered.lossless): read and decoded whole
         return False
     if m.max_norm is not None or m.sparse:
         return False

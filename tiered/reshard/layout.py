@@ -134,10 +134,10 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
     from ..rows import row_eligible
 
     for u in plan.units:
-        unit = _Unit(u.name, rows=row_eligible(u))
+        unit = _Unit(u.name, rows=row_eligible(u, coded=True))
         experts, expert_targets = _expert_order(u)
         for t in u.targets:
-            reads[t.key] = [c.src.name for c in t.copies]
+            reads[t.key] = list(dict.fromkeys(_ckpt_name(c.src.name, source.infos) for c in t.copies))
             if id(t) not in expert_targets:
                 unit.tensors += reads[t.key]
                 unit.tensors += [c.decode.scale.name for c in t.copies if c.decode is not None]  # FP8 block scales
@@ -161,6 +161,15 @@ def _plan_from(config_dir: Path, cfg: str, source: Source, notes: list[str],
         if len(dup) == 1 and len(keep) == 1 and dup[0] != keep[0]:
             tied[dup[0]] = keep[0]
     return units, type(model).__name__, tied
+
+
+def _ckpt_name(name: str, infos: dict) -> str:
+    """The checkpoint tensor a plan source ``name`` reads: itself, or for rows of a fused tensor split into parameters
+    (tiered/chunks.py: ``"...Wqkv.weight[0:64]"``) the fused tensor."""
+    if name in infos or not name.endswith("]"):
+        return name
+    base = name[: name.rfind("[")]
+    return base if base in infos else name
 
 
 def _with_scale(name: str, decode) -> list[str]:
