@@ -378,9 +378,9 @@ class LosslessInfo(_TensorInfoBase):
 
 def window(info: LosslessInfo, lo: int, hi: int, shape: tuple[int, ...] | None = None) -> LosslessInfo:
     """Elements ``[lo, hi)`` of ``info`` (flattened; ``0 <= lo <= hi <= numel``) as a :class:`LosslessInfo` (1-D, or
-    ``shape``: one routed expert's slab) that
-    decodes from the chunks covering them (:meth:`Coded.covering`; the reader decodes a chunk cut by the window's
-    edge into a temporary and copies the part inside). ``stored`` counts those chunks' coded bytes: what reading the
+    of ``shape``: one routed expert's slab) that decodes from the chunks covering them (:meth:`Coded.covering`; the
+    reader decodes a chunk cut by the window's edge into a temporary and copies the part inside). Raises ValueError:
+    a range outside ``info``, or a ``shape`` of another element count. ``stored`` counts those chunks' coded bytes: what reading the
     window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`) and to read one expert of a
     stacked ``(E, ...)`` tensor (:func:`tiered.expert_spec.find_experts`: the converter's chunks never cross an
     expert)."""
