@@ -364,6 +364,33 @@ def test_a_coded_fused_tensor_chunked_into_parameters_equals_stock(tmp_path) -> 
                 assert torch.equal(t(ids).last_hidden_state, want)
 
 
+def test_the_extra_reader_threads_buffers_are_left_out_of_the_ring_and_host_tier(ckpts, tmp_path_factory) -> None:
+    """With more reader threads for a coded checkpoint, the automatic ring and host tier leave their decode buffers
+    out (``policy.extra_reader_bytes``: 20 MiB a thread beyond the default 4), on a machine of 16 cores whose memory
+    limit makes the ring and host tier share what is left; a plain checkpoint's default threads take nothing more."""
+    from tiered import policy
+    from tiered.inspection import _plan_for
+    from tiered.machine import Machine
+    from tiered.options import Options
+    from tiered.placement import place
+
+    def placed(d: Path, left: int):
+        config, ckpt, plan = _plan_for(d, None, "cpu")
+        m = Machine(policy.headroom(False) + left, "test cgroup", 1 << 40, "test", cores=16)
+        return place(plan, Options(device="cpu", io="mmap"), m, ckpt_bytes=ckpt.nbytes, config=config)
+
+    zd = _compressed(ckpts, tmp_path_factory, "llama")
+    z, p = placed(zd, 1 << 30), placed(ckpts["llama"], 1 << 30)
+    assert (z.threads, p.threads) == (8, 4)
+    assert policy.extra_reader_bytes(8) == 4 * policy.DECODE_THREAD_BYTES and policy.extra_reader_bytes(4) == 0
+    assert round((p.ring_gb - z.ring_gb) * (1 << 30)) == policy.extra_reader_bytes(8)  # the automatic ring asked
+    assert "extra reader threads" in z.ring_why and "reader threads" not in p.ring_why
+    # little memory: fewer extra threads (their buffers at most 1/8 of what is left), never a refused load
+    small = placed(zd, 100 << 20)
+    assert small.threads == 4 and "capped by memory" in small.threads_why and small.ring_bytes > 0
+    assert placed(zd, 400 << 20).threads == 4 + (400 << 20) // 8 // policy.DECODE_THREAD_BYTES
+
+
 def test_compressed_shards_cast_at_load_equal_stock(ckpts, tmp_path_factory) -> None:
     """A coded fp32 checkpoint run in bf16: each chunk is decoded, then cast into the slot (stock's ``.to``)."""
     d = _compressed(ckpts, tmp_path_factory, "llama_fp32")

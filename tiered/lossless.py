@@ -380,10 +380,10 @@ def window(info: LosslessInfo, lo: int, hi: int, shape: tuple[int, ...] | None =
     """Elements ``[lo, hi)`` of ``info`` (flattened; ``0 <= lo <= hi <= numel``) as a :class:`LosslessInfo` (1-D, or
     of ``shape``: one routed expert's slab) that decodes from the chunks covering them (:meth:`Coded.covering`; the
     reader decodes a chunk cut by the window's edge into a temporary and copies the part inside). Raises ValueError:
-    a range outside ``info``, or a ``shape`` of another element count. ``stored`` counts those chunks' coded bytes: what reading the
-    window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`) and to read one expert of a
-    stacked ``(E, ...)`` tensor (:func:`tiered.expert_spec.find_experts`: the converter's chunks never cross an
-    expert)."""
+    a range outside ``info``, or a ``shape`` of another element count. ``stored`` counts those chunks' coded bytes:
+    what reading the window costs. Used to cut a coded unit into pieces (:func:`tiered.dist.split_unit`) and to read
+    one expert of a stacked ``(E, ...)`` tensor (:func:`tiered.expert_spec.find_experts`: the converter's chunks never
+    cross an expert)."""
     isz = info.dtype.itemsize
     numel = info.nbytes // isz
     if not 0 <= lo <= hi <= numel:

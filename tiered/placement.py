@@ -167,8 +167,11 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     coded = _coded(plan)  # before route_out takes routed experts' targets out of their units
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
     call = _expert_call_bytes(experts, cpu)
+    room = None if machine.host_available is None else max(0, machine.host_available - policy.headroom(not cpu))
+    threads, threads_why = policy.reader_threads(opts.threads, coded, cpu, machine.cores, room)
+    readers = policy.extra_reader_bytes(threads) if coded else 0  # decode buffers beyond the default threads' ones
     split = opts.ring_gb is None and opts.host_gb is None and dist is None  # both left to tiered: share the memory
-    opts, ring_why = _resolve_ring(opts, machine, cpu, call)
+    opts, ring_why = _resolve_ring(opts, machine, cpu, call, readers)
     local = 0 if cpu else policy.gpu_budget(opts.gpu_gb, machine.gpu_free)
     if experts and job.min(int(policy.fits_whole(plan, opts.ring_bytes, cpu, local))):  # fits on every rank
         experts = {}
@@ -177,7 +180,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
     if split and machine.host_available is not None and (experts or not policy.fits_whole(plan, opts.ring_bytes, cpu,
                                                                                           local)):
-        opts, ring_why, host_why = _split(plan, opts, machine, cpu, local, call if experts else 0, experts)
+        opts, ring_why, host_why = _split(plan, opts, machine, cpu, local, call if experts else 0, experts, readers)
     elif opts.host_gb is None:
         opts = dataclasses.replace(opts, host_gb=0.0)
         if split:
@@ -186,7 +189,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
-    p.threads, p.threads_why = policy.reader_threads(opts.threads, coded, cpu, machine.cores)
+    p.threads, p.threads_why = threads, threads_why
     p.routed = experts
 
     def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank
@@ -271,16 +274,20 @@ def _expert_call_bytes(experts: dict[int, list[ExpertSpec]], cpu: bool) -> int:
     return max((sp.num_experts * sp.expert_bytes for ss in experts.values() for sp in ss), default=0)
 
 
-def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0) -> tuple[Options, str]:
+def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0, readers: int = 0) -> tuple[Options, str]:
     """``opts`` with ``ring_gb=None`` resolved (:func:`tiered.policy.auto_ring_bytes`, less ``call``: routed experts'
-    bytes during a call, :func:`_expert_call_bytes`), and where its value came from.
+    bytes during a call, :func:`_expert_call_bytes`, and ``readers``: the extra reader threads' decode buffers,
+    :func:`tiered.policy.extra_reader_bytes`), and where its value came from.
 
     Raises:
         HostMemoryError: ``ring_gb=None`` and the host leaves no room for a ring.
     """
     if opts.ring_gb is not None:
         return opts, "given (ring_gb)"
-    ring, why = policy.auto_ring_bytes(machine.host_available, machine.host_where, not cpu, opts.host_bytes + call)
+    ring, why = policy.auto_ring_bytes(machine.host_available, machine.host_where, not cpu,
+                                       opts.host_bytes + call + readers)
+    if readers and "available)" in why:
+        why += f" ({readers >> 20} MiB of that for the decode buffers of the extra reader threads)"
     if not ring:
         fix = "lower host_gb, " if opts.host_gb else ""
         raise HostMemoryError(f"no room for a ring: {why}; {fix}free host memory or raise the memory limit")
@@ -288,13 +295,14 @@ def _resolve_ring(opts: Options, machine: Machine, cpu: bool, call: int = 0) -> 
 
 
 def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, call: int,
-           experts: dict[int, list[ExpertSpec]]) -> tuple[Options, str, str]:
+           experts: dict[int, list[ExpertSpec]], readers: int = 0) -> tuple[Options, str, str]:
     """``ring_gb`` and ``host_gb`` both None, and the model does not stay whole with the automatic ring: the memory
     the host leaves shared between the ring and the host tier (:func:`tiered.policy.auto_split`), as ``opts`` with
     both resolved and where each came from. ``budget``: the GPU bytes for resident units (CUDA); ``call``: the CPU's
-    routed-experts bytes during a call (kept out of both)."""
+    routed-experts bytes during a call (kept out of both); ``readers``: the decode buffers of reader threads beyond
+    the default's (:func:`tiered.policy.extra_reader_bytes`, kept out of both)."""
     assert machine.host_available is not None
-    total = max(0, machine.host_available - policy.headroom(not cpu) - call)
+    total = max(0, machine.host_available - policy.headroom(not cpu) - call - readers)
     rows = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
     need = [u.nbytes for u in plan.units]
     largest = max((page_up(need[u.index]) for u in plan.units if u.index not in rows), default=0)
@@ -312,7 +320,8 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     ring, host = policy.auto_split(total, largest, opts.prefetch, streamed)
     left = (f"what {machine.host_where} leaves ({machine.host_available / GiB:.3f} GiB available) after "
             f"{policy.headroom(not cpu) >> 20} MiB for the runtime"
-            + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else ""))
+            + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else "")
+            + (f" and {readers >> 20} MiB for the decode buffers of the extra reader threads" if readers else ""))
     if staging:
         left += f" and {staging / GiB:.3g} GiB of pinned staging for routed experts"
     n = opts.prefetch + 1

@@ -331,21 +331,42 @@ READER_THREADS = 4
 MAX_DECODE_THREADS = 16
 
 
-def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None) -> tuple[int, str]:
+def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None,
+                   room: int | None = None) -> tuple[int, str]:
     """Reader threads and why: ``asked`` when given; else :data:`READER_THREADS`, or, when the checkpoint is
     losslessly coded (:mod:`tiered.lossless`: the reader threads read *and* decode each chunk, ~1.1 GB/s of output
     per thread, where the disk gives 1.4-2 GB/s of coded bytes), more: on CUDA the cores less two (the model's
     thread and the copy stage), on the CPU half the cores (the other half computes), at least
     :data:`READER_THREADS`, at most :data:`MAX_DECODE_THREADS`. Measured on the H200 machine (16 cores; Llama-3-8B
     shape, 6 layers, 2 GiB cgroup, cold): the coded twin at 4 threads 2.79 s/token, at 8 threads 2.09, the plain
-    twin 2.3-2.9 with either (benchmarks/NOTES.md, issue 25)."""
+    twin 2.3-2.9 with either (benchmarks/NOTES.md, issue 25). ``room``: host bytes left after the runtime's headroom
+    (None: unknown); the extra threads' decode buffers (:func:`extra_reader_bytes`) take at most an eighth of it, so
+    that more threads never take the memory a ring needs."""
     if asked is not None:
         return asked, "given (threads)"
     if not coded or not cores:
         return READER_THREADS, "automatic: the default" + ("" if not coded else " (cores unknown)")
     n = max(READER_THREADS, min(MAX_DECODE_THREADS, cores // 2 if cpu else cores - 2))
+    capped = ""
+    if room is not None and extra_reader_bytes(n) > room // 8:
+        n = READER_THREADS + max(0, room // 8) // DECODE_THREAD_BYTES
+        capped = f"; capped by memory: {DECODE_THREAD_BYTES >> 20} MiB a thread beyond {READER_THREADS}, at most 1/8 " \
+                 f"of the {room >> 20} MiB left"
     return n, (f"automatic: {n} of {cores} cores, the checkpoint is losslessly coded (the readers decode it"
-               f"{'; half the cores compute' if cpu else ''})")
+               f"{'; half the cores compute' if cpu else ''}{capped})")
+
+
+#: host bytes one reader thread holds while it decodes coded chunks (tiered/reader.py: its O_DIRECT staging
+#: DIRECT_CHUNK, its coded and plain chunk buffers, the zstd planes' scratch; grown, never shrunk). Measured on the H200
+#: (issue 25, third session): VmHWM 2.34-2.38 GiB with 14 reader threads against 2.18 with 4, i.e. ~18 MiB a thread.
+DECODE_THREAD_BYTES = 20 << 20
+
+
+def extra_reader_bytes(threads: int) -> int:
+    """Host bytes that reader threads beyond :data:`READER_THREADS` hold (:data:`DECODE_THREAD_BYTES` each): the
+    automatic ring and host tier leave them out, as they leave out the runtime's headroom (the default's threads are
+    inside that headroom)."""
+    return max(0, threads - READER_THREADS) * DECODE_THREAD_BYTES
 
 
 def compute_threads(asked: int | str | None, reader_threads: int, cores: int | None, streams_on_cpu: bool) -> int | None:
