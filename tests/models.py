@@ -102,6 +102,18 @@ def checkpoint_keys(path: Path) -> dict[str, tuple[str, list[int]]]:
 # than a ring of 2-3 units holds.
 
 
+def nomic_bert(path: Path, *, seed: int) -> Path:
+    """A 2-layer NomicBert in bf16 saved with ``save_pretrained`` (random weights, ``seed``): its checkpoint holds one
+    fused ``attn.Wqkv`` per layer that transformers splits into q/k/v with ``Chunk(dim=0)`` (tiered/chunks.py)."""
+    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
+    randomize_(m, seed=seed)
+    m.save_pretrained(path)
+    return path
+
+
 def llama(
     path: Path,
     *,

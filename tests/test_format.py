@@ -803,12 +803,7 @@ def test_a_fused_tensor_chunked_into_parameters_loads_as_stock(tmp_path):
 
     import tiered
 
-    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=128)
-    torch.manual_seed(0)
-    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=26)
-    m.save_pretrained(tmp_path / "nomic")
+    models.nomic_bert(tmp_path / "nomic", seed=26)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "nomic" / "model.safetensors"), "pt") as f:

@@ -343,12 +343,7 @@ def test_a_coded_fused_tensor_chunked_into_parameters_equals_stock(tmp_path) -> 
     import models
     from conftest import make_ids
 
-    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=128)
-    torch.manual_seed(0)
-    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=27)
-    m.save_pretrained(tmp_path / "nomic")
+    models.nomic_bert(tmp_path / "nomic", seed=27)
     d = tmp_path / "z"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lossless, "MIN_CODED_BYTES", 1024)

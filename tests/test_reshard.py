@@ -207,12 +207,7 @@ def test_roundtrip_safetensors(ckpts, tmp_path: Path, name: str) -> None:
 def test_a_fused_tensor_split_into_parameters_is_written_once(tmp_path: Path) -> None:
     """NomicBert's ``attn.Wqkv`` is read by the loader as three row runs (tiered/chunks.py, ``Wqkv.weight[0:64]``...):
     the converter places the checkpoint tensor they come from (it failed with a KeyError on the run's name)."""
-    cfg = transformers.NomicBertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=128)
-    torch.manual_seed(0)
-    m = transformers.NomicBertModel(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=28)
-    m.save_pretrained(tmp_path / "nomic")
+    models.nomic_bert(tmp_path / "nomic", seed=28)
     s = _reshard(tmp_path / "nomic", tmp_path / "out")
     assert s.order == "plan" and s.tensors == len(_tensors(tmp_path / "nomic"))
     _assert_bit_equal(_tensors(tmp_path / "out"), _tensors(tmp_path / "nomic"))
