@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Decoding ``bytegroup-zstd1`` on the GPU with nvCOMP (issue 25, item 3: choose the device decoder by measurement).
+"""Decoding a lossless code on the GPU (issue 25, item 3: choose the device decoder by measurement): ``bytegroup-zstd1``
+with nvCOMP, or ``exp3-bf16`` with tiered's Triton kernel.
 
-    python benchmarks/gpu_decode.py [--mib 512] [--chunks 65536,262144,1048576,4194304] [--out results.json]
+    python benchmarks/gpu_decode.py [--codec zstd|exp3] [--mib 512] [--chunks 65536,262144,1048576,4194304]
+        [--out results.json]
 
 For each chunk size: random-normal bf16 weights (std 0.02, Llama-3-8B row width 4096) are coded with
 ``tiered.lossless.encode`` on the CPU (ratio reported); the coded blob is copied to the GPU once; then, timed with CUDA
@@ -11,7 +13,12 @@ bf16 elements (torch ``stack`` of the planes). Each result is checked bitwise ag
 (1 GiB, same run) is the yardstick: the issue asks for decode output >= 2x it. Also the CPU decode rate per thread
 (``decode_into``) at each chunk size, and with ``--threads`` reader threads at once.
 
-Needs CUDA, ``nvidia-nvcomp-cu13`` (or -cu12, matching torch's CUDA) and ``zstandard``.
+``--codec exp3`` (:mod:`tiered.expcode`): the same weights coded with ``expcode.encode_chunk`` per chunk; timed
+with CUDA events: the H2D copy of the coded bytes from pinned memory, the Triton decode (``--warps`` variants) and
+the two one after another on one stream (what a host-tier unit costs: ``h2d_then_decode_gbps`` is plain bytes per
+second of both). Each decode is checked bitwise against the input; the CPU figure is ``decode_np`` on one thread.
+
+``--codec zstd`` needs CUDA, ``nvidia-nvcomp-cu13`` (or -cu12, matching torch's CUDA) and ``zstandard``.
 """
 
 from __future__ import annotations
@@ -116,12 +123,58 @@ def cpu_case(raw: np.ndarray, chunk_bytes: int, threads: int) -> dict:
             f"cpu_{threads}threads_gbps": raw.size / many / 1e9}
 
 
+def exp3_case(raw: np.ndarray, chunk_bytes: int, repeat: int, warps: list[int]) -> dict:
+    from tiered import expcode
+
+    u = raw.view(np.uint16)
+    per = max(1, chunk_bytes // 2)
+    t0 = time.perf_counter()
+    parts = [expcode.encode_chunk(u[i: i + per]) for i in range(0, u.size, per)]
+    enc = time.perf_counter() - t0
+    chunks, at = [], 0
+    for k, b in enumerate(parts):
+        chunks.append((at, k * per, min(per, u.size - k * per)))
+        at += len(b)
+    blob = b"".join(parts)
+    res: dict = {"codec": expcode.CODEC, "chunk_bytes": chunk_bytes, "chunks": len(parts), "ratio": len(blob) / raw.size,
+                 "encode_1thread_gbps": raw.size / enc / 1e9}
+    out_np = np.empty_like(u[:per])
+    t0 = time.perf_counter()
+    expcode.decode_np(parts[0], chunks[0][2], out_np[: chunks[0][2]])
+    res["cpu_1thread_gbps"] = 2 * chunks[0][2] / (time.perf_counter() - t0) / 1e9
+    if not torch.cuda.is_available():
+        return res
+    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device="cuda")
+    out = torch.empty(u.size, dtype=torch.int16, device="cuda")
+    batch = expcode.DeviceBatch(chunks, "cuda")
+    res["h2d_coded_s"] = statistics.median(_events(lambda: dev.copy_(host, non_blocking=True), repeat))
+    ref = torch.from_numpy(u.view(np.int16))
+    for w in warps:
+        out.zero_()
+        expcode.decode_cuda(dev, batch, out, num_warps=w)
+        torch.cuda.synchronize()
+        res[f"bitwise_equal_w{w}"] = bool(torch.equal(out.cpu(), ref))
+        td = statistics.median(_events(lambda w=w: expcode.decode_cuda(dev, batch, out, num_warps=w), repeat))
+        res[f"decode_s_w{w}"] = td
+        res[f"decode_out_gbps_w{w}"] = raw.size / td / 1e9
+
+    def both() -> None:
+        dev.copy_(host, non_blocking=True)
+        expcode.decode_cuda(dev, batch, out, num_warps=warps[0])
+
+    res["h2d_then_decode_gbps"] = raw.size / statistics.median(_events(both, repeat)) / 1e9
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--chunks", default="65536,262144,1048576,4194304")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--codec", default="zstd", choices=["zstd", "exp3"])
+    p.add_argument("--warps", default="8,4,16", help="exp3: Triton num_warps variants (the first is used for both)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(0)
@@ -133,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         report["h2d_pinned_gbps"] = h2d_gbps(a.repeat)
         print(f"H2D pinned: {report['h2d_pinned_gbps']:.1f} GB/s", flush=True)
     for cb in (int(x) for x in a.chunks.split(",")):
+        if a.codec == "exp3":
+            row = exp3_case(raw, cb, a.repeat, [int(x) for x in a.warps.split(",")])
+            report["cases"].append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            continue
         row = cpu_case(raw, cb, a.threads)
         if torch.cuda.is_available():
             row.update(gpu_case(raw, cb, a.repeat))

@@ -534,3 +534,72 @@ def test_quantized_codes_are_never_read_coded(tmp_path) -> None:
     assert any(t.dtype == torch.float8_e4m3fn for t in _coded(out))
     with pytest.raises(CodecError, match="quantized codes or scales that are also losslessly compressed"):
         tiered.load(out)
+
+
+# ---------------------------------------------------------------------------------------------- exp3-bf16 (GPU code)
+
+
+def _exp3_inputs() -> list[np.ndarray]:
+    """bf16 bit patterns: every one of the 65,536 (NaN payloads, +-Inf, subnormals, -0: escape-heavy), random-normal
+    weights at several lengths around the block and byte edges, and weights with a few outliers."""
+    from tiered import expcode
+
+    every = np.arange(1 << 16, dtype=np.uint16)
+    np.random.default_rng(3).shuffle(every)
+    out = [every]
+    for n in (1, 7, 8, 9, expcode.BLOCK - 1, expcode.BLOCK, expcode.BLOCK + 1, 3 * expcode.BLOCK + 17):
+        w = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).to(torch.bfloat16)
+        out.append(w.view(torch.int16).numpy().view(np.uint16).copy())
+    spiky = out[-1].copy()
+    spiky[::97] = every[: spiky[::97].size]
+    out.append(spiky)
+    return out
+
+
+def test_exp3_round_trips_every_bit_pattern_on_the_cpu() -> None:
+    """``exp3-bf16``: every bf16 bit pattern, and random-normal weights at lengths around the block and byte edges,
+    decode (numpy, the CPU path) to the input bit for bit; normal weights code smaller than plain."""
+    from tiered import expcode
+
+    for u in _exp3_inputs():
+        body = expcode.encode_chunk(u)
+        out = np.full(u.size, 0xA5A5, dtype=np.uint16)
+        expcode.decode_np(body, u.size, out)
+        assert np.array_equal(out, u), u.size
+    u = _exp3_inputs()[-2]
+    assert len(expcode.encode_chunk(u)) < u.nbytes
+    assert expcode.encode_chunk(np.zeros(0, np.uint16)) == bytes(8)
+
+
+def test_exp3_truncated_or_padded_chunk_is_refused() -> None:
+    """A chunk whose escape section is short or long (truncated or corrupted) raises CodecError naming the place,
+    never decodes to other numbers."""
+    from tiered import expcode
+
+    u = _exp3_inputs()[0][:5000]
+    body = expcode.encode_chunk(u)
+    out = np.empty(u.size, np.uint16)
+    for bad in (body[:-1], body + b"\0", body[:100]):
+        with pytest.raises(CodecError, match="shard.safetensors: tensor 'w'"):
+            expcode.decode_np(bad, u.size, out, where="shard.safetensors: tensor 'w'")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_exp3_decoder_equals_the_input() -> None:
+    """The Triton decoder, one launch over chunks of every input at their offsets in one coded buffer (as a unit's
+    staging holds them), writes the input's bits exactly, and nothing outside the chunks."""
+    from tiered import expcode
+
+    chunks, parts, want, at, o = [], [], [], 0, 0
+    for u in _exp3_inputs():
+        b = expcode.encode_chunk(u)
+        chunks.append((at, o, u.size))
+        parts.append(b)
+        want.append(u)
+        at, o = at + len(b), o + u.size + 5  # a gap between chunks' outputs: must stay untouched
+        want.append(np.full(5, 0x7777, np.uint16))
+    buf = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).cuda()
+    out = torch.full((o,), 0x7777, dtype=torch.int16, device="cuda")
+    expcode.decode_cuda(buf, expcode.DeviceBatch(chunks, "cuda"), out)
+    assert np.array_equal(out.cpu().numpy().view(np.uint16), np.concatenate(want))

@@ -1,0 +1,203 @@
+"""A lossless bf16 code a GPU decodes at memory speed (issue 25, item 2): ``exp3``.
+
+Why another code beside ``bytegroup-zstd1`` (:mod:`tiered.lossless`): zstd's entropy coder is sequential within a
+frame, so a GPU decodes it only with a library (nvCOMP), measured at 0.66x the H200's pinned H2D rate
+(`benchmarks/NOTES.md`, "Issue 25: compressed shards wired in"), too slow to decode after the copy. Nearly all the
+information a bf16 weight does not carry sits in its 8 exponent bits (about 2.6 bits of entropy, DFloat11 and ZipNN
+measure the same); ``exp3`` removes most of it with a fixed-width code, so every element decodes independently but
+for one prefix sum per block.
+
+One chunk of ``n`` bf16 elements (bit 15 sign, bits 14..7 exponent, bits 6..0 mantissa) is stored as, in order:
+
+======================  =====================  ==============================================================
+section                 bytes                  content
+======================  =====================  ==============================================================
+table                   8                      the chunk's 7 most frequent exponents (codes 0..6); byte 7 is 0
+block escape starts     4 * ceil(n / BLOCK)    little-endian uint32: escapes in the chunk before block ``b``
+code bit planes         3 * ceil(n / 8)        plane ``p``, byte ``j``, bit ``k``: bit ``p`` of element ``8j+k``'s code
+sign and mantissa       n                      ``sign << 7 | mantissa`` per element
+escapes                 (elements of code 7)   the exponent byte of every element whose code is 7, in order
+======================  =====================  ==============================================================
+
+Code ``k < 7`` means exponent ``table[k]``; code 7 (an *escape*) means the next exponent of the escapes section. So
+``11/16 = 0.6875`` of the plain bytes plus one byte per escape plus 4 bytes per :data:`BLOCK` elements: 0.69-0.70 on
+bf16 weights (measured in `benchmarks/NOTES.md`). Exact by construction for every bit pattern (NaN payloads, Inf,
+subnormals, -0): the sign and mantissa bits are kept verbatim and every exponent is either in the table or escaped.
+
+Decoders: :func:`decode_np` (numpy, any thread; the reference and the CPU path) and :func:`decode_cuda` (a Triton
+kernel, one program per block of :data:`BLOCK` elements: three bit-plane loads, a table gather, an exclusive prefix
+sum of the block's escapes, one 16-bit store per element). Both give the same bits; the tests compare them with the
+input on random, special-value and escape-heavy data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import CodecError
+
+__all__ = ["CODEC", "BLOCK", "encode_chunk", "decode_np", "chunk_layout", "DeviceBatch", "decode_cuda"]
+
+#: the codec's name in a lossless table (:class:`tiered.lossless.Coded`)
+CODEC = "exp3-bf16"
+#: elements per block: the unit of the GPU decoder's prefix sum and of the block escape starts
+BLOCK = 4096
+#: the escape code
+ESC = 7
+
+
+def chunk_layout(n: int) -> tuple[int, int, int, int]:
+    """Byte offsets of one chunk of ``n`` elements' sections after the table: ``(blocks, codes, sm, esc)`` (the table
+    is at 0). The chunk's length is ``esc + escapes``."""
+    nb = -(-n // BLOCK)
+    blocks = 8
+    codes = blocks + 4 * nb
+    sm = codes + 3 * (-(-n // 8))
+    return blocks, codes, sm, sm + n
+
+
+def encode_chunk(u: np.ndarray) -> bytes:
+    """Code one chunk: ``u`` is 1-D ``uint16`` (the bf16 bit patterns), any length >= 0. Runs on the caller's thread;
+    temporaries of a few bytes per element."""
+    u = np.ascontiguousarray(u, dtype=np.uint16).reshape(-1)
+    n = u.size
+    e = ((u >> 7) & 0xFF).astype(np.uint8)
+    sm = (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8)
+    counts = np.bincount(e, minlength=256)
+    order = np.argsort(-counts, kind="stable")[:ESC]
+    order = order[counts[order] > 0]
+    table = np.zeros(8, dtype=np.uint8)
+    table[: order.size] = order
+    lut = np.full(256, ESC, dtype=np.uint8)
+    lut[order] = np.arange(order.size, dtype=np.uint8)
+    code = lut[e]
+    esc_mask = code == ESC
+    esc = e[esc_mask]
+    nb = -(-n // BLOCK)
+    per_block = np.bincount(np.flatnonzero(esc_mask) // BLOCK, minlength=nb)
+    starts = (np.cumsum(per_block) - per_block).astype("<u4")
+    planes = [np.packbits((code >> p) & 1, bitorder="little") for p in range(3)]
+    return b"".join([table.tobytes(), starts.tobytes(), *(pl.tobytes() for pl in planes), sm.tobytes(),
+                     esc.tobytes()])
+
+
+def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *, where: str = "") -> None:
+    """Decode one chunk of ``n`` elements from ``body`` (exactly its bytes) into ``out`` (``n`` ``uint16``, or ``2n``
+    ``uint8``). Runs on the caller's thread (a reader thread). Raises CodecError: a body whose length does not match
+    its escape count (truncated or corrupted; the caller checks the chunk's CRC-32 first)."""
+    src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
+    blocks, codes, smo, esco = chunk_layout(n)
+    if src.size < esco:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size} bytes, fewer than its fixed "
+                         f"{esco} (truncated)")
+    o = out.reshape(-1).view(np.uint16)
+    if o.size != n:
+        raise ValueError(f"decode_np: out holds {o.size} elements, the chunk {n}")
+    if not n:
+        return
+    table = src[:8]
+    nb8 = -(-n // 8)
+    code = np.zeros(n, dtype=np.uint8)
+    for p in range(3):
+        code |= np.unpackbits(src[codes + p * nb8 : codes + (p + 1) * nb8], count=n, bitorder="little") << p
+    esc_mask = code == ESC
+    k = int(np.count_nonzero(esc_mask))
+    if src.size != esco + k:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say {k} "
+                         "(corrupted or truncated)")
+    e = table[np.minimum(code, 7)].astype(np.uint16)
+    e[esc_mask] = src[esco:]
+    sm = src[smo : smo + n].astype(np.uint16)
+    np.bitwise_or((sm & 0x80) << 8, e << 7, out=o)
+    o |= sm & 0x7F
+
+
+# ---------------------------------------------------------------------------------------------- the GPU decoder
+
+
+class DeviceBatch:
+    """The chunks one :func:`decode_cuda` call decodes: per chunk ``(byte offset in the coded buffer, element offset
+    in the output, elements)``. Built once per unit (host lists, then two small device tensors: 4 int64 per chunk and
+    one int32 per block)."""
+
+    def __init__(self, chunks: list[tuple[int, int, int]], device: Any) -> None:
+        import torch
+
+        rows, owner = [], []
+        for i, (at, out0, n) in enumerate(chunks):
+            rows.append((at, out0, n, len(owner)))
+            owner += [i] * (-(-n // BLOCK))
+        self.blocks = len(owner)
+        self.meta = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64).to(device)
+        self.owner = torch.tensor(owner or [0], dtype=torch.int32).to(device)
+
+
+_KERNEL: Any = None
+
+
+def _kernel() -> Any:
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def exp3_decode(buf, out, meta, owner, BLK: tl.constexpr):
+        g = tl.program_id(0)
+        c = tl.load(owner + g).to(tl.int64)
+        at = tl.load(meta + c * 4)
+        out0 = tl.load(meta + c * 4 + 1)
+        n = tl.load(meta + c * 4 + 2)
+        j = g - tl.load(meta + c * 4 + 3)
+        nb = (n + BLK - 1) // BLK
+        nb8 = (n + 7) // 8
+        codes = at + 8 + 4 * nb
+        smo = codes + 3 * nb8
+        esco = smo + n
+        idx = j * BLK + tl.arange(0, BLK)
+        m = idx < n
+        sm = tl.load(buf + smo + idx, mask=m, other=0).to(tl.int32)
+        byte = idx >> 3
+        bit = (idx & 7).to(tl.int32)
+        c0 = (tl.load(buf + codes + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
+        c1 = (tl.load(buf + codes + nb8 + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
+        c2 = (tl.load(buf + codes + 2 * nb8 + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
+        code = c0 | (c1 << 1) | (c2 << 2)
+        tab = tl.load(buf + at + code, mask=m, other=0).to(tl.int32)
+        isesc = (code == 7) & m
+        s = at + 8 + 4 * j
+        base = (tl.load(buf + s).to(tl.int64) | (tl.load(buf + s + 1).to(tl.int64) << 8)
+                | (tl.load(buf + s + 2).to(tl.int64) << 16) | (tl.load(buf + s + 3).to(tl.int64) << 24))
+        e1 = isesc.to(tl.int32)
+        pos = tl.cumsum(e1, axis=0) - e1
+        ev = tl.load(buf + esco + base + pos, mask=isesc, other=0).to(tl.int32)
+        e = tl.where(isesc, ev, tab)
+        u = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+        tl.store(out + out0 + idx, u.to(tl.int16), mask=m)
+
+    _KERNEL = exp3_decode
+    return _KERNEL
+
+
+def decode_cuda(buf: Any, batch: DeviceBatch, out: Any, *, num_warps: int = 8) -> None:
+    """Decode ``batch``'s chunks from ``buf`` (1-D ``uint8`` on the GPU: the coded bytes after the H2D copy) into
+    ``out`` (1-D ``int16``/``bfloat16`` on the same device; each chunk at its element offset). Enqueued on the current
+    stream; no host synchronisation. The caller has checked every chunk's CRC-32 on the host (the reader does, as the
+    bytes arrive): the kernel trusts the escape counts."""
+    import torch
+
+    if not batch.blocks:
+        return
+    o = out.view(torch.int16) if out.dtype != torch.int16 else out
+    _kernel()[(batch.blocks,)](buf, o, batch.meta, batch.owner, BLK=BLOCK, num_warps=num_warps)
+
+
+def ratio(n_elems: int, coded_bytes: int) -> float:
+    """Coded bytes per plain byte."""
+    return coded_bytes / max(1, 2 * n_elems)
+
+
+__all__ += ["ratio"]
