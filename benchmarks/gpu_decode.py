@@ -133,7 +133,7 @@ def exp3_case(raw: np.ndarray, chunk_bytes: int, repeat: int, warps: list[int]) 
     enc = time.perf_counter() - t0
     chunks, at = [], 0
     for k, b in enumerate(parts):
-        chunks.append((at, k * per, min(per, u.size - k * per)))
+        chunks.append((at, k * per, min(per, u.size - k * per), len(b)))
         at += len(b)
     blob = b"".join(parts)
     res: dict = {"codec": expcode.CODEC, "chunk_bytes": chunk_bytes, "chunks": len(parts), "ratio": len(blob) / raw.size,

@@ -19,6 +19,9 @@ sign and mantissa       n                      ``sign << 7 | mantissa`` per elem
 escapes                 (elements of code 7)   the exponent byte of every element whose code is 7, in order
 ======================  =====================  ==============================================================
 
+A chunk this code would not make smaller (random bits: every exponent escapes) is stored *raw*, its ``2n`` plain bytes;
+a chunk's stored length is ``2n`` exactly when it is raw (a coded body of that length is stored raw instead).
+
 Code ``k < 7`` means exponent ``table[k]``; code 7 (an *escape*) means the next exponent of the escapes section. So
 ``11/16 = 0.6875`` of the plain bytes plus one byte per escape plus 4 bytes per :data:`BLOCK` elements: 0.69-0.70 on
 bf16 weights (measured in `benchmarks/NOTES.md`). Exact by construction for every bit pattern (NaN payloads, Inf,
@@ -77,6 +80,8 @@ def encode_chunk(u: np.ndarray) -> bytes:
     esc = e[esc_mask]
     nb = -(-n // BLOCK)
     per_block = np.bincount(np.flatnonzero(esc_mask) // BLOCK, minlength=nb)
+    if chunk_layout(n)[3] + esc.size >= 2 * n:  # no smaller: raw (its length, 2n, says so)
+        return u.tobytes()
     starts = (np.cumsum(per_block) - per_block).astype("<u4")
     planes = [np.packbits((code >> p) & 1, bitorder="little") for p in range(3)]
     return b"".join([table.tobytes(), starts.tobytes(), *(pl.tobytes() for pl in planes), sm.tobytes(),
@@ -88,13 +93,16 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
     ``uint8``). Runs on the caller's thread (a reader thread). Raises CodecError: a body whose length does not match
     its escape count (truncated or corrupted; the caller checks the chunk's CRC-32 first)."""
     src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
+    o = out.reshape(-1).view(np.uint16)
+    if o.size != n:
+        raise ValueError(f"decode_np: out holds {o.size} elements, the chunk {n}")
+    if src.size == 2 * n:  # raw
+        o[:] = src.view(np.uint16)
+        return
     blocks, codes, smo, esco = chunk_layout(n)
     if src.size < esco:
         raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size} bytes, fewer than its fixed "
                          f"{esco} (truncated)")
-    o = out.reshape(-1).view(np.uint16)
-    if o.size != n:
-        raise ValueError(f"decode_np: out holds {o.size} elements, the chunk {n}")
     if not n:
         return
     table = src[:8]
@@ -119,18 +127,18 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
 
 class DeviceBatch:
     """The chunks one :func:`decode_cuda` call decodes: per chunk ``(byte offset in the coded buffer, element offset
-    in the output, elements)``. Built once per unit (host lists, then two small device tensors: 4 int64 per chunk and
-    one int32 per block)."""
+    in the output, elements, stored length)`` (a length of ``2 * elements``: a raw chunk). Built once per unit (host
+    lists, then two small device tensors: 5 int64 per chunk and one int32 per block)."""
 
-    def __init__(self, chunks: list[tuple[int, int, int]], device: Any) -> None:
+    def __init__(self, chunks: list[tuple[int, int, int, int]], device: Any) -> None:
         import torch
 
         rows, owner = [], []
-        for i, (at, out0, n) in enumerate(chunks):
-            rows.append((at, out0, n, len(owner)))
+        for i, (at, out0, n, length) in enumerate(chunks):
+            rows.append((at, out0, n, len(owner), length))
             owner += [i] * (-(-n // BLOCK))
         self.blocks = len(owner)
-        self.meta = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64).to(device)
+        self.meta = torch.tensor(rows or [(0, 0, 0, 0, 0)], dtype=torch.int64).to(device)
         self.owner = torch.tensor(owner or [0], dtype=torch.int32).to(device)
 
 
@@ -148,10 +156,14 @@ def _kernel() -> Any:
     def exp3_decode(buf, out, meta, owner, BLK: tl.constexpr):
         g = tl.program_id(0)
         c = tl.load(owner + g).to(tl.int64)
-        at = tl.load(meta + c * 4)
-        out0 = tl.load(meta + c * 4 + 1)
-        n = tl.load(meta + c * 4 + 2)
-        j = g - tl.load(meta + c * 4 + 3)
+        at = tl.load(meta + c * 5)
+        out0 = tl.load(meta + c * 5 + 1)
+        n = tl.load(meta + c * 5 + 2)
+        j = g - tl.load(meta + c * 5 + 3)
+        length = tl.load(meta + c * 5 + 4)
+        raw = length == 2 * n
+        n_coded = tl.where(raw, 0, n)  # elements read from the coded sections (none for a raw chunk)
+        n_raw = n - n_coded
         nb = (n + BLK - 1) // BLK
         nb8 = (n + 7) // 8
         codes = at + 8 + 4 * nb
@@ -159,23 +171,28 @@ def _kernel() -> Any:
         esco = smo + n
         idx = j * BLK + tl.arange(0, BLK)
         m = idx < n
-        sm = tl.load(buf + smo + idx, mask=m, other=0).to(tl.int32)
+        mc = idx < n_coded  # a raw chunk reads none of the coded sections
+        sm = tl.load(buf + smo + idx, mask=mc, other=0).to(tl.int32)
         byte = idx >> 3
         bit = (idx & 7).to(tl.int32)
-        c0 = (tl.load(buf + codes + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
-        c1 = (tl.load(buf + codes + nb8 + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
-        c2 = (tl.load(buf + codes + 2 * nb8 + byte, mask=m, other=0).to(tl.int32) >> bit) & 1
+        c0 = (tl.load(buf + codes + byte, mask=mc, other=0).to(tl.int32) >> bit) & 1
+        c1 = (tl.load(buf + codes + nb8 + byte, mask=mc, other=0).to(tl.int32) >> bit) & 1
+        c2 = (tl.load(buf + codes + 2 * nb8 + byte, mask=mc, other=0).to(tl.int32) >> bit) & 1
         code = c0 | (c1 << 1) | (c2 << 2)
-        tab = tl.load(buf + at + code, mask=m, other=0).to(tl.int32)
-        isesc = (code == 7) & m
+        tab = tl.load(buf + at + code, mask=mc, other=0).to(tl.int32)
+        isesc = (code == 7) & mc
         s = at + 8 + 4 * j
-        base = (tl.load(buf + s).to(tl.int64) | (tl.load(buf + s + 1).to(tl.int64) << 8)
-                | (tl.load(buf + s + 2).to(tl.int64) << 16) | (tl.load(buf + s + 3).to(tl.int64) << 24))
+        k4 = tl.arange(0, 4)
+        b4 = tl.load(buf + s + k4, mask=k4 < tl.where(raw, 0, 4), other=0).to(tl.int64)
+        base = tl.sum(b4 << (8 * k4), axis=0)  # the block's first escape (little-endian uint32)
         e1 = isesc.to(tl.int32)
         pos = tl.cumsum(e1, axis=0) - e1
         ev = tl.load(buf + esco + base + pos, mask=isesc, other=0).to(tl.int32)
         e = tl.where(isesc, ev, tab)
         u = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+        lo = tl.load(buf + at + 2 * idx, mask=idx < n_raw, other=0).to(tl.int32)  # a raw chunk: its bytes as they are
+        hi = tl.load(buf + at + 2 * idx + 1, mask=idx < n_raw, other=0).to(tl.int32)
+        u = tl.where(raw, lo | (hi << 8), u)
         tl.store(out + out0 + idx, u.to(tl.int16), mask=m)
 
     _KERNEL = exp3_decode
