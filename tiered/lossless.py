@@ -41,17 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import expcode
 from .errors import CodecError
 
 if TYPE_CHECKING:
     from .tensor_info import Shard
 
-__all__ = ["CODEC", "Coded", "CodecError", "encode", "decode_into", "decode_chunk", "DEFAULT_CHUNK_BYTES",
+__all__ = ["CODEC", "EXP3", "CODECS", "Coded", "CodecError", "encode", "decode_into", "decode_chunk", "DEFAULT_CHUNK_BYTES",
            "META_KEY", "VERSION_KEY", "FORMAT_VERSION", "INDEX_NAME", "LosslessInfo", "logical_shard", "is_coded",
            "table_entry", "window"]
 
 #: the codec's name, as the converter records it
 CODEC = "bytegroup-zstd1"
+#: the GPU-decodable bf16 codec (:mod:`tiered.expcode`)
+EXP3 = expcode.CODEC
+#: the codecs a table may name
+CODECS = (CODEC, EXP3)
 #: bytes of plain data per chunk (a reader task's worth; fits the O_DIRECT staging buffer coded)
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: ``__metadata__`` key of a shard's tables (a JSON object: tensor name -> :func:`table_entry`)
@@ -75,6 +80,9 @@ class Coded:
     slice: int
     lens: list[list[int]] = field(default_factory=list)
     crc: list[int] = field(default_factory=list)
+    #: :data:`CODEC` (byte planes, zstd: ``lens[c]`` has ``itemsize`` planes) or :data:`tiered.expcode.CODEC` (bf16,
+    #: decodable on the GPU after the H2D copy: ``lens[c]`` is ``[stored length]``, ``2 * elements`` when raw)
+    codec: str = CODEC
     starts: list[int] = field(default_factory=list, repr=False)  # byte offset of each chunk in the blob (derived)
 
     def __post_init__(self) -> None:
@@ -128,6 +136,11 @@ class Coded:
         return range(first, last + 1)
 
     @property
+    def planes_per_chunk(self) -> int:
+        """Entries of each ``lens`` row: ``itemsize`` byte planes (zstd), one body (exp3)."""
+        return self.itemsize if self.codec == CODEC else 1
+
+    @property
     def planes(self) -> list[list[tuple[int, int, bool]]]:
         """``planes[c][i] = (offset, length, zstd)`` of plane ``i`` of chunk ``c`` in the blob."""
         out = []
@@ -141,7 +154,7 @@ class Coded:
         return out
 
     def to_json(self) -> dict:
-        return {"codec": CODEC, "itemsize": self.itemsize, "nbytes": self.nbytes, "chunk": self.chunk,
+        return {"codec": self.codec, "itemsize": self.itemsize, "nbytes": self.nbytes, "chunk": self.chunk,
                 "slice": self.slice, "chunks": [[c, *ch] for c, ch in zip(self.crc, self.lens, strict=True)]}
 
     @classmethod
@@ -149,24 +162,24 @@ class Coded:
         """Raises CodecError: an unknown codec or a malformed table (``where`` names the file and tensor)."""
         fix = "re-run `tiered reshard --compress` on the source checkpoint"
         try:
-            if d["codec"] != CODEC:
-                raise CodecError(f"{where}: codec {d['codec']!r} is not one tiered decodes ({CODEC}); {fix}")
+            if d["codec"] not in CODECS:
+                raise CodecError(f"{where}: codec {d['codec']!r} is not one tiered decodes ({', '.join(CODECS)}); {fix}")
             rows = d["chunks"]
             if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) >= 2 for r in rows):
                 raise TypeError("chunks must be [[crc, length, ...], ...]")
             c = cls(_int(d["itemsize"]), _int(d["nbytes"]), _int(d["chunk"]), _int(d["slice"]),
-                    [[_int(n) for n in r[1:]] for r in rows], [_int(r[0]) for r in rows])
+                    [[_int(n) for n in r[1:]] for r in rows], [_int(r[0]) for r in rows], codec=d["codec"])
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CodecError):
                 raise
             raise CodecError(f"{where}: malformed lossless table ({e!r}); {fix}") from None
         ok = c.itemsize >= 1 and c.chunk >= 1 and c.slice >= 1 and c.nbytes >= 0 and not c.nbytes % c.itemsize \
-            and len(c.lens) == c.count() and all(len(ch) == c.itemsize for ch in c.lens) \
+            and len(c.lens) == c.count() and all(len(ch) == c.planes_per_chunk for ch in c.lens) \
             and all(0 <= x < 1 << 32 for x in c.crc)
         if ok:
             for i, ch in enumerate(c.lens):
                 lo, hi = c.elements(i)
-                if any(n < 1 or n > hi - lo for n in ch):
+                if any(n < 1 or n > (hi - lo) * c.itemsize // c.planes_per_chunk for n in ch):
                     ok = False
                     break
         if not ok:
@@ -182,7 +195,7 @@ def _int(x: object) -> int:
 
 
 def encode(data: np.ndarray, itemsize: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, slice_elems: int | None = None,
-           level: int = 1) -> tuple[bytes, Coded]:
+           level: int = 1, codec: str = CODEC) -> tuple[bytes, Coded]:
     """Code ``data`` (a 1-D ``uint8`` array, a whole number of ``itemsize``-byte elements): returns the blob and its
     table. ``slice_elems``: chunks never cross a multiple of it (default: the whole tensor). Runs on the caller's
     thread; memory: one chunk's planes and their codes."""
@@ -191,11 +204,11 @@ def encode(data: np.ndarray, itemsize: int, *, chunk_bytes: int = DEFAULT_CHUNK_
         raise ValueError(f"encode: {data.size} bytes of {data.dtype} are not whole {itemsize}-byte elements")
     numel = data.size // itemsize
     sl = max(1, slice_elems or numel)
-    coded = Coded(itemsize, int(data.size), max(1, min(chunk_bytes // itemsize, sl)), sl)
+    coded = Coded(itemsize, int(data.size), max(1, min(chunk_bytes // itemsize, sl)), sl, codec=codec)
     out = bytearray()
     for c in range(coded.count()):
         lo, hi = coded.chunk_range(c)
-        lens, body = encode_chunk(data[lo:hi], itemsize, level)
+        lens, body = encode_chunk(data[lo:hi], itemsize, level, codec)
         coded.lens.append(lens)
         coded.crc.append(zlib.crc32(body))
         out += body
@@ -203,9 +216,15 @@ def encode(data: np.ndarray, itemsize: int, *, chunk_bytes: int = DEFAULT_CHUNK_
     return bytes(out), coded
 
 
-def encode_chunk(part: np.ndarray, itemsize: int, level: int = 1) -> tuple[list[int], bytes]:
-    """One chunk's coded bytes: ``(plane lengths, planes one after another)``. ``part``: 1-D ``uint8``, whole
-    elements. Thread-safe (one compressor per call; zstandard releases the GIL)."""
+def encode_chunk(part: np.ndarray, itemsize: int, level: int = 1, codec: str = CODEC) -> tuple[list[int], bytes]:
+    """One chunk's coded bytes: ``(plane lengths, planes one after another)`` (exp3: ``([length], body)``). ``part``:
+    1-D ``uint8``, whole elements (exp3: bf16, ``itemsize`` 2). Thread-safe (one compressor per call; zstandard
+    releases the GIL)."""
+    if codec == EXP3:
+        if itemsize != 2:
+            raise ValueError(f"{EXP3} codes 2-byte (bf16) elements, not {itemsize}-byte ones")
+        body = expcode.encode_chunk(np.ascontiguousarray(part).view(np.uint16))
+        return [len(body)], body
     import zstandard
 
     z = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
@@ -229,8 +248,6 @@ def decode_chunk(body: memoryview | bytes | np.ndarray, coded: Coded, c: int, ou
     Raises:
         CodecError: a checksum mismatch, a plane zstd rejects or that decodes to the wrong length.
     """
-    import zstandard
-
     src = memoryview(body.reshape(-1) if isinstance(body, np.ndarray) else body).cast("B")
     lo, hi = coded.elements(c)
     n, isz = hi - lo, coded.itemsize
@@ -241,6 +258,11 @@ def decode_chunk(body: memoryview | bytes | np.ndarray, coded: Coded, c: int, ou
     if zlib.crc32(src) != coded.crc[c]:
         raise CodecError(f"{where}: chunk {c} (coded bytes {at}..{at + length} of the file) fails its CRC-32: the file "
                          "is corrupted; re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
+    if coded.codec == EXP3:
+        expcode.decode_np(np.frombuffer(src, dtype=np.uint8), n, out, where=f"{where}: chunk {c} (file offset {at})")
+        return
+    import zstandard
+
     d = zstandard.ZstdDecompressor()
     planes, off = [], 0
     for i, ln in enumerate(coded.lens[c]):

@@ -27,17 +27,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from ..lossless import Coded, chunk_geometry, encode_chunk
+from ..lossless import CODEC, EXP3, Coded, chunk_geometry, encode_chunk
 from . import writer
 from .layout import _coded_header, _Out, _Shard
 
 __all__: list[str] = []
 
 
-def _code(part: np.ndarray, itemsize: int) -> tuple[list[int], bytes, int]:
+def _code(part: np.ndarray, itemsize: int, codec: str) -> tuple[list[int], bytes, int]:
     """One chunk: (plane lengths, coded bytes, CRC-32 of them). Runs on a coder thread."""
-    lens, body = encode_chunk(part, itemsize)
+    lens, body = encode_chunk(part, itemsize, codec=codec)
     return lens, body, zlib.crc32(body)
 
 
@@ -45,7 +46,8 @@ class _Coder:
     """Codes tensors chunk by chunk on a thread pool (owned here: :meth:`close` shuts it down, cancelling what has not
     started) and writes the chunks in order on the caller's thread."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, codec: str = "zstd") -> None:
+        self.codec = codec  # "exp3": bf16 tensors in tiered.expcode's code, the others zstd
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self.window = self.threads + 2  # chunks in flight: every thread busy, the next two ready to write
         self.pool: ThreadPoolExecutor | None = None  # started on the first coded tensor (no threads at import)
@@ -59,7 +61,8 @@ class _Coder:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered-code")
         isz = out.dtype.itemsize
         chunk, sl = chunk_geometry(out.shape, isz)
-        coded = Coded(isz, out.nbytes, chunk, sl)
+        codec = EXP3 if self.codec == "exp3" and out.dtype == torch.bfloat16 else CODEC
+        coded = Coded(isz, out.nbytes, chunk, sl, codec=codec)
         h = copier.hash_of(out)
         pending: deque[Future] = deque()
         pos = offset
@@ -83,7 +86,7 @@ class _Coder:
                 fill += k
                 at += k
                 if fill == cur.size:
-                    pending.append(self.pool.submit(_code, cur, isz))
+                    pending.append(self.pool.submit(_code, cur, isz, codec))
                     c += 1
                     if c < n:
                         lo, hi = coded.chunk_range(c)
