@@ -54,12 +54,13 @@ FIGURES = ("decode_s_per_token_median", "load_s", "streamed_gb_per_token", "h2d_
 
 def _make(args: argparse.Namespace, quant: bool) -> Path:
     out = Path(args.cache_dir) / (f"{args.arch}-L{args.layers}-s{args.scale:g}-{args.experts}-"
-                                  + (args.quant if quant else args.dtype))
+                                  + ((args.quant + ("-exp3" if args.codec == "exp3" else "")) if quant
+                                     else args.dtype))
     if quant and args.quant == "lossless":  # the twin itself, through `tiered reshard --compress` (issue 25)
         twin = _make(args, False)
         if not out.exists():
-            subprocess.run([sys.executable, "-m", "tiered.reshard", str(twin), str(out), "--compress", "--quiet"],
-                           check=True, cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "tiered.reshard", str(twin), str(out), "--compress", "--codec",
+                            args.codec, "--quiet"], check=True, cwd=ROOT)
         return out
     cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--arch", args.arch, "--dtype", args.dtype,
            "--layers", str(args.layers), "--scale", str(args.scale), "--experts", args.experts, "--quiet", str(out)]
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="make_checkpoint.py --quant of the quantized checkpoint (mxfp4: --arch gpt-oss-120b); "
                         "lossless: the twin through `tiered reshard --compress` (issue 25; --stock then runs stock "
                         "on the twin, whose tokens the compressed runs must equal)")
+    p.add_argument("--codec", default="zstd", choices=["zstd", "exp3"],
+                   help="--quant lossless: `reshard --compress --codec` (exp3: bf16 decoded on the GPU after the copy)")
     p.add_argument("--experts", default="stacked", choices=["stacked", "per-expert"],
                    help="make_checkpoint.py --experts (an FP8 MoE needs per-expert); both twins get the same")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

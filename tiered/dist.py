@@ -196,8 +196,8 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
     None: the unit runs a ``transformers`` conversion on whole tensors (``Unit.converts``), decodes float8 codes
     (``Copy.decode``), or one of its stacked sources lands in a non-contiguous slice of its target.
     """
-    if unit.converts or any(c.decode is not None for t in unit.targets for c in t.copies):
-        return None  # a conversion, or float8 codes decoded whole (tiered.quant)
+    if unit.converts or unit.coded_at is not None or any(c.decode is not None for t in unit.targets for c in t.copies):
+        return None  # a conversion, float8 codes decoded whole (tiered.quant), or a unit decoded on the device
     chunk = _align(max(1, math.ceil(unit.nbytes / world)), align)
     lo, hi = rank * chunk, min(unit.nbytes, (rank + 1) * chunk)
     runs: list[Target] = []

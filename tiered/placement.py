@@ -45,7 +45,7 @@ from .hostmem import PAGE_SIZE, page_up
 from .linear_pieces import linear_piece_eligible, piece_rows_for
 from .machine import Machine
 from .options import Options
-from .plan import Plan
+from .plan import Plan, lay_out
 from .reader import zero_copy_eligible
 from .ring import GiB, gib_up
 from .rows import row_eligible
@@ -186,6 +186,11 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         if split:
             host_why = "none: the whole model stays loaded" if machine.host_available is not None else (
                 "none: host memory unknown here")
+    if plan.stored and dist is None:  # an exp3 unit too large for the ring whole: pieces, decoded on the reader threads
+        for u in plan.units:
+            if u.coded_at is not None and page_up(u.nbytes) > int(opts.ring_gb * GiB) and all(
+                    c.decode is None for t in u.targets for c in t.copies):
+                lay_out(u, plan.align, stored=False)
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)

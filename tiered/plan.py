@@ -147,6 +147,19 @@ def _refuse_coded_codes(targets: dict[str, Target]) -> None:
                                      "SRC DST --decompress` and load DST")
 
 
+def device_coded(t: Target) -> bool:
+    """Whether ``t`` is one whole ``exp3-bf16`` coded tensor (:mod:`tiered.expcode`) copied as it is (no cast, no
+    place): a CUDA plan carries its coded bytes to the device and decodes them there (:func:`lay_out`)."""
+    from .lossless import EXP3, LosslessInfo
+
+    if len(t.copies) != 1:
+        return False
+    c = t.copies[0]
+    s = c.src
+    return (isinstance(s, LosslessInfo) and s.coded is not None and s.coded.codec == EXP3 and s.first == 0
+            and s.nbytes == s.coded.nbytes and c.place is None and c.decode is None and s.dtype == t.dtype)
+
+
 def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
     """Give ``u``'s targets their offsets (``align``-byte aligned, in order) and set ``nbytes`` and ``src_bytes``.
 
@@ -154,9 +167,13 @@ def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
     only decoded copies is laid out *stored* (:class:`Unit`): its slot carries the codes and scales as the
     checkpoint stores them — the ring, the host tier and the H2D copy move those bytes — and the device stage
     decodes them after the copy (:meth:`tiered.stage.CudaStage.put`). Otherwise the reader decodes into the slot.
+    Targets that are whole ``exp3-bf16`` tensors (:func:`device_coded`) are decoded targets too: their slot region
+    holds the coded chunks as stored, which the reader checks (CRC-32) and :func:`tiered.quant.decode_stored`
+    decodes on the GPU (:func:`tiered.expcode.decode_cuda`).
     """
-    coded = [t for t in u.targets if any(c.decode is not None for c in t.copies)]
-    stored = stored and bool(coded) and not u.converts and all(c.decode is not None for t in coded for c in t.copies)
+    coded = [t for t in u.targets if any(c.decode is not None for c in t.copies) or (stored and device_coded(t))]
+    stored = stored and bool(coded) and not u.converts and all(
+        c.decode is not None or device_coded(t) for t in coded for c in t.copies)
     coded_ids = {id(t) for t in coded}
     plain = [t for t in u.targets if id(t) not in coded_ids] if stored else u.targets
     off = 0
@@ -176,6 +193,9 @@ def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
             dev += t.nbytes
             for c in t.copies:
                 c.at = off = _align(off, align)
+                if c.decode is None:  # exp3: the coded chunks
+                    off += c.src.stored_bytes
+                    continue
                 off += c.src.nbytes
                 c.scale_at = off = _align(off, align)
                 off += c.decode.scale.nbytes

@@ -691,6 +691,34 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 DEVICE_BAND = 64 << 20
 
 
+def _decode_exp3(unit: Any, stored: torch.Tensor, base: torch.Tensor) -> int:
+    """The exp3 tensors of a stored unit (:func:`tiered.plan.device_coded`): one Triton launch over all their chunks
+    (:func:`tiered.expcode.decode_cuda`), on the current stream; returns the bytes written. The launch's chunk table
+    is built once per unit and device (a few bytes per chunk) and kept on the unit."""
+    from . import expcode
+
+    cache = unit.__dict__.setdefault("_exp3_batch", {})
+    key = str(stored.device)
+    batch = cache.get(key)
+    if batch is None:
+        rows, n_out = [], 0
+        for t in unit.targets:
+            for c in t.copies:
+                if c.at is None or c.decode is not None:
+                    continue
+                co = c.src.coded
+                for k in range(co.count()):
+                    start, length = co.chunk_span(k)
+                    lo, hi = co.elements(k)
+                    rows.append((c.at - unit.coded_at + start, t.offset // 2 + lo, hi - lo, length))
+                n_out += t.nbytes
+        batch = cache[key] = (expcode.DeviceBatch(rows, stored.device), n_out) if rows else (None, 0)
+    if batch[0] is None:
+        return 0
+    expcode.decode_cuda(stored, batch[0], base.view(torch.int16))
+    return batch[1]
+
+
 def decode_stored(unit: Any, stored: torch.Tensor, base: torch.Tensor) -> int:
     """Decode a stored unit's codes (:func:`tiered.plan.lay_out`) into its device buffer; returns the bytes written.
 
@@ -704,11 +732,11 @@ def decode_stored(unit: Any, stored: torch.Tensor, base: torch.Tensor) -> int:
     bitwise what the reader's decode into the slot gives, and stock's dequantize.
     """
     p0 = unit.coded_at
-    done = 0
+    done = _decode_exp3(unit, stored, base)
     for t in unit.targets:
         whole = None
         for c in t.copies:
-            if c.at is None:
+            if c.at is None or c.decode is None:  # plain, or exp3 (done above)
                 continue
             if whole is None:
                 whole = base[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)

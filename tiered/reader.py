@@ -40,6 +40,7 @@ import mmap
 import os
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 
 from . import faults, quant
-from .errors import ConfigError, TieredError, TruncatedShardError
+from .errors import CodecError, ConfigError, TieredError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
 from .hostmem import anon_mapping, map_tensor, try_unmap
@@ -64,6 +65,8 @@ DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues bu
 #: compressed TinyLlama 1.3-1.8x slower per token (fewer, longer tasks per unit: the unit waits for its last one's
 #: decode; benchmarks/NOTES.md, issue 25, third session); on the H200 the 8 MiB figure was not measured.
 LOSSLESS_READ = 0
+#: a pair's third item (:meth:`Reader._pairs`): read the exp3 tensor's coded chunks as they lie (CRC-checked)
+RAW_CODED = object()
 #: adapt=True: unit reads each backend makes before the choice, and bytes it must have read (both must be reached)
 PROBE_UNITS = 4
 PROBE_BYTES = 256 << 20
@@ -384,6 +387,9 @@ class Reader:
         for tgt in unit.targets:
             if tgt.copies and tgt.copies[0].at is not None:  # stored (plan.lay_out): codes and scales as they lie
                 for c in tgt.copies:
+                    if c.decode is None:  # exp3 (plan.device_coded): the coded chunks, CRC-checked, not decoded
+                        pairs.append((c.src, slot[c.at : c.at + c.src.stored_bytes], RAW_CODED))
+                        continue
                     sc = c.decode.scale
                     pairs.append((c.src, slot[c.at : c.at + c.src.nbytes].view(c.src.dtype).view(c.src.shape)))
                     pairs.append((sc, slot[c.scale_at : c.scale_at + sc.nbytes].view(sc.dtype).view(sc.shape)))
@@ -462,6 +468,12 @@ class Reader:
             if n == 0:
                 continue
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
+            if dec is RAW_CODED:  # a stored exp3 tensor: its chunks as they lie, for the GPU to decode
+                for c in src.chunks:
+                    fut: Future = Future()
+                    jobs.append(fut)
+                    self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, c, backend))
+                continue
             if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
                 if len(src.shape) == 3:  # one routed expert's (R, G, 16) slab (quant.mxfp4_slab): a stack of one
                     src = TensorInfo(src.name, src.dtype, (1, *src.shape), src.file, src.offset, src.nbytes)
@@ -508,6 +520,26 @@ class Reader:
             if c is not None:
                 run.append(c)
                 size += n
+
+    def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, c: int, backend: str | None) -> None:
+        """A reader thread: read chunk ``c`` of ``src`` (a whole coded tensor) into its place in ``dest`` (the
+        slot's region for the tensor's coded bytes, uint8) and check its CRC-32 there; no decode (the device stage
+        decodes after the H2D copy). Raises CodecError: a chunk that fails its CRC-32 (names file, tensor, offset)."""
+        backend = backend or self.io
+        start, length = src.coded.chunk_span(c)
+        t0 = time.perf_counter()
+        faults.hit("read", unit=unit.name, tensor=src.name, offset=src.offset + start, io=backend)
+        sub = TensorInfo(src.name, torch.uint8, (length,), src.file, src.offset + start, length)
+        out = dest[start : start + length]
+        step = DIRECT_CHUNK if backend != "mmap" else _CHUNK
+        for lo in range(0, length, step):
+            self._copy(sub, out, lo, min(length, lo + step), backend)
+        if zlib.crc32(out.numpy()) != src.coded.crc[c]:
+            raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + start}.."
+                             f"{src.offset + start + length} of the file) fails its CRC-32: the file is corrupted; "
+                             "re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
+        if self.adapt and self.choice is None:
+            self._measured(backend, length, time.perf_counter() - t0)
 
     def _coded_buf(self, n: int, name: str) -> torch.Tensor:
         """This reader thread's buffer ``name`` of at least ``n`` bytes (uint8; grown, never shrunk)."""
