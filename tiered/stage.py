@@ -150,6 +150,8 @@ class CudaStage:
         self.stats = stats
         self.dist = dist
         self.copy_stream = torch.cuda.Stream(device)
+        # stored units decode here, after their H2D copy, so that the next unit's copy overlaps the decode
+        self.decode_stream = torch.cuda.Stream(device)
         self.gather_stream = torch.cuda.Stream(device) if dist is not None else None
         self.n_bufs = n_bufs
         self._pool: queue.Queue[DevBuf] = queue.Queue()
@@ -199,8 +201,9 @@ class CudaStage:
 
         ``unit``: a stored unit (:func:`tiered.plan.lay_out`): the slot's plain bytes ``[0, coded_at)`` are copied to
         the same offsets, its codes and scales ``[coded_at, n)`` into a staging tensor allocated on the copy stream
-        (the caching allocator hands it to that stream's next allocation only, so it is reused in stream order), and
-        :func:`tiered.quant.decode_stored` decodes them into the buffer, on the copy stream, before *ready*: the ring,
+        (and marked used by the decode stream, so the allocator reuses it only once the decode has run), and
+        :func:`tiered.quant.decode_stored` decodes them into the buffer on the decode stream, after the copy's event
+        and before *ready*, while the copy stream goes on with the next unit's copy: the ring,
         the host tier and PCIe carry the stored bytes (``Stats.h2d_bytes``), the device the decoded ones
         (``Stats.decoded_bytes``). Device memory beside the buffers, transient: the largest stored region and
         :data:`tiered.quant.DEVICE_BAND` of float32 decode temporaries.
@@ -223,9 +226,16 @@ class CudaStage:
                 stored = torch.empty(n - p0, dtype=torch.uint8, device=self.device)
                 stored.copy_(slot.view[p0:n], non_blocking=True)  # type: ignore[operator]
                 copied.record(self.copy_stream)
+        if unit is None:
+            with torch.cuda.stream(self.copy_stream):
+                ready.record(self.copy_stream)
+        else:  # the decode on its own stream, after the copy: the copy stream goes on to the next unit meanwhile
+            with torch.cuda.stream(self.decode_stream):
+                self.decode_stream.wait_event(copied)
                 decoded = quant.decode_stored(unit, stored, buf.t)
-                del stored  # back to the copy stream's pool: its next allocation runs after these kernels
-            ready.record(self.copy_stream)
+                stored.record_stream(self.decode_stream)  # not reused by the copy stream before the decode ran
+                del stored
+                ready.record(self.decode_stream)
         with self._lock:
             self._inflight.append((start, copied, None if keep else slot, n))
         if decoded:
@@ -308,8 +318,9 @@ class CudaStage:
         return t.device.type == "cuda" and t.untyped_storage().data_ptr() in self._ptrs
 
     def close(self) -> None:
-        """Wait for every copy, free their slots and let go of the device buffer pool."""
+        """Wait for every copy and decode, free their slots and let go of the device buffer pool."""
         self.copy_stream.synchronize()
+        self.decode_stream.synchronize()
         while self.retire(block=True):
             pass
         while True:
