@@ -545,9 +545,10 @@ def _block_layout(spans: dict[str, tuple[int, int, int]]) -> dict:
             "block_names": [p + "N" for p in stacks]}
 
 
-def _lossless_tables(meta: dict | None, path: Path, bad: list[str]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+def _lossless_tables(meta: dict | None, path: Path, bad: list[str]
+                     ) -> dict[str, tuple[str, tuple[int, ...], int, str]]:
     """A compressed shard's coded tensors (``tiered reshard --compress``, :mod:`tiered.lossless`'s format): name ->
-    (dtype as safetensors names it, shape, plain bytes), from ``__metadata__`` alone (torch-free). A table this cannot
+    (dtype as safetensors names it, shape, plain bytes, codec), from ``__metadata__`` alone (torch-free). A table this cannot
     read is named in ``bad`` (``tiered.load`` refuses it with the reason) and its tensors stay ``U8``."""
     import json
     import math
@@ -563,7 +564,7 @@ def _lossless_tables(meta: dict | None, path: Path, bad: list[str]) -> dict[str,
             dt, shape = e["dtype"], tuple(int(x) for x in e["shape"])
             if dt not in SPEC_DTYPE_TORCH_NAMES:
                 raise ValueError(f"tensor {name!r}: dtype {dt!r} is not one torch holds")
-            out[name] = (dt, shape, math.prod(shape) * SPEC_DTYPE_BITS[dt] // 8)
+            out[name] = (dt, shape, math.prod(shape) * SPEC_DTYPE_BITS[dt] // 8, str(e.get("codec")))
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         bad.append(f"{path.name}: {type(e).__name__}: {e}")
         return {}
@@ -605,7 +606,7 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     dtypes: dict[str, str] = {}  # every tensor: its header dtype
     nbytes: dict[str, int] = {}
     spans: dict[str, tuple[int, int, int]] = {}
-    coded = {"tensors": 0, "stored_bytes": 0, "plain_bytes": 0, "unreadable": []}
+    coded = {"tensors": 0, "stored_bytes": 0, "plain_bytes": 0, "unreadable": [], "codecs": {}}
     for rank, p in enumerate(files.paths):
         size, start, meta, entries = scan_header(p)
         tables = _lossless_tables(meta, p, coded["unreadable"])
@@ -620,6 +621,7 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
                 coded["tensors"] += 1
                 coded["stored_bytes"] += end - begin
                 coded["plain_bytes"] += entry[2]
+                coded["codecs"][entry[3]] = coded["codecs"].get(entry[3], 0) + 1
                 dt, shape = entry[0], entry[1]
                 where[name], dtypes[name], nbytes[name] = (p, start + begin), dt, entry[2]
                 spans[name] = (rank, start + begin, start + end)
@@ -692,7 +694,11 @@ def print_headers(info: dict) -> None:
     if z:
         ratio = f" ({z['stored_bytes'] / z['plain_bytes']:.3f})" if z["plain_bytes"] else ""
         print(f"compressed (tiered reshard --compress): {z['tensors']} tensors stored in {gib(z['stored_bytes'])} for "
-              f"{gib(z['plain_bytes'])} of plain bytes{ratio}; tiered.load decodes them on its reader threads"
+              f"{gib(z['plain_bytes'])} of plain bytes{ratio}"
+              + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(z.get('codecs', {}).items()))})" if z.get("codecs") else "")
+              + "; tiered.load decodes them on its reader threads"
+              + (" (exp3-bf16 ones on the GPU after the H2D copy when it loads to CUDA)"
+                 if "exp3-bf16" in z.get("codecs", {}) else "")
               + "".join(f"; unreadable lossless table in {b} (tiered.load refuses it)" for b in z["unreadable"]))
     lay = info["layout"]
     blocks = (f"{lay['blocks_contiguous_on_disk']}/{lay['blocks']} numbered blocks ({', '.join(lay['block_names'])}) "
