@@ -585,6 +585,29 @@ def test_exp3_truncated_or_padded_chunk_is_refused() -> None:
     for bad in (body[:-1], body + b"\0", body[:100]):
         with pytest.raises(CodecError, match="shard.safetensors: tensor 'w'"):
             expcode.decode_np(bad, u.size, out, where="shard.safetensors: tensor 'w'")
+    # block escape starts that disagree with the codes (what the GPU decoder indexes by): refused by both checks
+    u = _exp3_inputs()[0][: 3 * expcode.BLOCK]
+    body = bytearray(expcode.encode_chunk(u))
+    blocks = expcode.chunk_layout(u.size)[0]
+    good = np.frombuffer(bytes(body[blocks: blocks + 12]), "<u4")
+    assert good[0] == 0 and good[1] > 0
+    body[blocks + 4: blocks + 8] = np.array([good[1] - 1], "<u4").tobytes()  # still non-decreasing: only decode sees it
+    with pytest.raises(CodecError, match="disagree with its codes"):
+        expcode.decode_np(bytes(body), u.size, np.empty(u.size, np.uint16), where="f")
+    body[blocks + 4: blocks + 8] = np.array([good[2] + 1], "<u4").tobytes()  # decreasing after it
+    with pytest.raises(CodecError, match="do not fit"):
+        expcode.check_starts(np.frombuffer(bytes(body), np.uint8), u.size, where="f")
+
+
+def test_exp3_tables_that_do_not_fit_are_refused() -> None:
+    """An exp3 table whose chunk lengths are shorter than the chunk's fixed sections, or of non-bf16 elements, is
+    refused when the shard is opened (before any read), naming the tensor."""
+    good = Coded(2, 2 * 8192, 8192, 8192, [[11300]], [1], codec=lossless.EXP3).to_json()
+    assert Coded.from_json(good, "f").lens == [[11300]]  # fixed sections 11,280 + 20 escapes
+    for bad in ({**good, "chunks": [[1, 16]]}, {**good, "chunks": [[1, 16384 + 1]]},
+                {**good, "itemsize": 4, "nbytes": 4 * 8192, "chunks": [[1, 11300]]}):
+        with pytest.raises(CodecError, match="f: tensor 'w'"):
+            Coded.from_json(bad, "f: tensor 'w'")
 
 
 @pytest.mark.cuda
@@ -676,3 +699,46 @@ def test_cuda_exp3_decoded_on_the_gpu_equals_stock(tmp_path: Path, kw: dict, mon
         assert tiered.stats(m).decoded_bytes > 0
         if kw.get("prefetch") == 1:
             assert tiered.stats(m).piece_units >= 3  # the three layers, un-stored, in pieces
+
+
+@pytest.mark.parametrize("case", ["ring", "no-triton", "distributed"])
+def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Path, case: str, monkeypatch) -> None:
+    """A CUDA placement keeps a unit stored (its exp3 chunks decoded on the GPU) only where that can run: a stored unit
+    larger than the ring, every unit of a distributed load (ranks read chunks of the plain layout) and every unit
+    without Triton are laid out plain again (decoded on the reader threads, cut into pieces or rank chunks)."""
+    from tiered import dist as _dist
+    from tiered import placement
+    from tiered.machine import Machine
+    from tiered.meta import meta_model_from_dir
+    from tiered.options import Options
+    from tiered.plan import build_plan
+
+    _, d = _exp3_checkpoint(tmp_path)
+    model, ckpt = meta_model_from_dir(d), open_checkpoint(d)
+    plan = build_plan(model, ckpt, align=512, stored=True)
+    stored = {u.name: u.nbytes for u in plan.units if u.coded_at is not None}
+    assert {"model.layers.0", "lm_head"} <= set(stored)
+    job = None
+    ring = 64 << 20
+    if case == "ring":  # holds the coded head, not a coded layer
+        ring = (stored["lm_head"] + stored["model.layers.0"]) // 2
+        monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 32 << 10)
+    elif case == "no-triton":
+        monkeypatch.setattr(placement, "_triton_here", lambda: False)
+    else:
+        class Job:  # two ranks, as torchrun's job would agree
+            shared = _dist.Dist(None, 0, 2, "")
+
+            def min(self, v):
+                return v
+
+            def agree(self, v):
+                return v
+
+        job = Job()
+    opts = Options(device="cuda:0", ring_gb=ring / (1 << 30), gpu_gb=0.0001, distributed=job is not None)
+    machine = Machine(64 << 30, "test", 16 << 30, "test", gpu_free=1 << 30)
+    placement.place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=model.config, job=job)
+    left = {u.name for u in plan.units if u.coded_at is not None}
+    assert left == ({"lm_head"} if case == "ring" else set())
+    assert all(u.nbytes > stored[u.name] for u in plan.units if u.name in stored and u.name not in left)

@@ -88,6 +88,20 @@ def encode_chunk(u: np.ndarray) -> bytes:
                      esc.tobytes()])
 
 
+def check_starts(body: np.ndarray, n: int, *, where: str = "") -> None:
+    """Check a coded chunk's block escape starts: the first is 0, none decreases, the last lies within the escapes
+    section (so that the GPU decoder's escape reads stay inside the chunk). Cheap (4 bytes per :data:`BLOCK`
+    elements); the reader runs it on every chunk it carries to the GPU, after the CRC-32. Raises CodecError."""
+    if body.size == 2 * n or not n:
+        return
+    blocks, codes, _, esco = chunk_layout(n)
+    starts = body[blocks:codes].view("<u4").astype(np.int64)
+    n_esc = body.size - esco
+    if starts[0] != 0 or (starts.size > 1 and bool((np.diff(starts) < 0).any())) or starts[-1] > n_esc:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements: its block escape starts do not fit its {n_esc} "
+                         "escapes (a malformed chunk); re-run `tiered reshard --compress` on the source checkpoint")
+
+
 def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *, where: str = "") -> None:
     """Decode one chunk of ``n`` elements from ``body`` (exactly its bytes) into ``out`` (``n`` ``uint16``, or ``2n``
     ``uint8``). Runs on the caller's thread (a reader thread). Raises CodecError: a body whose length does not match
@@ -115,6 +129,11 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
     if src.size != esco + k:
         raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say {k} "
                          "(corrupted or truncated)")
+    starts = src[blocks:codes].view("<u4")
+    per_block = np.bincount(np.flatnonzero(esc_mask) // BLOCK, minlength=starts.size)
+    if not np.array_equal(starts, np.cumsum(per_block) - per_block):  # what the GPU decoder would index by
+        raise CodecError(f"{where}: exp3 chunk of {n} elements: its block escape starts disagree with its codes (a "
+                         "malformed chunk); re-run `tiered reshard --compress` on the source checkpoint")
     e = table[np.minimum(code, 7)].astype(np.uint16)
     e[esc_mask] = src[esco:]
     sm = src[smo : smo + n].astype(np.uint16)
@@ -187,7 +206,8 @@ def _kernel() -> Any:
         base = tl.sum(b4 << (8 * k4), axis=0)  # the block's first escape (little-endian uint32)
         e1 = isesc.to(tl.int32)
         pos = tl.cumsum(e1, axis=0) - e1
-        ev = tl.load(buf + esco + base + pos, mask=isesc, other=0).to(tl.int32)
+        n_esc = length - (esco - at)
+        ev = tl.load(buf + esco + base + pos, mask=isesc & (base + pos < n_esc), other=0).to(tl.int32)
         e = tl.where(isesc, ev, tab)
         u = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
         lo = tl.load(buf + at + 2 * idx, mask=idx < n_raw, other=0).to(tl.int32)  # a raw chunk: its bytes as they are

@@ -36,7 +36,8 @@ def _plan_for(model_dir: Path, dtype: str | None, device: str, trust_remote_code
 
     model = meta_model_from_dir(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     ckpt = open_checkpoint(model_dir)
-    return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64)
+    return model.config, ckpt, build_plan(model, ckpt, align=512 if device.startswith("cuda") else 64,
+                                          stored=device.startswith("cuda"))
 
 
 def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str = "cpu",

@@ -176,10 +176,14 @@ class Coded:
         ok = c.itemsize >= 1 and c.chunk >= 1 and c.slice >= 1 and c.nbytes >= 0 and not c.nbytes % c.itemsize \
             and len(c.lens) == c.count() and all(len(ch) == c.planes_per_chunk for ch in c.lens) \
             and all(0 <= x < 1 << 32 for x in c.crc)
-        if ok:
+        if ok and c.codec == EXP3:  # bf16; each chunk raw (2n bytes) or at least its fixed sections and shorter
+            ok = c.itemsize == 2 and all(
+                len(ch) == 1 and (ch[0] == 2 * (hi - lo) or expcode.chunk_layout(hi - lo)[3] <= ch[0] < 2 * (hi - lo))
+                for ch, (lo, hi) in zip(c.lens, (c.elements(i) for i in range(len(c.lens))), strict=True))
+        elif ok:
             for i, ch in enumerate(c.lens):
                 lo, hi = c.elements(i)
-                if any(n < 1 or n > (hi - lo) * c.itemsize // c.planes_per_chunk for n in ch):
+                if any(n < 1 or n > hi - lo for n in ch):
                     ok = False
                     break
         if not ok:

@@ -143,6 +143,24 @@ def warn_mmap_thrash(io: str, ckpt_bytes: int, root: Any, machine: Machine) -> N
         )
 
 
+def _triton_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _unstore_exp3(plan: Plan, which: Any) -> None:
+    """Lay out plain again (:func:`tiered.plan.lay_out`) every unit stored only for its exp3 tensors
+    (:func:`tiered.plan.device_coded`) for which ``which(unit)`` holds: the reader threads then decode it into the slot,
+    and it can be cut into pieces or rank chunks. Used where the GPU decoder cannot take it: a unit larger than the
+    ring (a stored unit is never cut), a distributed load (ranks read chunks of a unit's plain layout), no Triton."""
+    if not plan.stored:
+        return
+    for u in plan.units:
+        if u.coded_at is not None and all(c.decode is None for t in u.targets for c in t.copies) and which(u):
+            lay_out(u, plan.align, stored=False)
+
+
 def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
           job: Any = None, strict: bool = True) -> Placement:
     """The placement of ``plan`` with ``opts`` on ``machine``: a pure function (no allocation, no I/O, no
@@ -163,6 +181,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     job = _dist.SINGLE if job is None else job
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
+    if dist is not None or not _triton_here():  # ranks cut units into chunks; no Triton, no GPU decoder
+        _unstore_exp3(plan, lambda u: True)
     io = choose_io(opts.io, ckpt_bytes, machine)
     coded = _coded(plan)  # before route_out takes routed experts' targets out of their units
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
@@ -186,11 +206,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         if split:
             host_why = "none: the whole model stays loaded" if machine.host_available is not None else (
                 "none: host memory unknown here")
-    if plan.stored and dist is None:  # an exp3 unit too large for the ring whole: pieces, decoded on the reader threads
-        for u in plan.units:
-            if u.coded_at is not None and page_up(u.nbytes) > int(opts.ring_gb * GiB) and all(
-                    c.decode is None for t in u.targets for c in t.copies):
-                lay_out(u, plan.align, stored=False)
+    _unstore_exp3(plan, lambda u: page_up(u.nbytes) > int(opts.ring_gb * GiB))  # too large for the ring whole
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import faults, quant
+from . import expcode, faults, quant
 from .errors import CodecError, ConfigError, TieredError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
@@ -538,6 +538,9 @@ class Reader:
             raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + start}.."
                              f"{src.offset + start + length} of the file) fails its CRC-32: the file is corrupted; "
                              "re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
+        lo, hi = src.coded.elements(c)
+        expcode.check_starts(out.numpy(), hi - lo, where=f"{src.file}: tensor {src.name!r}: chunk {c} (file offset "
+                             f"{src.offset + start})")
         if self.adapt and self.choice is None:
             self._measured(backend, length, time.perf_counter() - t0)
 

@@ -351,4 +351,5 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
         kernel_copy_bytes=copier.kernel_copied, notes=tuple(notes),
         stored_bytes=sum(s.stored_bytes for s in shards) if compress else None,
         coded_tensors=coder.coded if coder is not None else 0,
+        codec="exp3-bf16 for bf16 tensors, bytegroup-zstd1 for others" if compress == "exp3" else "bytegroup-zstd1",
     )

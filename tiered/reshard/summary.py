@@ -43,6 +43,7 @@ class ReshardSummary:
     notes: tuple[str, ...] = ()
     stored_bytes: int | None = None  # --compress: bytes of the shards' data sections (coded); None: not compressed
     coded_tensors: int = 0  # --compress: tensors written coded (the rest are small or did not shrink)
+    codec: str = "bytegroup-zstd1"  # --compress: the code (exp3: "exp3-bf16 for bf16, bytegroup-zstd1 otherwise")
 
     @property
     def gb_per_s(self) -> float:
@@ -70,7 +71,7 @@ class ReshardSummary:
         if self.stored_bytes is not None:
             ratio = self.stored_bytes / self.data_bytes if self.data_bytes else 1.0
             lines.append(f"  compressed: {ratio:.3f} of {_human(self.data_bytes)} ({_human(self.stored_bytes)} "
-                         f"stored; {self.coded_tensors} of {self.tensors} tensors coded, bytegroup-zstd1, CRC-32 "
+                         f"stored; {self.coded_tensors} of {self.tensors} tensors coded, {self.codec}, CRC-32 "
                          "per chunk); index model.lossless.index.json (tiered.load reads it; from_pretrained does not)")
         if self.copied_files:
             lines.append(f"  copied: {', '.join(self.copied_files)}")
