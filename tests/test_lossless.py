@@ -481,17 +481,7 @@ def test_cuda_coded_units_larger_than_the_ring_stream_in_pieces(io: str, tmp_pat
     """A compressed checkpoint whose layers and untied head are each larger than the ring: each coded unit is read
     in pieces (windows of its chunks) through the ring into one device buffer; logits and greedy generate equal stock
     on the GPU bit for bit, and the pieces read about the coded bytes, not the plain ones."""
-    import models
-
-    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=704, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    src = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=11, dtype=torch.bfloat16,
-                            max_shard_size=None, std=0.02)
-    d = tmp_path / "z"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
-        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 16 << 10)
-        tiered.reshard(src, d, compress=True, quiet=True)
+    src, d = _small_llama_coded(tmp_path, True)
     monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 32 << 10)
     ref = transformers.AutoModelForCausalLM.from_pretrained(src).eval().to("cuda")
     ids = make_ids(6, (2, 9)).cuda()
@@ -631,8 +621,9 @@ def test_cuda_exp3_decoder_equals_the_input() -> None:
     assert np.array_equal(out.cpu().numpy().view(np.uint16), np.concatenate(want))
 
 
-def _exp3_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
-    """A bf16 Llama (untied head) and its `reshard --compress --codec exp3` output, small chunks and thresholds."""
+def _small_llama_coded(tmp_path: Path, compress: bool | str) -> tuple[Path, Path]:
+    """A bf16 Llama (untied head, 3 layers) and its `reshard --compress` output (``compress``: True for zstd, "exp3"),
+    with small chunks and thresholds so that every weight is coded."""
     import models
 
     cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=704, num_hidden_layers=3,
@@ -643,8 +634,12 @@ def _exp3_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
         mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 16 << 10)
-        tiered.reshard(src, d, compress="exp3", quiet=True)
+        tiered.reshard(src, d, compress=compress, quiet=True)
     return src, d
+
+
+def _exp3_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    return _small_llama_coded(tmp_path, "exp3")
 
 
 def test_exp3_checkpoint_round_trips_and_loads_on_the_cpu(tmp_path: Path) -> None:
