@@ -14,6 +14,11 @@ Layout of one coded tensor (a ``uint8`` blob): the chunks one after another, eac
 *table* (:class:`Coded`) gives, per chunk, the coded length of each plane (a plane whose length equals its plain
 length is raw; a zstd plane is always shorter) and the CRC-32 (``zlib.crc32``) of the chunk's coded bytes.
 
+A second codec, ``exp3-bf16`` (:mod:`tiered.expcode`, ``tiered reshard --compress --codec exp3``), codes bf16 tensors
+so that the GPU decodes them after the H2D copy (a fixed-width exponent code; its layout is that module's). Its table
+rows hold one length per chunk (``2 * elements`` for a raw chunk); each table names its codec (``"codec"``), so one
+shard may hold both.
+
 Exact by construction: decoding returns the input bytes (NaN payloads, subnormals, any dtype). Every chunk's coded
 bytes are checked against its CRC-32 before they are decoded, every zstd frame carries its content size, every plane
 must decode to its plain length: a corrupted or truncated chunk raises :class:`~tiered.errors.CodecError` naming the
