@@ -119,27 +119,31 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
                          f"{esco} (truncated)")
     if not n:
         return
-    table = src[:8]
     nb8 = -(-n // 8)
-    code = np.zeros(n, dtype=np.uint8)
-    for p in range(3):
-        code |= np.unpackbits(src[codes + p * nb8 : codes + (p + 1) * nb8], count=n, bitorder="little") << p
-    esc_mask = code == ESC
-    k = int(np.count_nonzero(esc_mask))
-    if src.size != esco + k:
-        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say {k} "
-                         "(corrupted or truncated)")
+    # the codes, 8 at a time: each plane's byte expanded to 8 one-bit bytes (one uint64), shifted to its bit, or-ed
+    c64 = _EXPAND[src[codes : codes + nb8]]
+    c64 |= _EXPAND[src[codes + nb8 : codes + 2 * nb8]] << np.uint64(1)
+    c64 |= _EXPAND[src[codes + 2 * nb8 : codes + 3 * nb8]] << np.uint64(2)
+    code = c64.view(np.uint8)[:n]
+    esc = np.flatnonzero(code == ESC)
+    if src.size != esco + esc.size:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say "
+                         f"{esc.size} (corrupted or truncated)")
     starts = src[blocks:codes].view("<u4")
-    per_block = np.bincount(np.flatnonzero(esc_mask) // BLOCK, minlength=starts.size)
+    per_block = np.bincount(esc // BLOCK, minlength=starts.size)
     if not np.array_equal(starts, np.cumsum(per_block) - per_block):  # what the GPU decoder would index by
         raise CodecError(f"{where}: exp3 chunk of {n} elements: its block escape starts disagree with its codes (a "
                          "malformed chunk); re-run `tiered reshard --compress` on the source checkpoint")
-    e = table[np.minimum(code, 7)].astype(np.uint16)
-    e[esc_mask] = src[esco:]
-    sm = src[smo : smo + n].astype(np.uint16)
-    np.bitwise_or((sm & 0x80) << 8, e << 7, out=o)
-    o |= sm & 0x7F
+    sm = src[smo : smo + n]
+    exp7 = src[:8].astype(np.uint16) << 7  # code -> exponent bits in place (code 7's entry is overwritten below)
+    np.bitwise_or(exp7.take(code), _SIGN_MANT.take(sm), out=o)
+    o[esc] = _SIGN_MANT[sm[esc]] | (src[esco:].astype(np.uint16) << 7)
 
+
+#: byte -> its 8 bits as 8 bytes (bit k in byte k), one little-endian uint64 per byte value
+_EXPAND = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").copy().view("<u8").reshape(256)
+#: sign-and-mantissa byte -> its bits in place in a bf16 (sign to bit 15, mantissa to bits 6..0)
+_SIGN_MANT = (((np.arange(256) & 0x80) << 8) | (np.arange(256) & 0x7F)).astype(np.uint16)
 
 # ---------------------------------------------------------------------------------------------- the GPU decoder
 
