@@ -1239,8 +1239,8 @@ def test_verify_catches_corruption_of_a_coded_chunk(llama_z: Path, tmp_path: Pat
     real = rs_compress._code
     calls = {"n": 0}
 
-    def corrupt(part, itemsize: int):
-        lens, body, crc = real(part, itemsize)
+    def corrupt(part, itemsize: int, codec: str):
+        lens, body, crc = real(part, itemsize, codec)
         calls["n"] += 1
         if calls["n"] == 1:  # the first coded chunk, after its CRC-32 was taken
             data = bytearray(body)
