@@ -205,8 +205,9 @@ class CudaStage:
         :func:`tiered.quant.decode_stored` decodes them into the buffer on the decode stream, after the copy's event
         and before *ready*, while the copy stream goes on with the next unit's copy: the ring,
         the host tier and PCIe carry the stored bytes (``Stats.h2d_bytes``), the device the decoded ones
-        (``Stats.decoded_bytes``). Device memory beside the buffers, transient: the largest stored region and
-        :data:`tiered.quant.DEVICE_BAND` of float32 decode temporaries.
+        (``Stats.decoded_bytes``). Device memory beside the buffers (not in the GPU budget), transient: up to ``prefetch
+        + 1`` stored regions (each kept until its decode ran) and :data:`tiered.quant.DEVICE_BAND` of float32 decode
+        temporaries (benchmarks/NOTES.md, issue 25, fourth session: a fix on branch wip/exp3-staging-in-buffer).
 
         A unit larger than the ring is put piece by piece into one buffer (:meth:`tiered.loader.Loader`):
         the copy stream runs in order, so the last piece's event says the whole unit is there."""
