@@ -161,8 +161,13 @@ class DeviceBatch:
             rows.append((at, out0, n, len(owner), length))
             owner += [i] * (-(-n // BLOCK))
         self.blocks = len(owner)
-        self.meta = torch.tensor(rows or [(0, 0, 0, 0, 0)], dtype=torch.int64).to(device)
-        self.owner = torch.tensor(owner or [0], dtype=torch.int32).to(device)
+        meta = torch.tensor(rows or [(0, 0, 0, 0, 0)], dtype=torch.int64)
+        own = torch.tensor(owner or [0], dtype=torch.int32)
+        if torch.device(device).type == "cuda":  # pinned and non-blocking: never waits for the stream's queued work
+            meta, own = meta.pin_memory(), own.pin_memory()
+            self._host = (meta, own)  # alive until the copies ran (kept with the batch)
+        self.meta = meta.to(device, non_blocking=True)
+        self.owner = own.to(device, non_blocking=True)
 
 
 _KERNEL: Any = None

@@ -121,6 +121,13 @@ class Unit:
         return self.dev_nbytes if self.coded_at is not None else self.nbytes
 
     @property
+    def buf_bytes(self) -> int:
+        """Bytes of a pool device buffer that streams this unit: its decoded layout, and for a stored unit its stored
+        region after it (the H2D copy's staging, :meth:`tiered.stage.CudaStage.put`: reused in the buffer's own
+        order, so no other staging memory)."""
+        return self.dev_bytes + (_align(self.stored_bytes, 512) if self.coded_at is not None else 0)
+
+    @property
     def stored_bytes(self) -> int:
         """Stored: the codes and scales the device stage decodes (the slot's ``[coded_at, nbytes)``); else 0."""
         return self.nbytes - self.coded_at if self.coded_at is not None else 0

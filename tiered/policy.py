@@ -152,7 +152,7 @@ def choose_resident(plan: Plan, ring: int, cpu: bool, budget: int, buffers: int,
     chosen: set[int] = set()
     order = sorted((u for u in plan.units if u.index not in rows), key=lambda u: -u.dev_bytes)
     for u in order:  # device bytes: a stored unit (decoded after the H2D copy) takes its decoded layout there
-        streamed_max = max((v.dev_bytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
+        streamed_max = max((v.buf_bytes for v in plan.units if v.index not in chosen | {u.index} | rows), default=0)
         pool = buffers * streamed_max
         used = sum(plan.units[i].dev_bytes for i in chosen) + u.dev_bytes
         if used + pool <= budget:

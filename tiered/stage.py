@@ -224,7 +224,9 @@ class CudaStage:
                 p0 = unit.coded_at
                 if p0:
                     buf.t[:p0].copy_(slot.view[:p0], non_blocking=True)  # type: ignore[operator]
-                stored = torch.empty(n - p0, dtype=torch.uint8, device=self.device)
+                d0 = unit.dev_bytes
+                own = buf.t.numel() >= d0 + n - p0  # a pool buffer (Unit.buf_bytes): its tail is the staging
+                stored = buf.t[d0 : d0 + n - p0] if own else torch.empty(n - p0, dtype=torch.uint8, device=self.device)
                 stored.copy_(slot.view[p0:n], non_blocking=True)  # type: ignore[operator]
                 copied.record(self.copy_stream)
         if unit is None:
@@ -233,8 +235,9 @@ class CudaStage:
         else:  # the decode on its own stream, after the copy: the copy stream goes on to the next unit meanwhile
             with torch.cuda.stream(self.decode_stream):
                 self.decode_stream.wait_event(copied)
-                decoded = quant.decode_stored(unit, stored, buf.t)
-                stored.record_stream(self.decode_stream)  # not reused by the copy stream before the decode ran
+                decoded = quant.decode_stored(unit, stored, buf.t[:d0])
+                if not own:  # a resident unit's temporary: not reused by the copy stream before the decode ran
+                    stored.record_stream(self.decode_stream)
                 del stored
                 ready.record(self.decode_stream)
         with self._lock:
