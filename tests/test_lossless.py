@@ -696,6 +696,52 @@ def test_cuda_exp3_decoded_on_the_gpu_equals_stock(tmp_path: Path, kw: dict, mon
             assert tiered.stats(m).piece_units >= 3  # the three layers, un-stored, in pieces
 
 
+@pytest.mark.parametrize("group", [1, 3 * (16 << 10)])
+def test_exp3_stored_read_carries_the_coded_bytes_and_checks_every_chunk(tmp_path: Path, group: int,
+                                                                          monkeypatch) -> None:
+    """The reader's side of a CUDA load of exp3 (the stored layout, ``build_plan(stored=True)``): a unit's slot gets
+    each coded tensor's chunks byte for byte as the file holds them, read in requests of up to
+    ``reader.RAW_READ`` bytes (``group``: one chunk per request, or about three); a chunk corrupted inside a request
+    fails its CRC-32 with an error naming the file, tensor, chunk and offset."""
+    from tiered import reader as _reader
+    from tiered.meta import meta_model_from_dir
+    from tiered.plan import build_plan
+    from tiered.reader import Reader
+
+    monkeypatch.setattr(_reader, "RAW_READ", group)
+    _, d = _exp3_checkpoint(tmp_path)
+    model, ckpt = meta_model_from_dir(d), open_checkpoint(d)
+    plan = build_plan(model, ckpt, align=512, stored=True)
+    u = next(u for u in plan.units if u.name == "model.layers.0")
+    assert u.coded_at is not None
+    coded = [c for t in u.targets for c in t.copies if c.at is not None and c.decode is None]
+    assert coded and max(len(c.src.chunks) for c in coded) >= 4
+    slot = torch.full((u.nbytes,), 0x5A, dtype=torch.uint8)
+    r = Reader(ckpt, threads=2)
+    try:
+        r.read_unit(u, slot)
+        for c in coded:
+            raw = Path(c.src.file).read_bytes()[c.src.offset: c.src.offset + c.src.stored_bytes]
+            assert bytes(slot[c.at: c.at + c.src.stored_bytes].numpy()) == raw, c.src.name
+    finally:
+        r.close()
+    # one byte of a middle chunk of the largest tensor flipped on disk
+    c = max(coded, key=lambda c: len(c.src.chunks))
+    k = c.src.chunks[len(c.src.chunks) // 2]
+    at, n = c.src.coded.chunk_span(k)
+    path = Path(c.src.file)
+    data = bytearray(path.read_bytes())
+    data[c.src.offset + at + n // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    ckpt = open_checkpoint(d)
+    r = Reader(ckpt, threads=2)
+    try:
+        with pytest.raises(CodecError, match=rf"{path.name}: tensor '{c.src.name}': chunk {k} .*CRC-32"):
+            r.read_unit(u, slot)
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("case", ["ring", "no-triton", "distributed"])
 def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Path, case: str, monkeypatch) -> None:
     """A CUDA placement keeps a unit stored (its exp3 chunks decoded on the GPU) only where that can run: a stored unit

@@ -65,6 +65,11 @@ DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues bu
 #: compressed TinyLlama 1.3-1.8x slower per token (fewer, longer tasks per unit: the unit waits for its last one's
 #: decode; benchmarks/NOTES.md, issue 25, third session); on the H200 the 8 MiB figure was not measured.
 LOSSLESS_READ = 0
+#: Coded bytes per read task of a stored exp3 tensor (consecutive whole chunks, one request of up to this many bytes,
+#: then each chunk's CRC-32 and block starts checked; no CPU decode). 8 MiB, as :data:`DIRECT_CHUNK`: one ~2.8 MiB
+#: chunk per request made the H200's cold exp3 twin read 1.16 GB/s against the plain twin's ~2.0 GB/s in 8 MiB
+#: requests (benchmarks/NOTES.md, issue 25, fifth session).
+RAW_READ = 8 << 20
 #: a pair's third item (:meth:`Reader._pairs`): read the exp3 tensor's coded chunks as they lie (CRC-checked)
 RAW_CODED = object()
 #: adapt=True: unit reads each backend makes before the choice, and bytes it must have read (both must be reached)
@@ -469,10 +474,18 @@ class Reader:
                 continue
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
             if dec is RAW_CODED:  # a stored exp3 tensor: its chunks as they lie, for the GPU to decode
-                for c in src.chunks:
-                    fut: Future = Future()
-                    jobs.append(fut)
-                    self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, c, backend))
+                run: list[int] = []
+                size = 0
+                for c in [*src.chunks, None]:
+                    n_c = src.coded.chunk_span(c)[1] if c is not None else 0
+                    if run and (c is None or size + n_c > RAW_READ):
+                        fut: Future = Future()
+                        jobs.append(fut)
+                        self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, run, backend))
+                        run, size = [], 0
+                    if c is not None:
+                        run.append(c)
+                        size += n_c
                 continue
             if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
                 if len(src.shape) == 3:  # one routed expert's (R, G, 16) slab (quant.mxfp4_slab): a stack of one
@@ -521,12 +534,15 @@ class Reader:
                 run.append(c)
                 size += n
 
-    def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, c: int, backend: str | None) -> None:
-        """A reader thread: read chunk ``c`` of ``src`` (a whole coded tensor) into its place in ``dest`` (the
-        slot's region for the tensor's coded bytes, uint8) and check its CRC-32 there; no decode (the device stage
-        decodes after the H2D copy). Raises CodecError: a chunk that fails its CRC-32 (names file, tensor, offset)."""
+    def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, run: list[int],
+                        backend: str | None) -> None:
+        """A reader thread: read the consecutive chunks ``run`` of ``src`` (a whole coded tensor) in one request
+        into their place in ``dest`` (the slot's region for the tensor's coded bytes, uint8), then check each chunk's
+        CRC-32 and block starts there; no decode (the device stage decodes after the H2D copy). Raises CodecError: a
+        chunk that fails its CRC-32 or whose starts disagree with its codes (names file, tensor, offset)."""
         backend = backend or self.io
-        start, length = src.coded.chunk_span(c)
+        start = src.coded.chunk_span(run[0])[0]
+        length = sum(src.coded.chunk_span(run[-1])) - start
         t0 = time.perf_counter()
         faults.hit("read", unit=unit.name, tensor=src.name, offset=src.offset + start, io=backend)
         sub = TensorInfo(src.name, torch.uint8, (length,), src.file, src.offset + start, length)
@@ -534,15 +550,19 @@ class Reader:
         step = DIRECT_CHUNK if backend != "mmap" else _CHUNK
         for lo in range(0, length, step):
             self._copy(sub, out, lo, min(length, lo + step), backend)
-        if zlib.crc32(out.numpy()) != src.coded.crc[c]:
-            raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + start}.."
-                             f"{src.offset + start + length} of the file) fails its CRC-32: the file is corrupted; "
-                             "re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
-        lo, hi = src.coded.elements(c)
-        expcode.check_starts(out.numpy(), hi - lo, where=f"{src.file}: tensor {src.name!r}: chunk {c} (file offset "
-                             f"{src.offset + start})")
+        took = time.perf_counter() - t0
+        for c in run:
+            at, n = src.coded.chunk_span(c)
+            body = dest[at : at + n].numpy()
+            if zlib.crc32(body) != src.coded.crc[c]:
+                raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + at}.."
+                                 f"{src.offset + at + n} of the file) fails its CRC-32: the file is corrupted; "
+                                 "re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
+            lo, hi = src.coded.elements(c)
+            expcode.check_starts(body, hi - lo, where=f"{src.file}: tensor {src.name!r}: chunk {c} (file offset "
+                                 f"{src.offset + at})")
         if self.adapt and self.choice is None:
-            self._measured(backend, length, time.perf_counter() - t0)
+            self._measured(backend, length, took)
 
     def _coded_buf(self, n: int, name: str) -> torch.Tensor:
         """This reader thread's buffer ``name`` of at least ``n`` bytes (uint8; grown, never shrunk)."""
