@@ -280,3 +280,35 @@ def test_auto_keeps_the_mapping_for_a_linear_unit_larger_than_the_ring(tmp_path:
         p = tiered.stats(m).placement
         assert p.io == "mmap" and p.linear_pieces and not p.io_probe
         assert torch.equal(m(x), want)
+
+
+def test_auto_probe_chooses_by_wall_time_not_by_the_sum_of_task_times(ckpts: Checkpoints, monkeypatch) -> None:
+    """The probe compares what each backend delivered per second of wall time (the union of its copies' intervals):
+    O_DIRECT's four 100 MB copies running side by side in one second (0.4 GB/s) beat buffered copies that each look
+    quick (kernel readahead fetched part of them before) but follow one another over two seconds (0.2 GB/s). Summing
+    each task's time instead gave O_DIRECT 0.1 GB/s and chose buffered reads (issue 25, fifth session)."""
+    import tiered.reader
+    from tiered.format import open_checkpoint
+
+    monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 1)
+    monkeypatch.setattr(tiered.reader, "PROBE_BYTES", 1)
+    try:
+        r = tiered.reader.Reader(open_checkpoint(ckpts["llama"]), threads=2, io="direct", adapt=True)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT
+        pytest.skip(str(e))
+    clock = [0.0]
+    monkeypatch.setattr(tiered.reader.time, "perf_counter", lambda: clock[0])
+    try:
+        r._unit_started("direct")
+        r._unit_started("pread")
+        clock[0] = 1.0
+        for _ in range(4):  # [0, 1] each, side by side
+            r._measured("direct", 100_000_000, 1.0)
+        for k in range(4):  # [1 + 0.5 k, 1.5 + 0.5 k], one after another
+            clock[0] = 1.5 + 0.5 * k
+            r._measured("pread", 100_000_000, 0.5)
+        assert r.choice is not None and r.choice["chosen"] == "direct", r.choice
+        assert r.choice["direct_gbps"] == pytest.approx(0.4) and r.choice["pread_gbps"] == pytest.approx(0.2)
+    finally:
+        r.close()
+    assert tiered.reader._union([(0, 1), (0.5, 2), (3, 4), (3.2, 3.5)]) == pytest.approx(3.0)

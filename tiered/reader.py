@@ -21,8 +21,12 @@ shootdowns, no page-fault lock shared by the threads) and kernel readahead serve
 streams — O_DIRECT, and buffered ``pread`` (kernel readahead) followed by ``posix_fadvise(POSIX_FADV_DONTNEED)`` of
 what it copied, so the page cache never holds more than what is in flight — alternating them unit by unit until
 each has read :data:`PROBE_UNITS` units and :data:`PROBE_BYTES` bytes, then keeps the one with the higher
-bytes per second of copy time (O_DIRECT unless buffered is :data:`PROBE_MARGIN` faster); :attr:`Reader.choice` says
-what was measured and chosen. Issue 9: on the H200's virtual disk either could win from one day to the next.
+bytes per second of its reads' wall time (the union of the intervals its copy tasks ran; O_DIRECT unless buffered is
+:data:`PROBE_MARGIN` faster); :attr:`Reader.choice` says what was measured and chosen. Issue 9: on the H200's virtual
+disk either could win from one day to the next. Wall time, not the sum of each task's copy time: with many threads
+and small requests, buffered reads that kernel readahead had already fetched looked fast per task while the disk
+delivered less (issue 25, fifth session: a 14-thread exp3 twin chose pread at "0.99 vs 0.21 GB/s" and then read 0.82
+GB/s where O_DIRECT gave the plain twin 1.4-1.5, in a 2 GiB cgroup).
 
 Copies run on a small thread pool (``torch`` copies release the GIL); a large tensor is split into
 chunks so several page-fault streams are in flight — one stream does not saturate NVMe.
@@ -75,7 +79,7 @@ RAW_CODED = object()
 #: adapt=True: unit reads each backend makes before the choice, and bytes it must have read (both must be reached)
 PROBE_UNITS = 4
 PROBE_BYTES = 256 << 20
-#: adapt=True: how much faster (bytes per copy second) buffered reads must be to replace O_DIRECT, which keeps the
+#: adapt=True: how much faster (bytes per second of wall time) buffered reads must be to replace O_DIRECT, which keeps the
 #: page cache out of the picture (a cgroup charges it) and measured as fast or faster on most runs of issue 9
 PROBE_MARGIN = 1.10
 #: bytes of float8 codes one decode task reads (its float32 temporary is 4x this, per reader thread)
@@ -129,6 +133,16 @@ def _wait_all(jobs: list[Future]) -> None:
                 f.cancel()
     if interrupted is not None:
         raise interrupted
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals (> 0: at least one nanosecond)."""
+    tot, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            tot += b - max(a, end)
+            end = b
+    return max(tot, 1e-9)
 
 
 class Reader:
@@ -185,12 +199,13 @@ class Reader:
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tiered-read")
         self.drop_pages = drop_pages
         self.drop_page_cache = drop_page_cache
-        # adapt: per backend [unit reads, bytes, copy seconds] until the choice; then only the chosen one
+        # adapt: per backend [unit reads, bytes, copy seconds, (start, end) of each copy] until the choice
         self.adapt = adapt and io == "direct"
-        self._probe = {"direct": [0, 0, 0.0], "pread": [0, 0, 0.0]}
+        self._probe: dict[str, list] = {"direct": [0, 0, 0.0, []], "pread": [0, 0, 0.0, []]}
         self._probe_lock = threading.Lock()
         self._turns: dict[tuple, int] = {}
-        #: adapt=True: {"direct_gbps", "pread_gbps", "chosen"} once chosen (GB/s = 1e9 bytes per copy second)
+        #: adapt=True: {"direct_gbps", "pread_gbps", "chosen"} once chosen (GB/s = 1e9 bytes per second of the
+        #: backend's reads' wall time)
         self.choice: dict[str, Any] | None = None
         #: called once with :attr:`choice` when it is made (on a reader thread)
         self.on_choice: Any = None
@@ -273,17 +288,20 @@ class Reader:
             return "direct" if n % 2 == 0 else "pread"
 
     def _measured(self, backend: str, nbytes: int, seconds: float) -> None:
-        """A chunk copied by ``backend`` while probing; once both have read enough, choose."""
+        """A chunk copied by ``backend`` while probing, in the ``seconds`` up to now; once both have read enough,
+        choose by bytes per second of wall time (:func:`_union` of their copies' intervals)."""
+        now = time.perf_counter()
         with self._probe_lock:
             if self.choice is not None:
                 return
             rec = self._probe[backend]
             rec[1] += nbytes
             rec[2] += seconds
+            rec[3].append((now - seconds, now))
             d, p = self._probe["direct"], self._probe["pread"]
             if not (min(d[0], p[0]) >= PROBE_UNITS and min(d[1], p[1]) >= PROBE_BYTES and d[2] > 0 and p[2] > 0):
                 return
-            dg, pg = d[1] / d[2] / 1e9, p[1] / p[2] / 1e9
+            dg, pg = d[1] / _union(d[3]) / 1e9, p[1] / _union(p[3]) / 1e9
             self.choice = {"direct_gbps": dg, "pread_gbps": pg,
                            "chosen": "pread" if pg > PROBE_MARGIN * dg else "direct"}
         if self.on_choice is not None:
