@@ -6,6 +6,8 @@ tests/test_reshard.py.)"""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -665,6 +667,40 @@ def test_exp3_checkpoint_round_trips_and_loads_on_the_cpu(tmp_path: Path) -> Non
     for kw in ({}, {"ring_gb": _ring(d)}):
         with tiered.load(d, **kw) as m:
             assert torch.equal(logits_of(m, ids), want)
+
+
+def test_exp3_checkpoint_needs_no_zstandard_and_refuses_other_dtypes(tmp_path: Path, monkeypatch) -> None:
+    """An exp3-only checkpoint loads (stock's logits bit for bit) and decompresses without the zstandard package,
+    which only zstd-coded tensors need; exp3 with a target dtype other than bf16 (nothing it could code) is refused
+    by the API and is a usage error (exit 2) on the command line, before anything is written."""
+    import builtins
+
+    from tiered.reshard import ReshardError
+
+    src, d = _exp3_checkpoint(tmp_path)
+    want = logits_of(transformers.AutoModelForCausalLM.from_pretrained(src).eval(), make_ids(6, (2, 9)))
+    real = builtins.__import__
+
+    def no_zstd(name, *a, **k):
+        if name == "zstandard":
+            raise ImportError("no zstandard")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_zstd)
+    with tiered.load(d, ring_gb=_ring(d)) as m:
+        assert torch.equal(logits_of(m, make_ids(6, (2, 9))), want)
+    tiered.reshard(d, tmp_path / "back", decompress=True, quiet=True)
+    monkeypatch.setattr(builtins, "__import__", real)
+    with tiered.load(tmp_path / "back") as m:
+        assert torch.equal(logits_of(m, make_ids(6, (2, 9))), want)
+    for dt in ("fp16", "fp32"):
+        with pytest.raises(ReshardError, match="compress='exp3' codes bf16"):
+            tiered.reshard(src, tmp_path / f"x-{dt}", compress="exp3", dtype=dt, quiet=True)
+        assert not (tmp_path / f"x-{dt}").exists()
+        r = subprocess.run([sys.executable, "-m", "tiered.cli", "reshard", str(src), str(tmp_path / f"y-{dt}"), "--compress",
+                            "--codec", "exp3", "--dtype", dt], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--codec exp3 codes bf16" in r.stderr, r.stderr
+        assert not (tmp_path / f"y-{dt}").exists()
 
 
 @pytest.mark.cuda

@@ -57,7 +57,7 @@ from .errors import CodecError, ConfigError, TieredError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
 from .hostmem import anon_mapping, map_tensor, try_unmap
-from .lossless import LosslessInfo, decode_chunk
+from .lossless import EXP3, LosslessInfo, decode_chunk
 from .plan import Unit
 from .shard_map import ShardMap
 
@@ -171,7 +171,8 @@ class Reader:
     ):
         if io not in ("mmap", "direct", "pread"):
             raise ConfigError(f"io={io!r}: use 'mmap' (page cache), 'pread' (page cache, read(2)) or 'direct' (O_DIRECT)")
-        coded = next((t for t in ckpt.tensors.values() if isinstance(t, LosslessInfo)), None)
+        coded = next((t for t in ckpt.tensors.values() if isinstance(t, LosslessInfo) and t.coded.codec != EXP3),
+                     None)  # exp3 decodes with numpy (CPU) or Triton (GPU): zstandard only for zstd-coded tensors
         if coded is not None:
             try:
                 import zstandard  # noqa: F401

@@ -145,6 +145,9 @@ def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None =
         _check_dst(parser, a.dst, a.force)
         if getattr(a, "codec", None) and not getattr(a, "compress", False):
             parser.error("--codec chooses the code of --compress: pass --compress too")
+        if getattr(a, "codec", None) == "exp3" and (getattr(a, "dtype", None) or "bf16").lower() not in ("bf16", "bfloat16"):
+            parser.error(f"--codec exp3 codes bf16 tensors, and --dtype {a.dtype} leaves none: pass --dtype bf16, or "
+                         "--codec zstd (the default) for fp16/fp32")
     compress = (getattr(a, "codec", None) or True) if getattr(a, "compress", False) else False
     old = None
     if threading.current_thread() is threading.main_thread():

@@ -151,6 +151,9 @@ def reshard(
     out_dtype = _parse_dtype(dtype)
     if compress not in (False, True, "zstd", "exp3"):
         raise ReshardError(f"compress={compress!r}: pass True (or 'zstd') or 'exp3'")
+    if compress == "exp3" and out_dtype not in (None, torch.bfloat16):
+        raise ReshardError(f"compress='exp3' codes bf16 tensors, and dtype={dtype!r} leaves none: pass dtype='bf16', "
+                           "or compress=True (zstd) for fp16/fp32")
     if compress and decompress:
         raise ReshardError("compress and decompress exclude each other: pass one (decompress writes plain shards)")
     if compress:
@@ -166,8 +169,9 @@ def reshard(
         if decompress and not coded_src:
             raise ReshardError(f"SRC {src_p} is not a compressed checkpoint (no {LOSSLESS_INDEX_NAME}, no coded "
                                "shard): there is nothing to decompress; reshard it without --decompress")
-        if coded_src:
-            _need_zstandard("decode the compressed SRC")
+        if coded_src and any(isinstance(i, lossless.LosslessInfo) and i.coded.codec != lossless.EXP3
+                             for i in source.infos.values()):
+            _need_zstandard("decode the compressed SRC")  # an exp3-only SRC decodes with numpy
         return _reshard(source, src_p, dst_p, t0, max_bytes, out_dtype, verify, force, quiet, notes, compress)
     finally:
         source.close()
