@@ -923,6 +923,104 @@ def test_compressed_tensors_a_modules_group_is_the_one_stock_picks(ct_dirs: dict
         assert not hasattr(m.model.layers[0].self_attn.q_proj, "quantization_scheme")
 
 
+_CT_MOE = {"w4a16-group": _W4A16, "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float",
+                                                                        "strategy": "channel"}, None)}
+
+
+@pytest.fixture(scope="module")
+def ct_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Qwen3-MoE with compressed-tensors experts (per expert ``gate_proj``/``up_proj``/``down_proj``: what
+    transformers' conversion stacks into ``gate_up_proj``/``down_proj``), each scheme with its scales stored in the
+    model's bf16 as the package stores them, and in float32 (random values bf16 cannot hold)."""
+    pytest.importorskip("compressed_tensors")
+    root = tmp_path_factory.mktemp("ctmoe")
+    src = models.qwen3_moe(root / "bf16")
+    out = {}
+    g = torch.Generator().manual_seed(5)
+    for name, (fmt, w, a) in _CT_MOE.items():
+        d = models.compressed_tensors(src, root / name, fmt, w, a, skip=("lm_head", "mlp.gate."))
+        out[f"{name}-bf16-scales"] = d
+        out[f"{name}-f32-scales"] = models._rewrite(
+            d, root / f"{name}-f32", lambda k, v: {k: v.float() * (1 + 1e-3 * torch.rand(v.shape, generator=g))}
+            if k.endswith("weight_scale") else {k: v}, lambda c: None)
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}], ids=["defaults", "streamed"])
+@pytest.mark.parametrize("name", ["w4a16-group-bf16-scales", "w4a16-group-f32-scales", "fp8-channel-bf16-scales",
+                                  "fp8-channel-f32-scales"])
+def test_compressed_tensors_moe_experts_equal_stock(ct_moe_dirs: dict[str, Path], name: str, kw: dict) -> None:
+    """compressed-tensors MoE experts (per-expert packed int4 or float8 codes) decode as stock's ``DecompressExperts``
+    decodes them before transformers stacks them: the package's decompress with the scale as stored (float8: the
+    float32 product, then bfloat16), the fused expert tensors in the dtype that gives (float32 scales: float32
+    experts, as in stock); logits bit for bit, resident and streamed (the experts decoded with their layer)."""
+    path = ct_moe_dirs[name]
+    keys = models.checkpoint_keys(path)
+    codes = "weight_packed" if name.startswith("w4a16") else "weight"
+    assert f"model.layers.0.mlp.experts.3.down_proj.{codes}" in keys
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale" in keys
+    ids = make_ids(4, (2, 9))
+    stock = _stock_ct(path)
+    ref = logits_of(stock, ids)
+    kw = {**kw, "ring_gb": _ring(path)} if kw else kw
+    with tiered.load(path, **kw) as m:
+        got = logits_of(m, ids)
+        assert not m._tiered.plan.unused
+        want_dt = stock.model.layers[0].mlp.experts.gate_up_proj.dtype
+        assert m.model.layers[0].mlp.experts.gate_up_proj.dtype == want_dt
+        assert want_dt == (torch.float32 if name.startswith("w4a16") and "f32" in name else torch.bfloat16)
+        assert tiered.stats(m).snapshot()["decoded_bytes"] > 0
+    assert torch.equal(got, ref)
+
+
+def test_compressed_tensors_moe_experts_stock_cannot_decode_are_refused(ct_moe_dirs: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """Experts stored ``int-quantized`` (stock's expert decode reads packed or float8 experts only and fails), float8
+    experts with group scales (its product does not broadcast) and packed experts without their ``weight_shape`` are
+    refused while the plan is made, before any unit is read, naming the config or tensor."""
+    from tiered import faults
+
+    def no_read(**info):
+        raise AssertionError(f"a read before the refusal: {info}")
+
+    src = ct_moe_dirs["fp8-channel-bf16-scales"].parent / "bf16"
+    bad = {"int8": ("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
+                    "MoE experts stored 'int-quantized'.*fails on these too"),
+           "fp8g": ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 16},
+                    "float8 MoE experts with group scales")}
+    for case, (fmt, w, msg) in bad.items():
+        d = models.compressed_tensors(src, tmp_path / case, fmt, w, None, skip=("lm_head", "mlp.gate."))
+        with faults.inject("read", no_read), pytest.raises(QuantizationError, match=msg) as e:
+            tiered.load(d)
+        assert "config.json" in str(e.value)
+    d = models._rewrite(ct_moe_dirs["w4a16-group-bf16-scales"], tmp_path / "noshape",
+                        lambda k, v: {} if k == "model.layers.1.mlp.experts.2.up_proj.weight_shape" else {k: v},
+                        lambda c: None)
+    with faults.inject("read", no_read), pytest.raises(QuantizationError,
+                                                       match=r"experts\.2\.up_proj\.weight_scale.*weight_shape"):
+        tiered.load(d)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"ring_gb": "stream", "io": "direct"}, {"ring_gb": "stream", "host_gb": 0.002}],
+                         ids=["resident", "streamed", "host-tier"])
+@pytest.mark.parametrize("name", ["w4a16-group-f32-scales", "fp8-channel-f32-scales"])
+def test_cuda_compressed_tensors_moe_experts_equal_stock(ct_moe_dirs: dict[str, Path], name: str, kw: dict) -> None:
+    """On the GPU the experts' codes and scales go over PCIe as stored and decode on the device after the copy, into
+    their slabs of the fused expert tensors: logits equal stock's on the same GPU, bit for bit."""
+    path = ct_moe_dirs[name]
+    ids = make_ids(4, (2, 9)).cuda()
+    stock = _stock_ct(path).to("cuda")
+    with torch.no_grad():
+        want = stock(ids).logits
+    del stock
+    kw = {**kw, "ring_gb": _ring(path)} if kw else kw
+    with tiered.load(path, device="cuda", gpu_gb=0 if kw else None, **kw) as m, torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+        assert tiered.stats(m).decoded_bytes > 0
+
+
 def test_compressed_tensors_a_vision_language_checkpoint_finds_its_renamed_codes(tmp_path: Path) -> None:
     """A Llava checkpoint stores its language model under ``language_model.model.`` (transformers' renaming makes it
     ``model.language_model.``): the codes and scales are found under the stored names, as stock finds them."""

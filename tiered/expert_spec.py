@@ -162,6 +162,8 @@ def _slices(tgt: Target, E: int, converted: set[str],
     whole source tensor); None if not expert-separable."""
     if tgt.key in converted or not tgt.shape or tgt.shape[0] != E * (rows or 1) or not tgt.copies:
         return None
+    if any(isinstance(c.decode, quant.CtWeight) for c in tgt.copies):  # compressed-tensors experts: decoded with
+        return None  # their layer (the routed reads and device decodes take float8 blocks and MXFP4 only)
     if any(isinstance(c.decode, quant.Mxfp4Block) for c in tgt.copies):  # gpt-oss's packed experts: per expert
         c = tgt.copies[0]
         if len(tgt.copies) != 1 or c.place is not None or rows is not None or len(c.src.shape) != 4 \

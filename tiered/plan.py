@@ -28,7 +28,7 @@ from torch import nn
 
 from . import quant
 from .chunks import chunk_sources
-from .errors import MissingTensorError, ShapeMismatchError, UnsupportedDtypeError
+from .errors import MissingTensorError, QuantizationError, ShapeMismatchError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
 from .meta import regenerate_param
 from .units import find_unit_roots, layer_index, weight_readers
@@ -329,9 +329,12 @@ def _meta_shape(t: TensorInfo) -> torch.Tensor:
 
 
 def _place_converter(
-    converter, sources: dict[str, list[TensorInfo]], key: str, shape: tuple[int, ...]
+    converter, sources: dict[str, list[TensorInfo]], key: str, shape: tuple[int, ...],
+    decodes: dict[str, Any] | None = None,
 ) -> list[Copy] | None:
-    """Copies that assemble a stack/concatenate conversion of ``key`` in place.
+    """Copies that assemble a stack/concatenate conversion of ``key`` in place. ``decodes``: a source name -> the
+    decode of its codes (compressed-tensors experts, :func:`tiered.quant.ct_experts`): the source counts with the
+    decoded shape and its copy carries the decode.
 
     Returns None when the operations are not stack (``MergeModulelist``) then/or concatenate
     (``Concatenate``): those run ``transformers``' own operation at read time instead.
@@ -363,21 +366,26 @@ def _place_converter(
                     f"{key!r} stacks {shape[merge.dim]} tensors matching {p!r} but the checkpoint has "
                     f"{len(names)}: {names}; a shard is incomplete or config.json does not match"
                 )
+    decodes = decodes or {}
+
+    def shp(s: TensorInfo) -> tuple[int, ...]:
+        return tuple(decodes[s.name].shape) if s.name in decodes else tuple(s.shape)
+
     first = sources[pats[0]][0]
     for p in pats:
         for s in sources[p]:
-            if merge is not None and tuple(s.shape) != tuple(sources[p][0].shape):
+            if merge is not None and shp(s) != shp(sources[p][0]):
                 raise ShapeMismatchError(
-                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(s.shape)} but "
-                    f"{sources[p][0].name!r} has {list(sources[p][0].shape)}; they are stacked into {key!r}"
+                    f"{s.file}: tensor {s.name!r} at offset {s.offset} has shape {list(shp(s))} but "
+                    f"{sources[p][0].name!r} has {list(shp(sources[p][0]))}; they are stacked into {key!r}"
                 )
     pieces: list[tuple[list[TensorInfo], torch.Size]] = []
     for p in pats:
         srcs = sources[p]
         if merge is not None:
-            pieces.append((srcs, torch.stack([_meta_shape(s) for s in srcs], merge.dim).shape))
+            pieces.append((srcs, torch.stack([torch.empty(shp(s), device="meta") for s in srcs], merge.dim).shape))
         else:
-            pieces.extend(([s], torch.Size(s.shape)) for s in srcs)
+            pieces.extend(([s], torch.Size(shp(s))) for s in srcs)
     try:
         if cat is None:
             total = pieces[0][1] if len(pieces) == 1 else None
@@ -388,7 +396,7 @@ def _place_converter(
     if total is None or tuple(total) != tuple(shape):
         raise ShapeMismatchError(
             f"{first.file}: tensors for {key!r} (first {first.name!r} at offset {first.offset}, shape "
-            f"{list(first.shape)}) assemble to {list(total) if total is not None else 'nothing'} but the model built "
+            f"{list(shp(first))}) assemble to {list(total) if total is not None else 'nothing'} but the model built "
             f"from config.json expects {list(shape)}; use the checkpoint's own config.json"
         )
     copies: list[Copy] = []
@@ -401,9 +409,10 @@ def _place_converter(
 
         for k, s in enumerate(srcs):
             if merge is not None:
-                copies.append(Copy(s, lambda t, piece=piece, k=k, d=merge.dim: piece(t).select(d, k)))
+                copies.append(Copy(s, lambda t, piece=piece, k=k, d=merge.dim: piece(t).select(d, k),
+                                   decode=decodes.get(s.name)))
             else:
-                copies.append(Copy(s, piece))
+                copies.append(Copy(s, piece, decode=decodes.get(s.name)))
         off += width
     return copies
 
@@ -419,11 +428,13 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str, bool]:
 _Conv = dict[str, tuple[object, dict[str, list[TensorInfo]]]]  # model key -> (its converter, pattern -> sources)
 
 
-def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor]) -> tuple[
-        dict[str, TensorInfo], _Conv, list[str], dict[str, Exception], list[str], list[str]]:
+def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], alias: dict[str, str] | None = None
+                ) -> tuple[dict[str, TensorInfo], _Conv, list[str], dict[str, Exception], list[str], list[str]]:
     """Checkpoint names onto the state_dict keys ``sd`` (``transformers``' renamings and converters for a
     ``PreTrainedModel``): ``(direct, conv, unused, unavailable, unused_skipped, unused_missing)``; ``direct``: model
-    key -> the one checkpoint tensor it copies; ``unused``: checkpoint tensors nothing uses."""
+    key -> the one checkpoint tensor it copies; ``unused``: checkpoint tensors nothing uses. ``alias``: a name to match
+    -> the checkpoint tensor it stands for (compressed-tensors' packed experts, matched as the weights they decode to:
+    :func:`tiered.quant.ct_experts`)."""
     tools = _conversion_tools(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     direct: dict[str, TensorInfo] = {}
@@ -452,19 +463,23 @@ def _match_keys(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor])
             else:
                 bucket.append(k)
         by_pattern = {p: c for c in converters for p in c.source_patterns}
-        for k in sorted(ckpt.tensors, key=natural):
+        alias = alias or {}
+        stands = set(alias.values())
+        names = {k: ckpt.tensors[k] for k in ckpt.tensors if k not in stands}
+        names.update({a: ckpt.tensors[k] for a, k in alias.items()})
+        for k in sorted(names, key=natural):
             new, pat = rename(k, renamings, converters, prefix or None, sd)
             if new not in sd and k in sd:
                 new, pat = k, None
             if new not in sd:
-                unused.append(k)
+                unused.append(names[k].name)
             elif pat is None:
-                direct[new] = ckpt.tensors[k]
-            elif (rows := chunk_sources(by_pattern[pat], new, ckpt.tensors[k], sd)) is not None:
+                direct[new] = names[k]
+            elif (rows := chunk_sources(by_pattern[pat], new, names[k], sd)) is not None:
                 direct.update(rows)  # Chunk(dim=0): each target is a run of the source's rows (tiered/chunks.py)
             else:
                 c, srcs = conv.setdefault(new, (deepcopy(by_pattern[pat]), {}))
-                srcs.setdefault(pat, []).append(ckpt.tensors[k])
+                srcs.setdefault(pat, []).append(names[k])
     else:  # a plain module: checkpoint names are state_dict names
         for k, info in ckpt.tensors.items():
             if k in sd:
@@ -539,10 +554,12 @@ def _check_source(model: nn.Module, ckpt: Checkpoint, s: TensorInfo, tgt: Target
 
 def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo],
                   conv: _Conv, unavailable: dict[str, Exception],
-                  coded: dict[str, Any] | None = None) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
+                  coded: dict[str, Any] | None = None,
+                  src_decodes: dict[str, Any] | None = None) -> tuple[dict[str, Target], list[tuple[Convert, str]]]:
     """Model key -> its :class:`Target` and copies (a tied or shared weight copies its twin's source:
     :func:`_source_key`), in state_dict order; and each conversion that cannot be placed, with the key it fills.
     ``coded``: model key -> the decode of its packed source in ``direct`` (MXFP4: :func:`tiered.quant.mxfp4_sources`).
+    ``src_decodes``: a checkpoint name -> the decode of a conversion's source (:func:`tiered.quant.ct_experts`).
 
     Raises:
         MissingTensorError: parameters with no source, all of them named (with the files for a plain module).
@@ -571,9 +588,13 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
             tgt.copies.append(Copy(direct[src_key]))
         else:
             converter, srcs = conv[src_key]
-            placed = _place_converter(converter, srcs, key, tgt.shape)
+            placed = _place_converter(converter, srcs, key, tgt.shape, src_decodes)
             if placed is not None:
                 tgt.copies.extend(placed)
+            elif src_decodes and any(s.name in src_decodes for ss in srcs.values() for s in ss):
+                raise QuantizationError(f"{key!r}: its compressed-tensors expert codes feed a transformers conversion "
+                                        f"other than a stack or concatenation ({type(converter).__name__}), which "
+                                        f"tiered does not decode. {quant._CT_ADVICE[0].upper()}{quant._CT_ADVICE[1:]}")
             else:
                 converts.append((Convert(converter, src_key, srcs, [key]), key))
         targets[key] = tgt
@@ -611,6 +632,23 @@ def _group_units(model: nn.Module, targets: dict[str, Target], converts: list[tu
     return units
 
 
+def _decoded_dtype(model: nn.Module, sd: dict[str, torch.Tensor], key: str, dtypes: set[torch.dtype]) -> None:
+    """Give parameter ``key`` the dtype its decoded compressed-tensors experts have in stock (its expert decode hands
+    back tensors of the scale's dtype, bfloat16 for float8, which replace the parameter at any model dtype).
+
+    Raises:
+        QuantizationError: experts of one parameter that would decode to different dtypes."""
+    if len(dtypes) != 1:
+        raise QuantizationError(f"{key!r}: its compressed-tensors experts decode to {sorted(map(str, dtypes))} (their "
+                                "scales' dtypes differ); the checkpoint does not match what stock stacks into one tensor")
+    (dt,) = dtypes
+    mod, attr, _ = _owner(model, key)
+    old = mod._parameters.get(attr)
+    if old is not None and old.dtype != dt:
+        mod._parameters[attr] = sd[key] = nn.Parameter(torch.empty(old.shape, dtype=dt, device="meta"),
+                                                       requires_grad=old.requires_grad)
+
+
 def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: bool = False) -> Plan:
     """Map every checkpoint tensor onto ``model`` (built on ``meta``) and group targets into units.
 
@@ -630,7 +668,10 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     qc = quant.config_of(model, ckpt.root)
     quant.check_config(qc, where)
     sd = model.state_dict(keep_vars=True)
-    direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd)
+    alias, expert_decodes, claimed = quant.ct_experts(qc, ckpt.tensors, where)  # per-expert compressed-tensors codes
+    direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd, alias)
+    if claimed:
+        unused[:] = [n for n in unused if n not in claimed]
     coded = quant.mxfp4_sources(qc, unused, ckpt.tensors, sd, where)  # gpt-oss: <key>_blocks + <key>_scales
     for key, (blocks, _) in coded.items():
         direct[key] = blocks
@@ -644,8 +685,18 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     for key, (codes, _) in ct.items():
         direct[key] = codes
     coded.update(ct)
+    for key, info in direct.items():  # an expert matrix a model holds alone (no conversion)
+        if info.name in expert_decodes and key not in coded:
+            coded[key] = (info, expert_decodes[info.name])
+    for key, (_, ss) in conv.items():
+        names = {s.name for v in ss.values() for s in v} & expert_decodes.keys()
+        if names:
+            _decoded_dtype(model, sd, key, {quant.ct_expert_dtype(expert_decodes[n]) for n in names})
+    for key, (info, dec) in coded.items():
+        if info.name in expert_decodes:
+            _decoded_dtype(model, sd, key, {quant.ct_expert_dtype(dec)})
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable,
-                                      {k: d for k, (_, d) in coded.items()})
+                                      {k: d for k, (_, d) in coded.items()}, expert_decodes)
     quant.ct_forward(model, ct)
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     _refuse_coded_codes(targets)

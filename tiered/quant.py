@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ class CtWeight:
     scheme: str
     shape: tuple[int, int]
     row0: int = 0
+    # a routed MoE expert's matrix (:func:`ct_experts`): decoded as stock's ``DecompressExperts`` does, the scale as
+    # stored (float8: ``(codes.float() * scale.float()).to(bfloat16)``), then cast to the target's dtype
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,111 @@ def ct_sources(qc: dict | None, model: Any, unused: list[str], tensors: dict[str
     return out
 
 
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _experts_group(groups: list[tuple[str, dict, str]]) -> tuple[str, dict, str]:
+    """The config group that quantizes the MoE experts, chosen as stock's ``get_experts_scheme`` chooses it
+    (transformers ``integrations/compressed_tensors.py``): the first whose ``re:`` targets mention ``experts``, else
+    the first with a class-name target, else the first."""
+    def targets(g: dict) -> list[str]:
+        return [g["targets"]] if isinstance(g["targets"], str) else list(g["targets"])
+
+    for grp in groups:
+        if any(t.startswith("re:") and "experts" in t for t in targets(grp[1])):
+            return grp
+    for grp in groups:
+        if any(not t.startswith("re:") for t in targets(grp[1])):
+            return grp
+    return groups[0]
+
+
+def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
+               where: str) -> tuple[dict[str, str], dict[str, CtWeight], set[str]]:
+    """A compressed-tensors checkpoint's per-expert MoE matrices (``...experts.<j>.<proj>.weight_packed`` or float8
+    ``.weight``, with ``.weight_scale``), which stock's ``DecompressExperts`` decodes at load before transformers'
+    conversion stacks them into the model's fused expert tensors. Returns ``(alias, decodes, claimed)``: ``alias``
+    maps ``X.weight`` to ``X.weight_packed`` (the name the conversion matches, for the packed codes), ``decodes`` each
+    codes tensor's name to its :class:`CtWeight` (``expert=True``: stock's arithmetic for experts), ``claimed`` the
+    scales and ``weight_shape`` tensors they take. Empty for any other checkpoint. Reads each ``weight_shape`` (two
+    integers) from its shard.
+
+    Raises:
+        QuantizationError: experts stored in a form stock's expert decode does not read (``int-quantized``; float8
+            with group scales, which its product does not broadcast), codes or scales that do not fit, a missing
+            ``weight_shape``.
+    """
+    if qc is None or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return {}, {}, set()
+    scales = sorted(n for n in tensors if _EXPERT.search(n) and n.endswith(".weight_scale"))
+    if not scales:
+        return {}, {}, set()
+    gname, g, fmt = _experts_group(ct_groups(qc, where))
+    w = g["weights"]
+    bits, strategy, typ = int(w.get("num_bits") or 8), str(w.get("strategy") or "tensor"), str(w.get("type") or "int")
+    fp8 = typ == "float" and bits == 8
+    if not fp8 and fmt != "pack-quantized":
+        raise _ct_refuse(where, f"MoE experts stored {fmt!r} (config group {gname!r}): stock transformers' expert "
+                                "decode reads pack-quantized or float8 experts only, and fails on these too")
+    if fp8 and strategy == "group":
+        raise _ct_refuse(where, f"float8 MoE experts with group scales (config group {gname!r}): stock's expert decode "
+                                "multiplies codes by scales that do not broadcast, and fails on these too")
+    scheme = json.dumps({k: g.get(k) for k in ("targets", "weights", "input_activations", "output_activations")},
+                        sort_keys=True)
+    gs = int(w.get("group_size") or 0)
+    alias: dict[str, str] = {}
+    decodes: dict[str, CtWeight] = {}
+    claimed: set[str] = set()
+    for sname in scales:
+        base = sname[: -len("weight_scale")]
+        scale = tensors[sname]
+        if fp8:
+            codes = tensors.get(base + "weight")
+            if codes is None or codes.dtype != torch.float8_e4m3fn or len(codes.shape) != 2:
+                got = "nothing" if codes is None else f"{codes.dtype} {list(codes.shape)}"
+                raise QuantizationError(f"{scale.file}: tensor {sname!r} at offset {scale.offset} scales float8 expert "
+                                        f"codes {base + 'weight'!r}, but the checkpoint holds {got} there; the "
+                                        "checkpoint does not match its config.json")
+            rows, cols = (int(x) for x in codes.shape)
+        else:
+            codes = tensors.get(base + "weight_packed")
+            ws = tensors.get(base + "weight_shape")
+            if codes is None or ws is None or tuple(ws.shape) != (2,) or ws.dtype not in (torch.int64, torch.int32):
+                raise QuantizationError(f"{scale.file}: tensor {sname!r} at offset {scale.offset} scales packed expert "
+                                        f"codes, but {base + 'weight_packed'!r} or its weight_shape (two integers) is "
+                                        "missing; the checkpoint is incomplete")
+            with open(ws.file, "rb") as f:
+                f.seek(ws.offset)
+                rows, cols = (int(x) for x in np.frombuffer(f.read(ws.nbytes), dtype="<i8" if ws.dtype == torch.int64
+                                                            else "<i4"))
+            if codes.dtype != torch.int32 or tuple(codes.shape) != (rows, -(-cols * bits // 32)):
+                raise QuantizationError(f"{codes.file}: tensor {codes.name!r} at offset {codes.offset} is {codes.dtype} "
+                                        f"{list(codes.shape)}, but {bits}-bit packed codes of a {[rows, cols]} expert "
+                                        f"matrix are torch.int32 {[rows, -(-cols * bits // 32)]}; the checkpoint does "
+                                        "not match its config.json")
+            if strategy == "group" and (gs <= 0 or cols % gs):
+                raise _ct_refuse(where, f"config group {gname!r} has group_size {gs}, which does not divide the "
+                                        f"{cols} input features of {base + 'weight_packed'!r}")
+            alias[base + "weight"] = codes.name
+            claimed.add(ws.name)
+        want_sc = {"tensor": None, "channel": (rows, 1), "group": (rows, -(-cols // gs) if gs else -1)}[strategy]
+        if not (scale.dtype.is_floating_point and (scale.numel == 1 if want_sc is None
+                                                   else tuple(scale.shape) == want_sc)):
+            raise QuantizationError(f"{scale.file}: tensor {sname!r} at offset {scale.offset} is {scale.dtype} "
+                                    f"{list(scale.shape)}, which is not the {strategy} scale of the {[rows, cols]} "
+                                    "expert matrix it scales; the checkpoint does not match its config.json")
+        decodes[codes.name] = CtWeight(scale, (1, cols), "float-quantized" if fp8 else fmt, scheme, (rows, cols),
+                                       expert=True)
+        claimed.add(sname)
+    return alias, decodes, claimed
+
+
+def ct_expert_dtype(dec: CtWeight) -> torch.dtype:
+    """The dtype stock's expert decode gives (transformers ``DecompressExperts``): bfloat16 for float8 codes, else
+    the package's ``decompress`` output, which is the scale's dtype."""
+    return torch.bfloat16 if dec.fmt == "float-quantized" else dec.scale.dtype
+
+
 @functools.cache
 def _ct_scheme(fmt: str, scheme: str) -> tuple[Any, Any]:
     from compressed_tensors.compressors import BaseCompressor
@@ -442,9 +551,12 @@ def decode_ct(codes: torch.Tensor, scale: torch.Tensor, dec: CtWeight, out: torc
     as stock's ``weight_scale`` parameter holds it (the module's dtype), then the package's compressor
     ``decompress`` (``unpack_from_int32`` and ``dequantize``) runs on the band, element by element as on the whole
     tensor: bitwise what ``from_pretrained`` gives."""
+    if dec.expert and dec.fmt == "float-quantized":  # stock's DecompressExperts: float32 product, then bfloat16
+        out.copy_((codes.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16))
+        return
     comp, scheme = _ct_scheme(dec.fmt, dec.scheme)
     n = out.shape[0]
-    sd: dict[str, torch.Tensor] = {"weight_scale": scale.to(out.dtype)}
+    sd: dict[str, torch.Tensor] = {"weight_scale": scale if dec.expert else scale.to(out.dtype)}
     if dec.fmt == "pack-quantized":
         sd["weight_packed"] = codes
         sd["weight_shape"] = torch.tensor([n, dec.shape[1]])
