@@ -441,10 +441,10 @@ def test_unknown_version_and_bad_tables_are_refused_before_any_read(ckpts, tmp_p
         logical_shard(dataclasses.replace(raw, metadata={**raw.metadata, META_KEY: json.dumps(tables)}))
 
 
-def test_without_zstandard_the_load_says_what_to_install(ckpts, tmp_path_factory, monkeypatch) -> None:
+def _no_zstandard(monkeypatch) -> object:
+    """Make ``import zstandard`` fail from now on (as on a machine without it); returns the real ``__import__``."""
     import builtins
 
-    d = _compressed(ckpts, tmp_path_factory, "llama")
     real = builtins.__import__
 
     def no_zstd(name, *a, **k):
@@ -453,6 +453,12 @@ def test_without_zstandard_the_load_says_what_to_install(ckpts, tmp_path_factory
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_zstd)
+    return real
+
+
+def test_without_zstandard_the_load_says_what_to_install(ckpts, tmp_path_factory, monkeypatch) -> None:
+    d = _compressed(ckpts, tmp_path_factory, "llama")
+    _no_zstandard(monkeypatch)
     with pytest.raises(TieredError, match=r"tiered\[compress\]"):
         tiered.load(d)
 
@@ -679,14 +685,7 @@ def test_exp3_checkpoint_needs_no_zstandard_and_refuses_other_dtypes(tmp_path: P
 
     src, d = _exp3_checkpoint(tmp_path)
     want = logits_of(transformers.AutoModelForCausalLM.from_pretrained(src).eval(), make_ids(6, (2, 9)))
-    real = builtins.__import__
-
-    def no_zstd(name, *a, **k):
-        if name == "zstandard":
-            raise ImportError("no zstandard")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_zstd)
+    real = _no_zstandard(monkeypatch)
     with tiered.load(d, ring_gb=_ring(d)) as m:
         assert torch.equal(logits_of(m, make_ids(6, (2, 9))), want)
     tiered.reshard(d, tmp_path / "back", decompress=True, quiet=True)

@@ -135,6 +135,21 @@ def _wait_all(jobs: list[Future]) -> None:
         raise interrupted
 
 
+def _chunk_runs(src: LosslessInfo, limit: int) -> list[list[int]]:
+    """``src``'s chunks in runs of consecutive ones of at most ``limit`` coded bytes (a chunk larger than ``limit``,
+    or ``limit`` 0: a run of its own): one read request each."""
+    runs: list[list[int]] = []
+    size = 0
+    for c in src.chunks:
+        n = src.coded.chunk_span(c)[1]
+        if not runs or size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(c)
+        size += n
+    return runs
+
+
 def _union(spans: list[tuple[float, float]]) -> float:
     """Seconds covered by the union of ``(start, end)`` intervals (> 0: at least one nanosecond)."""
     tot, end = 0.0, float("-inf")
@@ -493,18 +508,10 @@ class Reader:
                 continue
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
             if dec is RAW_CODED:  # a stored exp3 tensor: its chunks as they lie, for the GPU to decode
-                run: list[int] = []
-                size = 0
-                for c in [*src.chunks, None]:
-                    n_c = src.coded.chunk_span(c)[1] if c is not None else 0
-                    if run and (c is None or size + n_c > RAW_READ):
-                        fut: Future = Future()
-                        jobs.append(fut)
-                        self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, run, backend))
-                        run, size = [], 0
-                    if c is not None:
-                        run.append(c)
-                        size += n_c
+                for run in _chunk_runs(src, RAW_READ):
+                    fut: Future = Future()
+                    jobs.append(fut)
+                    self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, run, backend))
                 continue
             if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
                 if len(src.shape) == 3:  # one routed expert's (R, G, 16) slab (quant.mxfp4_slab): a stack of one
@@ -540,18 +547,10 @@ class Reader:
             jobs.append(fut)
             self.pool.submit(_run_job, fut, self._lossless_whole, (unit, src, dest, backend))
             return
-        run: list[int] = []
-        size = 0
-        for c in [*src.chunks, None]:
-            n = src.coded.chunk_span(c)[1] if c is not None else 0
-            if run and (c is None or size + n > LOSSLESS_READ):
-                fut = Future()
-                jobs.append(fut)
-                self.pool.submit(_run_job, fut, self._lossless_task, (unit, src, dest, run, backend))
-                run, size = [], 0
-            if c is not None:
-                run.append(c)
-                size += n
+        for run in _chunk_runs(src, LOSSLESS_READ):
+            fut = Future()
+            jobs.append(fut)
+            self.pool.submit(_run_job, fut, self._lossless_task, (unit, src, dest, run, backend))
 
     def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, run: list[int],
                         backend: str | None) -> None:
