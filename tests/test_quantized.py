@@ -976,8 +976,9 @@ def test_compressed_tensors_moe_experts_equal_stock(ct_moe_dirs: dict[str, Path]
 def test_compressed_tensors_moe_experts_stock_cannot_decode_are_refused(ct_moe_dirs: dict[str, Path],
                                                                           tmp_path: Path) -> None:
     """Experts stored ``int-quantized`` (stock's expert decode reads packed or float8 experts only and fails), float8
-    experts with group scales (its product does not broadcast) and packed experts without their ``weight_shape`` are
-    refused while the plan is made, before any unit is read, naming the config or tensor."""
+    experts with group scales (its product does not broadcast), plain experts stacked with coded ones and packed
+    experts without their ``weight_shape`` are refused while the plan is made, before any unit is read, naming the
+    config or tensor."""
     from tiered import faults
 
     def no_read(**info):
@@ -993,6 +994,12 @@ def test_compressed_tensors_moe_experts_stock_cannot_decode_are_refused(ct_moe_d
         with faults.inject("read", no_read), pytest.raises(QuantizationError, match=msg) as e:
             tiered.load(d)
         assert "config.json" in str(e.value)
+    # one expert left plain by the config's ignore list: stock pairs the others with wrong scales; refused
+    d = models.compressed_tensors(src, tmp_path / "mixed", *_W4A16,
+                                  skip=("lm_head", "mlp.gate.", "layers.1.mlp.experts.2.down_proj"))
+    with faults.inject("read", no_read), pytest.raises(QuantizationError, match=r"experts\.2\.down_proj\.weight.* is "
+                                                                              "a plain expert matrix stacked"):
+        tiered.load(d)
     d = models._rewrite(ct_moe_dirs["w4a16-group-bf16-scales"], tmp_path / "noshape",
                         lambda k, v: {} if k == "model.layers.1.mlp.experts.2.up_proj.weight_shape" else {k: v},
                         lambda c: None)

@@ -640,7 +640,8 @@ def _decoded_dtype(model: nn.Module, sd: dict[str, torch.Tensor], key: str, dtyp
         QuantizationError: experts of one parameter that would decode to different dtypes."""
     if len(dtypes) != 1:
         raise QuantizationError(f"{key!r}: its compressed-tensors experts decode to {sorted(map(str, dtypes))} (their "
-                                "scales' dtypes differ); the checkpoint does not match what stock stacks into one tensor")
+                                "scales' dtypes differ), which tiered does not stack into one tensor (stock promotes "
+                                f"them to one dtype). {quant._CT_ADVICE[0].upper()}{quant._CT_ADVICE[1:]}")
     (dt,) = dtypes
     mod, attr, _ = _owner(model, key)
     old = mod._parameters.get(attr)
@@ -668,8 +669,10 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     qc = quant.config_of(model, ckpt.root)
     quant.check_config(qc, where)
     sd = model.state_dict(keep_vars=True)
-    alias, expert_decodes, claimed = quant.ct_experts(qc, ckpt.tensors, where)  # per-expert compressed-tensors codes
+    alias = quant.ct_expert_alias(qc, ckpt.tensors)  # packed per-expert compressed-tensors codes, as weights
     direct, conv, unused, unavailable, unused_skipped, unused_missing = _match_keys(model, ckpt, sd, alias)
+    feeding = {s.name for _, ss in conv.values() for v in ss.values() for s in v}
+    expert_decodes, claimed = quant.ct_experts(qc, ckpt.tensors, where, feeding)
     if claimed:
         unused[:] = [n for n in unused if n not in claimed]
     coded = quant.mxfp4_sources(qc, unused, ckpt.tensors, sd, where)  # gpt-oss: <key>_blocks + <key>_scales
@@ -685,16 +688,18 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     for key, (codes, _) in ct.items():
         direct[key] = codes
     coded.update(ct)
-    for key, info in direct.items():  # an expert matrix a model holds alone (no conversion)
-        if info.name in expert_decodes and key not in coded:
-            coded[key] = (info, expert_decodes[info.name])
     for key, (_, ss) in conv.items():
-        names = {s.name for v in ss.values() for s in v} & expert_decodes.keys()
+        srcs = [s for v in ss.values() for s in v]
+        names = {s.name for s in srcs} & expert_decodes.keys()
+        if names and len(names) != len(srcs):  # some experts coded, some plain (an `ignore` list)
+            plain = next(s for s in srcs if s.name not in names)
+            raise QuantizationError(
+                f"{plain.file}: tensor {plain.name!r} at offset {plain.offset} is a plain expert matrix stacked into "
+                f"{key!r} with compressed-tensors experts; stock cannot load that mix either (it leaves the stacked "
+                f"tensor uninitialised or pairs experts with the wrong scales). {quant._CT_ADVICE[0].upper()}"
+                f"{quant._CT_ADVICE[1:]}")
         if names:
             _decoded_dtype(model, sd, key, {quant.ct_expert_dtype(expert_decodes[n]) for n in names})
-    for key, (info, dec) in coded.items():
-        if info.name in expert_decodes:
-            _decoded_dtype(model, sd, key, {quant.ct_expert_dtype(dec)})
     targets, converts = _make_targets(model, ckpt, sd, direct, conv, unavailable,
                                       {k: d for k, (_, d) in coded.items()}, expert_decodes)
     quant.ct_forward(model, ct)

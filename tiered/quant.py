@@ -449,15 +449,26 @@ def _experts_group(groups: list[tuple[str, dict, str]]) -> tuple[str, dict, str]
     return groups[0]
 
 
-def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
-               where: str) -> tuple[dict[str, str], dict[str, CtWeight], set[str]]:
-    """A compressed-tensors checkpoint's per-expert MoE matrices (``...experts.<j>.<proj>.weight_packed`` or float8
-    ``.weight``, with ``.weight_scale``), which stock's ``DecompressExperts`` decodes at load before transformers'
-    conversion stacks them into the model's fused expert tensors. Returns ``(alias, decodes, claimed)``: ``alias``
-    maps ``X.weight`` to ``X.weight_packed`` (the name the conversion matches, for the packed codes), ``decodes`` each
-    codes tensor's name to its :class:`CtWeight` (``expert=True``: stock's arithmetic for experts), ``claimed`` the
-    scales and ``weight_shape`` tensors they take. Empty for any other checkpoint. Reads each ``weight_shape`` (two
-    integers) from its shard.
+def ct_expert_alias(qc: dict | None, tensors: dict[str, TensorInfo]) -> dict[str, str]:
+    """A compressed-tensors checkpoint's packed per-expert codes under the name a transformers conversion matches:
+    ``...experts.<j>.<proj>.weight`` -> ``...weight_packed`` (where the checkpoint has no ``.weight`` itself); {}
+    for any other checkpoint. Names only: which of them feed a conversion decides :func:`ct_experts`."""
+    if qc is None or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return {}
+    return {n[: -len("_packed")]: n for n in tensors
+            if _EXPERT.search(n) and n.endswith(".weight_packed") and n[: -len("_packed")] not in tensors}
+
+
+def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo], where: str,
+               feeding: set[str]) -> tuple[dict[str, CtWeight], set[str]]:
+    """A compressed-tensors checkpoint's per-expert MoE matrices that feed a transformers conversion (``feeding``:
+    the checkpoint names of every conversion's sources), stored ``...experts.<j>.<proj>.weight_packed`` or float8
+    ``.weight``, with ``.weight_scale``: stock's ``DecompressExperts`` decodes them at load before the conversion
+    stacks them into the model's fused expert tensors (experts a model holds as ``nn.Linear`` modules, e.g. remote
+    code's ModuleList, are ordinary quantized Linears: :func:`ct_sources`). Returns ``(decodes, claimed)``:
+    ``decodes`` each codes tensor's name to its :class:`CtWeight` (``expert=True``: stock's arithmetic for experts),
+    ``claimed`` the scales and ``weight_shape`` tensors they take. Empty for any other checkpoint. Reads each
+    ``weight_shape`` (two integers) from its shard.
 
     Raises:
         QuantizationError: experts stored in a form stock's expert decode does not read (``int-quantized``; float8
@@ -465,10 +476,11 @@ def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
             ``weight_shape``.
     """
     if qc is None or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
-        return {}, {}, set()
-    scales = sorted(n for n in tensors if _EXPERT.search(n) and n.endswith(".weight_scale"))
+        return {}, set()
+    scales = sorted(n for n in tensors if _EXPERT.search(n) and n.endswith(".weight_scale") and (
+        n[: -len("_scale")] in feeding or n[: -len("_scale")] + "_packed" in feeding))
     if not scales:
-        return {}, {}, set()
+        return {}, set()
     gname, g, fmt = _experts_group(ct_groups(qc, where))
     w = g["weights"]
     bits, strategy, typ = int(w.get("num_bits") or 8), str(w.get("strategy") or "tensor"), str(w.get("type") or "int")
@@ -482,7 +494,6 @@ def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
     scheme = json.dumps({k: g.get(k) for k in ("targets", "weights", "input_activations", "output_activations")},
                         sort_keys=True)
     gs = int(w.get("group_size") or 0)
-    alias: dict[str, str] = {}
     decodes: dict[str, CtWeight] = {}
     claimed: set[str] = set()
     for sname in scales:
@@ -515,7 +526,6 @@ def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
             if strategy == "group" and (gs <= 0 or cols % gs):
                 raise _ct_refuse(where, f"config group {gname!r} has group_size {gs}, which does not divide the "
                                         f"{cols} input features of {base + 'weight_packed'!r}")
-            alias[base + "weight"] = codes.name
             claimed.add(ws.name)
         want_sc = {"tensor": None, "channel": (rows, 1), "group": (rows, -(-cols // gs) if gs else -1)}[strategy]
         if not (scale.dtype.is_floating_point and (scale.numel == 1 if want_sc is None
@@ -526,7 +536,7 @@ def ct_experts(qc: dict | None, tensors: dict[str, TensorInfo],
         decodes[codes.name] = CtWeight(scale, (1, cols), "float-quantized" if fp8 else fmt, scheme, (rows, cols),
                                        expert=True)
         claimed.add(sname)
-    return alias, decodes, claimed
+    return decodes, claimed
 
 
 def ct_expert_dtype(dec: CtWeight) -> torch.dtype:
