@@ -324,10 +324,6 @@ def _to_model_name(model: nn.Module, sd: dict[str, torch.Tensor]):
     return lambda n: rename(n, renamings, converters, prefix, sd)[0]
 
 
-def _meta_shape(t: TensorInfo) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
 def _place_converter(
     converter, sources: dict[str, list[TensorInfo]], key: str, shape: tuple[int, ...],
     decodes: dict[str, Any] | None = None,
