@@ -27,7 +27,7 @@ import tiered.policy
 from tiered import faults
 from tiered.errors import StreamerError
 from tiered.placeholder import is_placeholder
-from tiered.stage import CudaStage
+from tiered.stage import CudaStage, DeviceArena
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -81,13 +81,43 @@ def test_ring_is_pinned_and_copies_run_on_their_own_stream(ckpts: Checkpoints) -
         stage = h.streamer.stage
         assert isinstance(stage, CudaStage)
         assert stage.copy_stream != torch.cuda.current_stream()
-        assert stage.n_bufs == 3 and h.stats.device_buffer_bytes == 3 * max(
-            u.nbytes for u in h.plan.units if u.index not in h.streamer.resident_ids)
+        largest = max(u.buf_bytes for u in h.plan.units if u.index not in h.streamer.resident_ids)
+        assert stage.n_bufs == 3 and largest <= stage.arena.slot_bytes < largest + DeviceArena.ALIGN
+        assert h.stats.device_buffer_bytes == stage.pool_bytes == 3 * stage.arena.slot_bytes
         with torch.no_grad():
             m(_ids())
         torch.cuda.synchronize()
         assert h.stats.h2d_bytes > 0 and h.stats.h2d_s > 0
         assert not h.streamer.held
+
+
+def test_prefetch_goes_by_bytes_of_the_device_pool(tmp_path: Path) -> None:
+    """A head about seven times a layer: with prefetch=1 the device pool is two head-sized slots, and the streamer
+    keeps as many layers ahead as fit one slot (by bytes), where a pool counted in buffers held one; outputs stay
+    stock's."""
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    import models
+
+    d = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "bighead", seed=7, dtype=torch.bfloat16,
+                   max_shard_size="200KB")
+    ref = _ref(d)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+        want_gen = ref.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    del ref
+    with tiered.load(d, device=DEV, ring_gb=0.004, gpu_gb=0, prefetch=1) as m, torch.no_grad():
+        st = m._tiered.streamer
+        layer = max(st.units[i].nbytes for i in st.streamed if ".layers." in st.units[i].name)
+        assert st.stage.arena.slot_bytes > 5 * layer, "the head should dwarf a layer"
+        ahead: list[int] = []
+        hook = m.model.layers[1].register_forward_pre_hook(lambda mod, args: ahead.append(len(st.pending)))
+        for _ in range(3):  # the first pass learns the order; the later ones prefetch by it
+            assert torch.equal(m(_ids()).logits, want)
+        hook.remove()
+        assert max(ahead[1:]) >= 3, f"units pending at layer 1: {ahead}"
+        assert st.stage.arena.live_bytes <= st.stage.pool_bytes
+        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=8, do_sample=False, pad_token_id=0), want_gen)
 
 
 def test_close_gives_the_device_pool_back(ckpts: Checkpoints) -> None:
@@ -99,9 +129,9 @@ def test_close_gives_the_device_pool_back(ckpts: Checkpoints) -> None:
         m(_ids())
     stage = m._tiered.streamer.stage
     assert torch.cuda.memory_allocated() > before
-    one_buf = m._tiered.stats.device_buffer_bytes // stage.n_bufs
+    one_buf = stage.arena.slot_bytes
     m.close()
-    assert stage._pool.qsize() == 0
+    assert stage.arena.live == 0 and stage.pool_bytes == 0
     torch.cuda.synchronize()
     # what is left is the model's own small buffers (rotary inv_freq on the device), not a device buffer
     assert torch.cuda.memory_allocated() - before < one_buf, "device buffers outlived close()"
@@ -294,7 +324,7 @@ def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
             assert torch.equal(m(ids).logits, want)
         # every device buffer is back in the pool, or holds a prefetch of the next pass
         ahead = [f.result() for f in list(st.pending.values())]
-        assert st.stage._pool.qsize() + sum(ld.dev is not None for ld in ahead) == st.stage.n_bufs
+        assert st.stage.arena.live == sum(ld.dev is not None for ld in ahead)
 
 
 @pytest.mark.parametrize("io", ["mmap", "direct"])

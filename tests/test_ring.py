@@ -1,5 +1,7 @@
 """The ring allocator: slots never overlap, stay inside the ring, and back-pressure wakes on free; the ring in host
-memory: sized against what the host (and its cgroups) has available, untouched until used, balanced after passes."""
+memory: sized against what the host (and its cgroups) has available, untouched until used, balanced after passes.
+The device pool (``DeviceArena``, tested here on CPU memory with stand-in events): buffers carved by bytes in ring
+order, never overlapping or straddling a slot, each waiting for the earlier users of its bytes."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from tiered.errors import HostMemoryError, RingTooSmallError, TieredError
 from tiered.format import encode_header
 from tiered.hostmem import PAGE_SIZE, host_memory_available, page_up
 from tiered.ring import Ring
+from tiered.stage import DeviceArena
 
 PAGE = 4096
 GiB = 1 << 30
@@ -46,6 +49,111 @@ def test_random_fifo_and_out_of_order_frees_never_overlap() -> None:
         assert ring.used == sum(s.size for s in live) <= ring.size
     assert ring.high_water <= ring.size
     ring.close()
+
+
+class _Event:
+    """A stand-in for a CUDA event: fires when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_pool_random_sizes_and_frees_against_a_byte_map(seed: int) -> None:
+    """Against a byte-map model: live buffers never overlap or straddle a slot; each new buffer waits for exactly the
+    not-yet-fired events of the last user of any of its bytes; while fewer than ``n_slots`` buffers are live, a buffer
+    of a whole slot always fits (the count pool's guarantee)."""
+    rng = random.Random(seed)
+    n_slots, slot = 3, 64 * DeviceArena.ALIGN
+    base = torch.empty(n_slots * slot, dtype=torch.uint8)
+    pool = DeviceArena(base, n_slots, slot)
+    last: list[_Event | None] = [None] * pool.total  # byte -> the event of the last buffer that used it
+    live: list = []
+    events: list[_Event] = []
+    placed = 0
+    for step in range(3000):
+        if events and rng.random() < 0.3:
+            rng.choice(events).done = True
+        if live and (rng.random() < 0.45 or len(live) >= 2 * n_slots):
+            buf = live.pop(0 if rng.random() < 0.7 else rng.randrange(len(live)))
+            ev = _Event()
+            events.append(ev)
+            pool.free(buf, ev)
+            pool.free(buf, ev)  # idempotent
+            n = DeviceArena._round(buf.t.numel())
+            for b in range(buf.at, buf.at + n):
+                last[b] = ev
+            continue
+        size = slot if rng.random() < 0.1 else rng.randint(1, slot)
+        if len(live) < n_slots:  # a whole slot fits (taken and given back unused: its waits pass on)
+            probe = pool.try_alloc(slot - rng.randint(0, 3))
+            assert probe is not None, f"step {step}: {len(live)} live buffers and no whole slot free"
+            pool.free(probe, None)
+        buf = pool.try_alloc(size)
+        if buf is None:
+            assert len(live) >= 1
+            continue
+        placed += 1
+        n = DeviceArena._round(size)
+        assert buf.t.numel() == size and buf.at % DeviceArena.ALIGN == 0 and buf.at + n <= pool.total
+        assert buf.at // slot == (buf.at + n - 1) // slot, "a buffer straddles two slots"
+        assert buf.t.data_ptr() == base.data_ptr() + buf.at and pool.owns(buf.t)
+        for other in live:
+            m = DeviceArena._round(other.t.numel())
+            assert buf.at + n <= other.at or other.at + m <= buf.at, f"step {step}: overlap"
+        want = {id(e) for e in last[buf.at : buf.at + n] if e is not None and not e.done}
+        got = {id(e) for e in buf.waits}
+        assert want <= got, f"step {step}: a new buffer does not wait for an earlier user of its bytes"
+        assert all(not e.done or id(e) in want for e in buf.waits)
+        live.append(buf)
+        assert pool.live == len(live)
+    assert placed > 1000
+
+
+def test_device_pool_packs_small_units_in_ring_order() -> None:
+    """Seven 0.42-slot units fit a 3-slot pool at once (two per slot), where a count pool holds three; freed in order,
+    the next buffers follow on in ring order (the oldest bytes first)."""
+    slot = 1024 * DeviceArena.ALIGN
+    pool = DeviceArena(torch.empty(3 * slot, dtype=torch.uint8), 3, slot)
+    small = int(0.42 * slot)
+    bufs = [pool.try_alloc(small) for _ in range(6)]
+    assert all(b is not None for b in bufs)
+    assert [b.at // slot for b in bufs] == [0, 0, 1, 1, 2, 2]
+    assert pool.try_alloc(small) is None and pool.blocked()
+    pool.free(bufs[0], None)
+    assert not pool.blocked()
+    nxt = pool.try_alloc(small)
+    assert nxt is not None and nxt.at == bufs[0].at  # the ring wraps to the oldest bytes
+    assert pool.try_alloc(slot) is None  # every slot holds a live buffer
+    for b in bufs[1:3]:  # slot 0's second half and slot 1's first: still no whole slot
+        pool.free(b, None)
+    assert pool.try_alloc(slot) is None
+    pool.free(bufs[3], None)
+    whole = pool.try_alloc(slot)
+    assert whole is not None and whole.at == slot
+
+
+def test_device_pool_alloc_waits_for_a_free_and_polls_abort() -> None:
+    slot = 16 * DeviceArena.ALIGN
+    pool = DeviceArena(torch.empty(2 * slot, dtype=torch.uint8), 2, slot)
+    a, b = pool.try_alloc(slot), pool.try_alloc(slot)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.alloc(slot, abort=lambda: None)))
+    t.start()
+    time.sleep(0.2)
+    assert not got and pool.blocked()
+    ev = _Event()
+    pool.free(a, ev)
+    t.join(timeout=5)
+    assert got and got[0].at == a.at and got[0].waits == [ev]  # the copy into it waits for a's last user
+    with pytest.raises(RingTooSmallError, match="stuck"):
+        pool.alloc(1, abort=lambda: RingTooSmallError("stuck"))
+    with pytest.raises(ValueError, match="larger than the pool's slots"):
+        pool.try_alloc(slot + 1)
+    pool.free(b, None)
 
 
 def test_alloc_waits_until_a_free() -> None:

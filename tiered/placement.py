@@ -72,7 +72,7 @@ class Placement:
     resident_bytes: int = 0
     host_bytes: int = 0
     streamed_bytes: int = 0  # checkpoint bytes read per token for the streamed units
-    device_buffer_bytes: int = 0  # CUDA: prefetch + 1 buffers of the largest unit the streamer copies
+    device_buffer_bytes: int = 0  # CUDA: the device pool, prefetch + 1 slots of the largest unit the streamer copies
     expert_modules: int = 0
     experts_total: int = 0
     expert_cache_slots: int = 0
@@ -472,14 +472,14 @@ def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: 
 
 
 def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: Any, cpu: bool) -> None:
-    """CUDA: the streamer's device buffers (``prefetch + 1`` of the largest unit it copies, host-tier ones included;
+    """CUDA: the streamer's device pool (``prefetch + 1`` slots of the largest unit it copies, host-tier ones included;
     distributed: gathered whole) and the expert cache in what ``gpu_gb`` leaves."""
     if not cpu:
         copied = [u.index for u in plan.units if u.index not in set(p.resident) | set(p.rows)]
         full = ([q.full if q.gathered else u.buf_bytes for q, u in
                  zip(_dist.io_plans(plan.units, dist, _device(opts), plan.align), plan.units, strict=True)]
                 if dist is not None else [u.buf_bytes for u in plan.units])
-        p.device_buffer_bytes = (opts.prefetch + 1) * max(full[i] for i in copied) if copied else 0
+        p.device_buffer_bytes = (opts.prefetch + 1) * policy.device_slot_bytes(max(full[i] for i in copied)) if copied else 0
     specs = p.specs
     if not specs:
         return

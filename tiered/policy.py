@@ -20,7 +20,17 @@ __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
            "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
-           "auto_split", "auto_ring_want"]
+           "auto_split", "auto_ring_want", "DEVICE_ALIGN", "device_slot_bytes"]
+
+#: CUDA device pool: each buffer's offset (bytes) is a multiple of this, so every dtype's view and the vectorised copy
+#: kernels are aligned (``tiered.stage.DeviceArena``).
+DEVICE_ALIGN = 512
+
+
+def device_slot_bytes(largest: int) -> int:
+    """One slot of the CUDA device pool: the largest buffer the streamer copies (bytes), rounded up to DEVICE_ALIGN."""
+    return -(-largest // DEVICE_ALIGN) * DEVICE_ALIGN
+
 
 #: Host memory left to the process beyond the ring (Python, torch, activations) when checking ``ring_gb``
 #: against what the host or cgroup has: a ring that leaves less is refused.

@@ -2,11 +2,12 @@
 
 * :class:`CpuStage` — zero copy: the modules use views of the ring slot itself; the slot is the
   unit's memory until the caller releases it.
-* :class:`CudaStage` — an H2D copy on a dedicated **copy stream** into one of a small pool of
-  device buffers (``prefetch + 1`` of the largest streamed unit), after the event that says the
-  compute stream is done with that buffer; a *ready* event is recorded after the copy and the
-  compute stream waits on it, never the host. The ring slot is freed once its copy has finished:
-  :meth:`CudaStage.retire`, called by the loader thread (no thread of its own that could die).
+* :class:`CudaStage` — an H2D copy on a dedicated **copy stream** into a buffer carved from the
+  device pool (:class:`DeviceArena`: ``prefetch + 1`` slots of the largest streamed unit, carved by
+  bytes in ring order), after the events that say the compute stream is done with those bytes; a
+  *ready* event is recorded after the copy and the compute stream waits on it, never the host. The
+  ring slot is freed once its copy has finished: :meth:`CudaStage.retire`, called by the loader
+  thread (no thread of its own that could die).
 
 Ownership: :meth:`stage` takes the slot; the returned :class:`Loaded` owns the device buffer (or,
 on CPU, the slot) until :meth:`release` (the unit ran) or :meth:`drop` (it was never used) gives it
@@ -15,22 +16,21 @@ back. Both are idempotent, so a cleanup path that runs twice cannot hand a buffe
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import quant
+from . import policy, quant
 from .dist import Dist, IoPlan, all_gather_bytes
 from .plan import Unit
 from .ring import Ring, Slot
 from .stats import Stats
 
-__all__ = ["Loaded", "CpuStage", "CudaStage", "views"]
+__all__ = ["Loaded", "CpuStage", "CudaStage", "DeviceArena", "views"]
 
 
 def views(unit: Unit, base: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -54,7 +54,139 @@ def stale(ld: Loaded) -> None:
 @dataclass(eq=False)
 class DevBuf:
     t: torch.Tensor  # (nbytes,) uint8 on the device
-    free: torch.cuda.Event | None = None  # recorded on the compute stream when compute is done with it
+    at: int = -1  # offset in the device pool (DeviceArena); -1: a buffer of its own (resident)
+    waits: list = field(default_factory=list)  # events of the earlier users of these bytes (DeviceArena.alloc)
+
+
+class DeviceArena:
+    """The device pool: one allocation of ``n_slots`` slots of ``slot_bytes``, carved into unit buffers in ring order.
+
+    Why: a pool of ``prefetch + 1`` whole buffers of the largest streamed unit holds ``prefetch + 1`` units whatever
+    their size, so with one large unit (Llama-3-8B's 1.05 GB head beside 0.44 GB layers) the copy stream runs only
+    two layers ahead and idles through a long compute stall (benchmarks/NOTES.md, issue 25, fifth session: 42 ms of
+    cuDNN attention set-up per decode step). Carved by bytes, the same memory holds about seven such layers.
+
+    Rules: a buffer is at most ``slot_bytes`` and never straddles two slots, so while fewer than ``n_slots`` buffers are
+    live a whole slot is free and any buffer fits — the count pool's guarantee, kept. Allocation is first fit in ring
+    order from the end of the newest live buffer (so bytes are reused oldest first); buffers are freed in any order,
+    each with the event after which its bytes may be overwritten (the compute stream's, or its own copy's for a
+    prefetch never used); a new buffer carries in :attr:`DevBuf.waits` the events of earlier users of its bytes that
+    have not fired yet, which the copy stream waits on before writing (never the host).
+
+    Threads: :meth:`alloc` on the loader thread; :meth:`free` on any. ``base`` may be a CPU tensor (tests), and the
+    events anything with ``query()``.
+    """
+
+    ALIGN = policy.DEVICE_ALIGN  # buffer offsets (bytes): every dtype's view and the vectorised copy kernels are aligned
+
+    def __init__(self, base: torch.Tensor, n_slots: int, slot_bytes: int) -> None:
+        if base.numel() < n_slots * slot_bytes or slot_bytes % self.ALIGN:
+            raise ValueError(f"DeviceArena: {base.numel()} bytes for {n_slots} slots of {slot_bytes} (a multiple of "
+                             f"{self.ALIGN})")
+        self.base = base
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self.total = n_slots * slot_bytes
+        self._live: list[DevBuf] = []  # in allocation order
+        self._size: dict[int, int] = {}  # id(buf) -> its byte count (rounded up to ALIGN)
+        self._used: list[tuple[int, int, object]] = []  # (start, end, event) of freed buffers not known to be done
+        self._head = 0  # where the next buffer goes when nothing newer is live
+        self._cv = threading.Condition()
+        self._frees = 0  # bumped by every free: a waiting alloc retries
+        self._failed = -1  # self._frees when the last alloc attempt failed (blocked())
+
+    @staticmethod
+    def _round(n: int) -> int:
+        return policy.device_slot_bytes(n)
+
+    @property
+    def live(self) -> int:
+        """How many buffers are allocated and not freed."""
+        return len(self._live)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self._size[id(b)] for b in list(self._live))
+
+    def _fits(self, p: int, n: int) -> bool:
+        if p + n > self.total or p // self.slot_bytes != (p + n - 1) // self.slot_bytes:
+            return False
+        return all(p + n <= b.at or b.at + self._size[id(b)] <= p for b in self._live)
+
+    def _place(self, n: int) -> int | None:
+        head = self._live[-1].at + self._size[id(self._live[-1])] if self._live else self._head
+        cands = {head % self.total, *(k * self.slot_bytes for k in range(self.n_slots)),
+                 *((b.at + self._size[id(b)]) % self.total for b in self._live)}
+        for p in sorted(cands, key=lambda c: (c - head) % self.total):
+            if self._fits(p, n):
+                return p
+        return None
+
+    def try_alloc(self, size: int) -> DevBuf | None:
+        """A buffer of ``size`` bytes, or None if no place fits now. Raises ValueError if ``size > slot_bytes``."""
+        if size > self.slot_bytes:
+            raise ValueError(f"a device buffer of {size} bytes is larger than the pool's slots ({self.slot_bytes})")
+        n = self._round(max(size, 1))
+        with self._cv:
+            p = self._place(n)
+            if p is None:
+                self._failed = self._frees
+                return None
+            waits: dict[int, object] = {}  # id -> event: each waited on once
+            keep = []
+            for s, e, ev in self._used:
+                if ev.query():
+                    continue  # done: nothing to wait for
+                if e <= p or p + n <= s:
+                    keep.append((s, e, ev))  # outside the new buffer
+                    continue
+                waits[id(ev)] = ev
+                if s < p or p + n < e:
+                    keep.append((s, e, ev))  # partly outside: the next user of the rest waits too
+            self._used = keep
+            buf = DevBuf(self.base[p : p + size], at=p, waits=list(waits.values()))
+            self._live.append(buf)
+            self._size[id(buf)] = n
+            self._head = p + n
+            return buf
+
+    def alloc(self, size: int, abort: Callable[[], BaseException | None]) -> DevBuf:
+        """A buffer of ``size`` bytes, waiting for frees; between waits (50 ms), raises what ``abort`` returns."""
+        while True:
+            buf = self.try_alloc(size)
+            if buf is not None:
+                return buf
+            with self._cv:
+                if self._failed == self._frees:
+                    self._cv.wait(0.05)
+            if self._failed == self._frees and (err := abort()) is not None:
+                raise err
+
+    def blocked(self) -> bool:
+        """Whether the last allocation failed and nothing was freed since (the deadlock check)."""
+        return self._failed == self._frees
+
+    def free(self, buf: DevBuf, after: object | None) -> None:
+        """Give ``buf`` back; its bytes may be reused once ``after`` (an event; None: now) has fired. Idempotent."""
+        with self._cv:
+            if id(buf) not in self._size:
+                return
+            n = self._size.pop(id(buf))
+            self._live = [b for b in self._live if b is not buf]
+            # waits never issued (no copy was put into it): the next user of these bytes inherits them; an event
+            # already listed for these bytes is not listed twice (else a buffer taken and given back unused over and
+            # over would double its entries each time)
+            have = {id(ev) for s, e, ev in self._used if s == buf.at and e == buf.at + n}
+            for ev in ([after] if after is not None else []) + buf.waits:
+                if id(ev) not in have:
+                    have.add(id(ev))
+                    self._used.append((buf.at, buf.at + n, ev))
+            buf.waits = []
+            self._frees += 1
+            self._cv.notify_all()
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.device == self.base.device and t.untyped_storage().data_ptr() == self.base.untyped_storage().data_ptr()
 
 
 @dataclass(eq=False)
@@ -154,22 +286,15 @@ class CudaStage:
         self.decode_stream = torch.cuda.Stream(device)
         self.gather_stream = torch.cuda.Stream(device) if dist is not None else None
         self.n_bufs = n_bufs
-        self._pool: queue.Queue[DevBuf] = queue.Queue()
-        self._ptrs: set[int] = set()
-        for _ in range(n_bufs):
-            b = DevBuf(torch.empty(buf_bytes, dtype=torch.uint8, device=device))
-            self._ptrs.add(b.t.data_ptr())
-            self._pool.put(b)
+        slot = DeviceArena._round(buf_bytes)
+        self.arena = DeviceArena(torch.empty(n_bufs * slot, dtype=torch.uint8, device=device), n_bufs, slot)
         self._inflight: deque[tuple[torch.cuda.Event, torch.cuda.Event, Slot | None, int]] = deque()
         self._lock = threading.Lock()  # _inflight: the loader retires, close() drains
 
-    def _get_buf(self, abort: Callable[[], BaseException | None]) -> DevBuf:
-        while True:
-            try:
-                return self._pool.get(timeout=0.05)
-            except queue.Empty:
-                if (err := abort()) is not None:
-                    raise err from None
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the device pool (:class:`DeviceArena`): ``prefetch + 1`` slots of the largest streamed unit."""
+        return self.arena.total
 
     def stage(self, unit: Unit, slot: Slot, *, resident: bool, abort: Callable[[], BaseException | None],
               io: IoPlan | None = None, keep: bool = False) -> Loaded:
@@ -182,16 +307,18 @@ class CudaStage:
         Raises (before taking ``slot``; the caller frees it): whatever ``abort`` returns.
         """
         gather = io if io is not None and io.gathered else None
-        size = gather.full if gather is not None else unit.dev_bytes
+        size = gather.full if gather is not None else unit.dev_bytes if resident else unit.buf_bytes
         at, n = (gather.at, gather.chunk) if gather is not None else (0, unit.nbytes)
         buf = self.buffer(size, resident=resident, abort=abort)
         ready = self.put(buf, slot, at, n, keep=keep, unit=unit if unit.coded_at is not None else None)
         return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
 
     def buffer(self, size: int, *, resident: bool, abort: Callable[[], BaseException | None]) -> DevBuf:
-        """A device buffer for one unit: a new one of ``size`` bytes (resident), else one of the pool (waits for
-        one, polling ``abort``). Loader thread."""
-        return DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device)) if resident else self._get_buf(abort)
+        """A device buffer for one unit: a new one of ``size`` bytes (resident), else ``size`` bytes of the pool
+        (:meth:`DeviceArena.alloc`: waits for room, polling ``abort``). Loader thread."""
+        if resident:
+            return DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device))
+        return self.arena.alloc(size, abort)
 
     def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False, unit: Unit | None = None
             ) -> torch.cuda.Event:
@@ -215,8 +342,9 @@ class CudaStage:
         copied = torch.cuda.Event(enable_timing=True) if unit is not None else ready
         decoded = 0
         with torch.cuda.stream(self.copy_stream):
-            if buf.free is not None:
-                self.copy_stream.wait_event(buf.free)
+            for ev in buf.waits:  # earlier users of these pool bytes (DeviceArena): once, before the first write
+                self.copy_stream.wait_event(ev)
+            buf.waits = []
             start.record(self.copy_stream)
             if unit is None:
                 buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
@@ -249,10 +377,8 @@ class CudaStage:
     def give_back(self, buf: DevBuf, after: torch.cuda.Event | None) -> None:
         """A pool buffer that will not be used (a piecewise load failed part-way): reusable once ``after`` (the
         last copy issued into it) has fired."""
-        if buf.t.data_ptr() in self._ptrs:
-            if after is not None:
-                buf.free = after
-            self._pool.put(buf)
+        if buf.at >= 0:
+            self.arena.free(buf, after)
 
     def gather(self, ld: Loaded) -> None:
         """Distributed: all-gather the unit's chunks into its buffer on the gather stream, after its H2D
@@ -307,19 +433,17 @@ class CudaStage:
         stale(ld)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        ld.dev.free = ev
-        self._pool.put(ld.dev)
+        self.arena.free(ld.dev, ev)
 
     def drop(self, ld: Loaded) -> None:
         """The unit was never used: its buffer is reusable once its own H2D copy is done."""
         if ld.given_back or ld.dev is None:
             return
         ld.given_back = True
-        ld.dev.free = ld.ready
-        self._pool.put(ld.dev)
+        self.arena.free(ld.dev, ld.ready)
 
     def owns(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" and t.untyped_storage().data_ptr() in self._ptrs
+        return t.device.type == "cuda" and self.arena.owns(t)
 
     def close(self) -> None:
         """Wait for every copy and decode, free their slots and let go of the device buffer pool."""
@@ -327,9 +451,4 @@ class CudaStage:
         self.decode_stream.synchronize()
         while self.retire(block=True):
             pass
-        while True:
-            try:
-                self._pool.get_nowait()
-            except queue.Empty:
-                break
-        self._ptrs.clear()
+        self.arena = DeviceArena(torch.empty(0, dtype=torch.uint8, device=self.device), 0, self.arena.slot_bytes)

@@ -1,4 +1,5 @@
-"""The streamer: keeps ``prefetch`` units ahead of the one running. It composes four roles:
+"""The streamer: keeps ``prefetch`` units ahead of the one running (on CUDA, more while their device buffers fit
+``prefetch`` slots of the device pool: :meth:`Streamer._ahead`). It composes four roles:
 
 * :class:`~tiered.order.OrderPolicy` — which units come next (learned from what ran);
 * :class:`~tiered.loader.Loader` — one thread; each load job is a ``Future`` with one owner;
@@ -43,7 +44,7 @@ from .order import OrderPolicy
 from .plan import Plan, Unit, same_bytes
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
-from .stage import CpuStage, CudaStage, Loaded
+from .stage import CpuStage, CudaStage, DeviceArena, Loaded
 from .stats import Stats
 
 __all__ = ["Streamer"]
@@ -138,7 +139,10 @@ class Streamer:
             n_bufs = self.prefetch + 1 if self.streamed else 0
             self.stage: CpuStage | CudaStage = CudaStage(ring, device, n_bufs=n_bufs, buf_bytes=streamed_max, stats=stats,
                                                          dist=dist)
-            stats.device_buffer_bytes = n_bufs * streamed_max
+            stats.device_buffer_bytes = self.stage.pool_bytes
+            # prefetch by bytes: the pool's bytes beyond the running unit's slot, and each unit's share of them
+            self._ahead_bytes = self.prefetch * self.stage.arena.slot_bytes
+            self._dev_size = [DeviceArena._round(n) for n in full]
         else:
             self.stage = CpuStage(ring, dist, drop_pages=reader.drop_pages, drop_page_cache=reader.drop_page_cache,
                                   maps=reader.maps if mapped else None)
@@ -184,10 +188,14 @@ class Streamer:
         if not {t for h in held for t, n in h.counts.items() if n > 0} <= waiting:
             return None  # a holder is running and will give back
         if isinstance(self.stage, CudaStage):
+            # the pool cannot place the next buffer, nothing was freed since, and every live buffer is bound by a
+            # waiting holder (none is a prefetch that will be used or dropped)
+            arena = self.stage.arena
             bound = sum(1 for h in held if h.ld.dev is not None)
-            if bound >= self.stage.n_bufs:
+            if arena.blocked() and bound >= arena.live:
                 return RingTooSmallError(
-                    f"{bound} units are bound at once but only {self.stage.n_bufs} device buffers exist; raise prefetch"
+                    f"{bound} units are bound at once and fill the device pool ({self.stage.n_bufs} slots of "
+                    f"{arena.slot_bytes / GiB:.3f} GiB); raise prefetch"
                 )
             return None
         owned = sum(h.ld.slot.size for h in held if h.ld.slot is not None)
@@ -371,8 +379,23 @@ class Streamer:
                     self.stats.add_host_used(held)
                 self.stats.add_streamed(self.read_share[i] - held)  # counted when used, not when read
 
+    def _ahead(self, i: int) -> list[int]:
+        """The units to load ahead of ``i``: ``prefetch`` of them, and on CUDA more while their device buffers fit
+        ``prefetch`` slots of the pool (:class:`~tiered.stage.DeviceArena`): the copy stream keeps working through
+        a long compute step when the largest unit (a head) is much larger than the rest."""
+        if not isinstance(self.stage, CudaStage) or not self.prefetch:
+            return self.order.ahead(i, self.prefetch)
+        out, total = [], 0
+        for j in self.order.ahead(i, len(self.units)):
+            n = 0 if j in self.resident_ids else self._dev_size[j]
+            if len(out) >= self.prefetch and total + n > self._ahead_bytes:
+                break
+            out.append(j)
+            total += n
+        return out
+
     def _prefetch_after(self, i: int) -> None:
-        for j in self.order.ahead(i, self.prefetch):
+        for j in self._ahead(i):
             if j in self.pending or j in self.held or j in self.resident_ids:
                 continue
             self.pending[j] = self.loader.submit(self._io[j])
