@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where one decode token's time goes, on the GPU's streams (issue 25: a warm pass that is not H2D-bound).
 
-    python benchmarks/profile_token.py MODEL_DIR [MODEL_DIR ...] --gpu-gb 1 --host-gb 4 [--tokens 4] [--out-dir DIR]
+    python benchmarks/profile_token.py MODEL_DIR [MODEL_DIR ...] --gpu-gb 1 --host-gb 4 [--tokens 4] [--no-issue] [--out-dir DIR]
 
 Each checkpoint is loaded with ``tiered.load(device="cuda", gpu_gb=, host_gb=)``, generates ``--tokens`` tokens to
 warm the host tier, then one more decode step (``model(ids, past_key_values=...)``) runs under ``torch.profiler``
@@ -76,6 +76,9 @@ def analyse(trace: dict, step: tuple[float, float]) -> dict:
         rows.append({"at_ms": (g0 - t0) / 1e3, "gap_ms": (g1 - g0) / 1e3,
                      "cpu_ops": [(k, round(v / 1e3, 2)) for k, v in top]})
     out["compute_stream"] = comp
+    # when each H2D copy ran (ms from the first GPU event of the step): whether the copies overlap the compute gaps
+    out["h2d_at_ms"] = sorted((round((a - t0) / 1e3, 1), round((b - a) / 1e3, 1)) for sid, s in streams.items()
+                              if sid != comp for a, b in s["iv"])
     out["compute_gaps_over_1ms"] = {"count": len(gaps), "total_ms": sum(b - a for a, b in gaps) / 1e3, "largest": rows}
     return out
 
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="decode steps timed (the profiled one is the last)")
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--no-issue", action="store_true",
+                   help="Streamer.issue_wait_s = 0: the caller does not wait for the loader to issue the host tier's copies")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for md in args.model_dirs:
         name = Path(md).name
         model = tiered.load(md, device="cuda", gpu_gb=args.gpu_gb, host_gb=args.host_gb)
+        if args.no_issue:
+            model._tiered.streamer.issue_wait_s = 0.0
         ids = torch.arange(3, 19, device="cuda").unsqueeze(0)
         with torch.no_grad():
             out = model(ids, use_cache=True)
