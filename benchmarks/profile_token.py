@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Where one decode token's time goes, on the GPU's streams (issue 25: a warm pass that is not H2D-bound).
 
-    python benchmarks/profile_token.py MODEL_DIR [MODEL_DIR ...] --gpu-gb 1 --host-gb 4 [--tokens 4] [--no-issue] [--out-dir DIR]
+    python benchmarks/profile_token.py MODEL_DIR [MODEL_DIR ...] --gpu-gb 1 --host-gb 4 [--tokens 4] [--prefetch 2] \
+        [--out-dir DIR]
 
 Each checkpoint is loaded with ``tiered.load(device="cuda", gpu_gb=, host_gb=)``, generates ``--tokens`` tokens to
 warm the host tier, then one more decode step (``model(ids, past_key_values=...)``) runs under ``torch.profiler``
-(CPU and CUDA activities). Reported per checkpoint: the step's wall time; per CUDA stream the busy time (union of its
-kernel and memcpy intervals), split into kernels, H2D memcpy and other memcpy; the compute stream's idle gaps over
-1 ms (where it waited, and for what: the top CPU-side ops overlapping each gap); and ``tiered.stats`` of the step
-(``h2d_s``, ``stall_s``). A Chrome trace (``<name>.trace.json.gz``) goes to ``--out-dir`` for a closer look.
+(CPU and CUDA activities). Reported per checkpoint: each timed step's wall time (until the compute stream is done,
+as ``generate`` sees it; the profiled step's until the whole device is, so its copies are in the trace); per CUDA
+stream the busy time (union of its kernel and memcpy intervals), split into kernels, H2D memcpy and other memcpy; when
+each H2D copy ran and when the loader issued it (ms from the step's first GPU event: a copy issued late is the CPU's
+doing, one issued early but run late waited on the GPU); the compute stream's idle gaps over 1 ms (where it waited,
+and for what: the top CPU-side ops overlapping each gap); and ``tiered.stats`` of the step (``h2d_s``, ``stall_s``,
+prefetch hits and misses). A Chrome trace (``<name>.trace.json.gz``) goes to ``--out-dir`` for a closer look.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ def analyse(trace: dict, step: tuple[float, float]) -> dict:
         rows.append({"at_ms": (g0 - t0) / 1e3, "gap_ms": (g1 - g0) / 1e3,
                      "cpu_ops": [(k, round(v / 1e3, 2)) for k, v in top]})
     out["compute_stream"] = comp
+    # when each copy was issued on the CPU (ms from the same origin, thread id): issued late, or waiting on the GPU
+    out["memcpy_issued_at_ms"] = sorted((round((float(e["ts"]) - t0) / 1e3, 1), e.get("tid")) for e in ev
+                                        if e.get("cat") == "cuda_runtime" and "Memcpy" in e.get("name", ""))[:40]
     # when each H2D copy ran (ms from the first GPU event of the step): whether the copies overlap the compute gaps
     out["h2d_at_ms"] = sorted((round((a - t0) / 1e3, 1), round((b - a) / 1e3, 1)) for sid, s in streams.items()
                               if sid != comp for a, b in s["iv"])
@@ -91,17 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="decode steps timed (the profiled one is the last)")
     p.add_argument("--out-dir", default=".")
-    p.add_argument("--no-issue", action="store_true",
-                   help="Streamer.issue_wait_s = 0: the caller does not wait for the loader to issue the host tier's copies")
+    p.add_argument("--prefetch", type=int, default=2, help="tiered.load(prefetch=): the device pool is prefetch + 1 "
+                   "slots of the largest streamed unit")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {}
     for md in args.model_dirs:
         name = Path(md).name
-        model = tiered.load(md, device="cuda", gpu_gb=args.gpu_gb, host_gb=args.host_gb)
-        if args.no_issue:
-            model._tiered.streamer.issue_wait_s = 0.0
+        model = tiered.load(md, device="cuda", gpu_gb=args.gpu_gb, host_gb=args.host_gb, prefetch=args.prefetch)
         ids = torch.arange(3, 19, device="cuda").unsqueeze(0)
         with torch.no_grad():
             out = model(ids, use_cache=True)
@@ -109,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             nxt = out.logits[:, -1:].argmax(-1)
             walls = []
             for _ in range(args.tokens + args.steps):
-                torch.cuda.synchronize()
+                # the compute stream only: the copy stream goes on with the next step's prefetch, as in generate()
+                # (a device-wide sync would count those copies in this step: 2026-12-04 notes)
+                torch.cuda.current_stream().synchronize()
                 t = time.perf_counter()
                 out = model(nxt, past_key_values=past, use_cache=True)
                 nxt = out.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 walls.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
             st0 = tiered.stats(model)
-            s0 = (st0.h2d_s, st0.stall_s, st0.h2d_bytes)
+            s0 = (st0.h2d_s, st0.stall_s, st0.h2d_bytes, st0.hits, st0.misses)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 torch.cuda.synchronize()
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         tp.unlink()
         r = {"step_wall_s": walls, "profiled_wall_s": prof_wall,
              "stats_delta": {"h2d_s": st1.h2d_s - s0[0], "stall_s": st1.stall_s - s0[1],
+                             "hits": st1.hits - s0[3], "misses": st1.misses - s0[4],
                              "h2d_gb": (st1.h2d_bytes - s0[2]) / 1e9},
              "trace": analyse(trace, (0.0, 0.0)),
              "top_cuda": prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)}

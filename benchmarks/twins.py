@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gb", type=float, default=2.0)
     p.add_argument("--host-gb", type=float, default=1.0, help="the warm mode's host tier (GiB)")
     p.add_argument("--ring-gb", type=float, default=None, help="default: tiered's automatic ring")
+    p.add_argument("--prefetch", type=int, default=2, help="tiered.load(prefetch=): on CUDA the device pool is "
+                   "prefetch + 1 slots of the largest streamed unit")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of every tiered run")
     p.add_argument("--modes", default="cold,warm")
     p.add_argument("--rounds", type=int, default=2)
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"system": "tiered", "model_dir": str(twins[which]), "prompt_ids": ids,
                         "new_tokens": args.new_tokens, "device": args.device, "cold": mode == "cold",
                         "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": args.threads, "io": args.io,
-                        "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb}}
+                        "prefetch": args.prefetch, "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb}}
                 res = _run(args, work, spec, limit)
                 res.update(round=r, mode=mode, which=which)
                 report["runs"].append(res)

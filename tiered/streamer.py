@@ -32,7 +32,6 @@ import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -355,7 +354,6 @@ class Streamer:
                     self.loader.discard(self.pending.pop(j))
                 fut = self.loader.submit(self._io[i])
             self._prefetch_after(i)
-            issue = self._to_issue(i)
             self._waiting.add(tid)
         t0 = time.perf_counter()
         try:
@@ -380,7 +378,6 @@ class Streamer:
                 if held:
                     self.stats.add_host_used(held)
                 self.stats.add_streamed(self.read_share[i] - held)  # counted when used, not when read
-        self._let_issue(issue)  # no lock held, unit i bound
 
     def _ahead(self, i: int) -> list[int]:
         """The units to load ahead of ``i``: ``prefetch`` of them, and on CUDA more while their device buffers fit
@@ -396,42 +393,6 @@ class Streamer:
             out.append(j)
             total += n
         return out
-
-    #: CUDA: at most this long (s) per acquire, the caller waits for the loader to issue the H2D copies of the
-    #: host-tier units just ahead (:meth:`_let_issue`); 0 turns the wait off (benchmarks/profile_token.py --no-issue).
-    issue_wait_s = 0.02
-
-    def _to_issue(self, i: int) -> list[Future[Loaded]]:
-        """Under the lock: the pending jobs, in queue order, of the host-tier units just ahead of ``i`` (their bytes
-        are in host memory: the job only allocates a device buffer and issues the copy); stops at the first other."""
-        if not isinstance(self.stage, CudaStage) or not self.issue_wait_s:
-            return []
-        out = []
-        for j in self._ahead(i):
-            fut = self.pending.get(j)
-            if fut is None or j not in self.host_slots:
-                break
-            out.append(fut)
-        return out
-
-    def _let_issue(self, futs: list[Future[Loaded]]) -> None:
-        """Wait (caller thread, no lock held) until the loader has issued the copies of ``futs``, up to
-        :attr:`issue_wait_s`, or until the device pool cannot place the next buffer.
-
-        Why: the loader issues copies from Python, so it needs the GIL, and some compute calls hold the GIL for
-        long: stock SDPA's cuDNN attention spends ~42 ms of CPU on the first call of each decode step (torch 2.11,
-        H200; benchmarks/NOTES.md). Copies not issued before such a call start only after it, and the copy stream
-        idles through it. Waiting here releases the GIL to the loader while the GPU still has work."""
-        if not futs:
-            return
-        end = time.perf_counter() + self.issue_wait_s
-        arena = self.stage.arena  # type: ignore[union-attr]
-        for fut in futs:
-            while not fut.done():
-                left = end - time.perf_counter()
-                if left <= 0 or arena.blocked() or not self.loader.alive:
-                    return
-                futures_wait([fut], timeout=min(left, 0.002))
 
     def _prefetch_after(self, i: int) -> None:
         for j in self._ahead(i):
