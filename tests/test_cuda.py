@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,30 @@ def test_injected_faults_on_cuda(ckpts: Checkpoints) -> None:
             with faults.inject(point, fail), pytest.raises(StreamerError, match="injected"):
                 m(_ids())
             assert torch.equal(m(_ids()).logits, want)
+
+
+def test_a_failed_copy_gives_its_device_buffer_back(ckpts: Checkpoints, monkeypatch) -> None:
+    """An H2D copy that raises (``CudaStage.put``) gives its pool buffer back: with prefetch=1 (two slots), two lost
+    buffers would leave no room and the next pass would wait forever."""
+    d = ckpts["llama"]
+    with torch.no_grad():
+        want = _ref(d)(_ids()).logits
+    with tiered.load(d, device=DEV, ring_gb=0.0005, gpu_gb=0, prefetch=1) as m, torch.no_grad():
+        st = m._tiered.streamer
+        real = CudaStage.put
+
+        def boom(self, *args, **kw):
+            raise RuntimeError("injected: the copy failed")
+
+        for _ in range(3):
+            monkeypatch.setattr(CudaStage, "put", boom)
+            with pytest.raises(StreamerError, match="injected"):
+                m(_ids())
+            monkeypatch.setattr(CudaStage, "put", real)
+            futures_wait(list(st.pending.values()), timeout=30)
+            ahead = [f.result() for f in list(st.pending.values()) if f.exception() is None]
+            assert st.stage.arena.live == sum(ld.dev is not None for ld in ahead), "a failed copy kept its buffer"
+        assert torch.equal(m(_ids()).logits, want)
 
 
 def test_threads_on_cuda(ckpts: Checkpoints) -> None:

@@ -156,6 +156,20 @@ def test_device_pool_alloc_waits_for_a_free_and_polls_abort() -> None:
     pool.free(b, None)
 
 
+def test_device_pool_full_of_is_one_snapshot() -> None:
+    """The deadlock check reads "blocked" and "live" together: after a free it is False whatever ``bound`` says (read
+    apart, a free between the two reads made a pool that had just freed a buffer look full of bound ones)."""
+    slot = 8 * DeviceArena.ALIGN
+    pool = DeviceArena(torch.empty(2 * slot, dtype=torch.uint8), 2, slot)
+    a, b = pool.try_alloc(slot), pool.try_alloc(slot - 1)
+    assert pool.live_bytes == 2 * slot
+    assert pool.try_alloc(1) is None
+    assert pool.full_of(2) and not pool.full_of(1)  # one of the two live buffers is not bound: not a deadlock
+    pool.free(a, None)
+    assert not pool.full_of(2) and not pool.full_of(1) and pool.live_bytes == slot
+    pool.free(b, None)
+
+
 def test_alloc_waits_until_a_free() -> None:
     ring = Ring(8 * PAGE)
     a = ring.alloc(6 * PAGE)

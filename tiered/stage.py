@@ -106,7 +106,9 @@ class DeviceArena:
 
     @property
     def live_bytes(self) -> int:
-        return sum(self._size[id(b)] for b in list(self._live))
+        """Bytes of the live buffers (rounded up to ALIGN). Any thread."""
+        with self._cv:
+            return sum(self._size[id(b)] for b in self._live)
 
     def _fits(self, p: int, n: int) -> bool:
         if p + n > self.total or p // self.slot_bytes != (p + n - 1) // self.slot_bytes:
@@ -163,8 +165,15 @@ class DeviceArena:
                 raise err
 
     def blocked(self) -> bool:
-        """Whether the last allocation failed and nothing was freed since (the deadlock check)."""
+        """Whether the last allocation failed and nothing was freed since."""
         return self._failed == self._frees
+
+    def full_of(self, bound: int) -> bool:
+        """The deadlock check: the last allocation failed, nothing was freed since, and at most ``bound`` buffers are
+        live (so all of them are bound by holders that wait). One snapshot under the lock: a free between reading the
+        two would make the pool look full of bound buffers when it no longer is."""
+        with self._cv:
+            return self._failed == self._frees and bound >= len(self._live)
 
     def free(self, buf: DevBuf, after: object | None) -> None:
         """Give ``buf`` back; its bytes may be reused once ``after`` (an event; None: now) has fired. Idempotent."""
@@ -199,6 +208,7 @@ class Loaded:
     dev: DevBuf | None = None  # CUDA: the device buffer the views live in
     ready: torch.cuda.Event | None = None
     given_back: bool = False
+    waited: bool = False  # CUDA: the compute stream was made to wait on ``ready`` (before_compute)
     job_ref: Callable[[], object] = lambda: None  # weakref to the loader's Future that produced it (no cycle)
     io: IoPlan | None = None  # distributed: this rank's chunk, to be all-gathered before first use
     base: torch.Tensor | None = None  # the full layout buffer the views live in (uint8)
@@ -310,7 +320,18 @@ class CudaStage:
         size = gather.full if gather is not None else unit.dev_bytes if resident else unit.buf_bytes
         at, n = (gather.at, gather.chunk) if gather is not None else (0, unit.nbytes)
         buf = self.buffer(size, resident=resident, abort=abort)
-        ready = self.put(buf, slot, at, n, keep=keep, unit=unit if unit.coded_at is not None else None)
+        try:
+            ready = self.put(buf, slot, at, n, keep=keep, unit=unit if unit.coded_at is not None else None)
+        except BaseException:
+            if not resident:  # back to the pool once whatever put issued into it (copy, decode) has run
+                try:
+                    after = torch.cuda.Event()
+                    self.decode_stream.wait_stream(self.copy_stream)
+                    after.record(self.decode_stream)
+                except Exception:  # noqa: BLE001 - the device itself failed: put's error is the one to raise
+                    after = None
+                self.arena.free(buf, after)
+            raise
         return Loaded(unit, views(unit, buf.t), dev=None if resident else buf, ready=ready, io=gather, base=buf.t)
 
     def buffer(self, size: int, *, resident: bool, abort: Callable[[], BaseException | None]) -> DevBuf:
@@ -424,6 +445,7 @@ class CudaStage:
         """Make the caller's current stream wait for ``ld``'s H2D copy (no host sync)."""
         if ld.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ld.ready)
+            ld.waited = True
 
     def release(self, ld: Loaded) -> None:
         """The unit ran: its buffer is reusable once the compute stream is past this point."""
@@ -431,8 +453,11 @@ class CudaStage:
             return
         ld.given_back = True
         stale(ld)
+        stream = torch.cuda.current_stream(self.device)
+        if ld.ready is not None and not ld.waited:  # bound but interrupted before compute: its copy, decode or
+            stream.wait_event(ld.ready)  # gather may still be writing; the next user of the bytes waits for them
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(stream)
         self.arena.free(ld.dev, ev)
 
     def drop(self, ld: Loaded) -> None:

@@ -192,7 +192,7 @@ class Streamer:
             # waiting holder (none is a prefetch that will be used or dropped)
             arena = self.stage.arena
             bound = sum(1 for h in held if h.ld.dev is not None)
-            if arena.blocked() and bound >= arena.live:
+            if arena.full_of(bound):
                 return RingTooSmallError(
                     f"{bound} units are bound at once and fill the device pool ({self.stage.n_bufs} slots of "
                     f"{arena.slot_bytes / GiB:.3f} GiB); raise prefetch"
