@@ -379,7 +379,7 @@ def _print_placement(info: dict, placement: dict | None) -> None:
               f"prefetch={o['prefetch']}, io={io}): {len(pl['resident'])} units resident ({pl['resident_bytes'] / GiB:.3g} GiB), "
               f"{len(pl['host'])} in the host tier ({pl['host_bytes'] / GiB:.3g} GiB), {len(pl['streamed'])} streamed "
               f"({pl['streamed_bytes'] / 1e9:.3g} GB per token"
-              + (f"; {o['prefetch'] + 1} device buffers, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
+              + (f"; device pool {o['prefetch'] + 1} slots, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
         if pl["pieces"]:
