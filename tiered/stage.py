@@ -63,8 +63,9 @@ class DeviceArena:
 
     Why: a pool of ``prefetch + 1`` whole buffers of the largest streamed unit holds ``prefetch + 1`` units whatever
     their size, so with one large unit (Llama-3-8B's 1.05 GB head beside 0.44 GB layers) the copy stream runs only
-    two layers ahead and idles through a long compute stall (benchmarks/NOTES.md, issue 25, fifth session: 42 ms of
-    cuDNN attention set-up per decode step). Carved by bytes, the same memory holds about seven such layers.
+    two layers ahead. Carved by bytes, the same memory holds about seven such layers, and four run ahead. (Measured on
+    the H200: no change beyond the noise in a warm decode step, whose 33-64 ms cuDNN set-up stall neither pool
+    covers; benchmarks/NOTES.md, "Prefetch by bytes on CUDA", 2026-12-04.)
 
     Rules: a buffer is at most ``slot_bytes`` and never straddles two slots, so while fewer than ``n_slots`` buffers are
     live a whole slot is free and any buffer fits — the count pool's guarantee, kept. Allocation is first fit in ring
