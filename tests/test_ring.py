@@ -188,6 +188,42 @@ def test_alloc_waits_until_a_free() -> None:
     ring.close()
 
 
+def test_a_discarded_job_stops_waiting_for_room() -> None:
+    """A load job given up while it waits for ring room (a stale prefetch) fails at once, so the job queued behind it
+    runs as soon as there is room for it, not after the discarded one has taken and given back its slot."""
+    from tiered.loader import Discarded, Loader
+    from tiered.plan import Unit
+    from tiered.stage import CpuStage
+    from tiered.stats import Stats
+
+    ring = Ring(8 * PAGE)
+
+    class Source:  # a unit's bytes: a ring slot of its size, nothing read
+        def load(self, ld, u, resident):
+            return ld.stage.stage(u, ld.ring.alloc(u.nbytes, u.name, abort=ld.abort), resident=resident,
+                                  abort=ld.abort)
+
+    loader = Loader(None, ring, CpuStage(ring), Stats(), device=torch.device("cpu"), abort=lambda: None)
+    try:
+        loader.sources = {0: Source(), 1: Source()}
+        units = [Unit(0, "stale", torch.nn.Identity(), [], nbytes=6 * PAGE),
+                 Unit(1, "needed", torch.nn.Identity(), [], nbytes=2 * PAGE)]
+        full = ring.alloc(7 * PAGE)  # room for neither yet
+        stale = loader.submit(units[0])
+        needed = loader.submit(units[1])
+        time.sleep(0.2)
+        assert not stale.done()
+        loader.discard(stale)
+        assert isinstance(stale.exception(timeout=5), Discarded)
+        ring.free(full)
+        ld = loader.wait(needed)
+        assert ld.unit is units[1] and ring.used == 2 * PAGE  # the stale job never took its 6 pages
+        loader.stage.release(ld)
+    finally:
+        loader.close()
+        ring.close()
+
+
 def test_unit_larger_than_ring_names_it() -> None:
     ring = Ring(4 * PAGE)
     with pytest.raises(RingTooSmallError, match="model.layers.7"):

@@ -44,6 +44,10 @@ __all__ = ["Loader", "PIECES_IN_FLIGHT"]
 
 
 
+class Discarded(StreamerError):
+    """A load job given up by its owner while it waited for room (:meth:`Loader.abort`); nobody waits on it."""
+
+
 class Loader:
     """One loader thread feeding ``stage`` from ``reader`` through ``ring``.
 
@@ -86,6 +90,7 @@ class Loader:
                                            **{i: PIECES for i in self.pieces}}
         self._q: queue.Queue[tuple[Future[Loaded], Unit, bool] | None] = queue.Queue()
         self.live: dict[Future[Loaded], int] = {}  # job -> owning thread id, until forgotten
+        self._current: Future[Loaded] | None = None  # the job the loader thread runs now
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiered-load", daemon=True)
         self._thread.start()
@@ -156,9 +161,16 @@ class Loader:
 
     # ------------------------------------------------------------------ loader thread
     def abort(self) -> BaseException | None:
-        """Polled while a source waits for room: the error to fail the job with (closed; a deadlock), or None."""
+        """Polled while a source waits for room: the error to fail the job with (closed; a deadlock), or None.
+
+        A job discarded while it waits (a stale prefetch: its owner gave it up) fails at once with
+        :class:`Discarded`, so that the job queued behind it — often the miss that discarded it — is not kept
+        waiting for room the discarded job would only give back."""
         if self._closed:
             return StreamerError("the model was closed")
+        cur = self._current
+        if cur is not None and cur not in self.live:
+            return Discarded("a prefetch given up while it waited for room")
         return self._abort_check()
 
     def _run(self) -> None:
@@ -173,6 +185,7 @@ class Loader:
                 fut, unit, resident = item
                 if not fut.set_running_or_notify_cancel():
                     continue
+                self._current = fut
                 try:
                     ld = self._load(unit, resident)
                 except BaseException as e:  # noqa: BLE001 - the job's owner re-raises it
@@ -180,6 +193,7 @@ class Loader:
                 else:
                     ld.job_ref = weakref.ref(fut)
                     fut.set_result(ld)
+                self._current = None
                 item = fut = unit = ld = None  # hold nothing while idle
         finally:
             self._closed = True
