@@ -508,6 +508,22 @@ def test_out_of_order_unit_calls(ckpts: Checkpoints, refs: References) -> None:
             assert torch.equal(_generate(m), refs.generate("llama"))
 
 
+def test_order_policy_predicts_from_what_ran() -> None:
+    """The prediction behind prefetch: plan order, cyclic, until units run in another order; ``after`` is lazy and
+    ``ahead`` its first ``k``; neither returns the unit itself or a unit twice (a learned cycle shorter than the plan)."""
+    from tiered.order import OrderPolicy
+
+    o = OrderPolicy([3, 5, 7, 9])
+    assert o.ahead(3, 2) == [5, 7] and o.ahead(9, 10) == [3, 5, 7] and o.ahead(5, 0) == []
+    for i in (3, 7, 3):  # 5 and 9 skipped: 3 -> 7 -> 3 is learned
+        o.record(i)
+    assert o.ahead(3, 10) == [7] and list(o.after(7)) == [3]
+    assert list(o.after(5)) == [7, 3] and o.ahead(9, 1) == [3]
+    gen = o.after(9)
+    assert next(gen) == 3  # lazy: one step at a time
+    assert o.ahead(11, 3) == []  # not a streamed unit: no prediction
+
+
 @pytest.mark.parametrize("io", ["direct", "pread"])
 @pytest.mark.parametrize("name", ["llama", "gptj", "mixtral", "bert_single", "llama_fp32"])
 def test_direct_io_matches_transformers(name: str, io: str, ckpts: Checkpoints, refs: References) -> None:

@@ -8,6 +8,8 @@ A wrong guess only costs a miss (the unit is loaded on demand); it never changes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = ["OrderPolicy"]
 
 
@@ -31,10 +33,18 @@ class OrderPolicy:
     def ahead(self, i: int, k: int) -> list[int]:
         """Up to ``k`` distinct units predicted to run after ``i``, nearest first (never ``i`` itself)."""
         out: list[int] = []
-        j = i
-        for _ in range(k):
-            j = self.successor.get(j, j)
-            if j == i or j in out:
+        for j in self.after(i):
+            if len(out) >= k:
                 break
             out.append(j)
         return out
+
+    def after(self, i: int) -> Iterator[int]:
+        """The distinct units predicted to run after ``i``, nearest first, lazily (each step O(1): the streamer stops
+        when the device pool's bytes are spent)."""
+        seen = {i}
+        j = self.successor.get(i, i)
+        while j not in seen:
+            yield j
+            seen.add(j)
+            j = self.successor.get(j, j)

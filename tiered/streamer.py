@@ -381,12 +381,12 @@ class Streamer:
 
     def _ahead(self, i: int) -> list[int]:
         """The units to load ahead of ``i``: ``prefetch`` of them, and on CUDA more while their device buffers fit
-        ``prefetch`` slots of the pool (:class:`~tiered.stage.DeviceArena`): the copy stream keeps working through
-        a long compute step when the largest unit (a head) is much larger than the rest."""
+        ``prefetch`` slots of the pool (:class:`~tiered.stage.DeviceArena`), so that more units run ahead when the
+        largest unit (a head) is much larger than the rest. Caller thread, under the streamer's lock."""
         if not isinstance(self.stage, CudaStage) or not self.prefetch:
             return self.order.ahead(i, self.prefetch)
         out, total = [], 0
-        for j in self.order.ahead(i, len(self.units)):
+        for j in self.order.after(i):
             n = 0 if j in self.resident_ids else self._dev_size[j]
             if len(out) >= self.prefetch and total + n > self._ahead_bytes:
                 break
