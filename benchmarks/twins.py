@@ -22,7 +22,11 @@ then quantized first), so a drift of the machine hits both alike. Modes:
 ``--stock`` adds one run of stock transformers on the quantized checkpoint (``FineGrainedFP8Config(dequantize=True)``
 or ``Mxfp4Config(dequantize=True)``, no limit): the quantized runs' tokens must equal it.
 
-Reported per mode and twin (medians over rounds, with min-max): seconds per decode token, load seconds, and the bytes
+``--prefetch`` and ``--threads`` take comma-separated lists (``--prefetch 2,5 --threads auto,4``): every combination is
+a *variant*, run in every round beside the others (the order of variants and twins reversed on odd rounds), and
+reported in its own row (``warm pf5 t4``), so that settings are compared within one invocation.
+
+Reported per mode, variant and twin (medians over rounds, with min-max): seconds per decode token, load seconds, and the bytes
 per token of the streamed units — read from disk, over PCIe (H2D), out of the host tier's experts — and their ratios
 (quantized / twin, speed twin / quantized). Output in ``--out-dir``: ``<date>-<machine>-twins-<arch>.json`` (every
 run, the summary) and ``.md`` (the table). Only the standard library here (children import torch).
@@ -93,6 +97,32 @@ def _run(args: argparse.Namespace, work: Path, spec: dict, limit: int | None) ->
     return res
 
 
+def _variants(prefetch: str, threads: str) -> list[dict[str, Any]]:
+    """Every combination of the comma-separated ``--prefetch`` and ``--threads`` values, each with its label (empty
+    when there is one combination, so that a plain invocation's report is as before). Raises ValueError: a value that
+    is not a positive integer (or ``auto`` for threads)."""
+    def ints(text: str, name: str, auto: bool) -> list[int | None]:
+        out: list[int | None] = []
+        for x in (t.strip() for t in text.split(",") if t.strip()):
+            if auto and x == "auto":
+                out.append(None)
+            elif x.isdigit() and int(x) >= 1:
+                out.append(int(x))
+            else:
+                raise ValueError(f"--{name}: {x!r} is not a positive integer{' or auto' if auto else ''}")
+        if not out:
+            raise ValueError(f"--{name}: no value given")
+        return out
+
+    pfs, ths = ints(prefetch, "prefetch", False), ints(threads, "threads", True)
+    out = []
+    for pf in pfs:
+        for th in ths:
+            label = " ".join(([f"pf{pf}"] if len(pfs) > 1 else []) + ([f"t{th or 'auto'}"] if len(ths) > 1 else []))
+            out.append({"prefetch": pf, "threads": th, "label": label})
+    return out
+
+
 def _spread(xs: list[float]) -> dict[str, float] | None:
     xs = [x for x in xs if isinstance(x, (int, float))]
     if not xs:
@@ -119,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gb", type=float, default=2.0)
     p.add_argument("--host-gb", type=float, default=1.0, help="the warm mode's host tier (GiB)")
     p.add_argument("--ring-gb", type=float, default=None, help="default: tiered's automatic ring")
-    p.add_argument("--prefetch", type=int, default=2, help="tiered.load(prefetch=): on CUDA the device pool is "
-                   "prefetch + 1 slots of the largest streamed unit")
+    p.add_argument("--prefetch", default="2", help="tiered.load(prefetch=), or a comma-separated list (variants): on "
+                   "CUDA the device pool is prefetch + 1 slots of the largest streamed unit")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of every tiered run")
     p.add_argument("--modes", default="cold,warm")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None, help="reader threads (default: tiered's)")
+    p.add_argument("--threads", default="auto", help="reader threads ('auto': tiered's), or a comma-separated list "
+                   "(variants)")
     p.add_argument("--io", default="auto")
     p.add_argument("--stock", action="store_true", help="also run stock transformers on the quantized checkpoint")
     p.add_argument("--accelerate", action="store_true",
@@ -141,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not set(modes) <= {"cold", "warm"}:
         p.error(f"--modes: cold and/or warm, got {args.modes!r}")
+    try:
+        variants = _variants(args.prefetch, args.threads)
+    except ValueError as e:
+        p.error(str(e))
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         save()
     for r in range(args.rounds):
         for mode in modes:
-            order = ["twin", "fp8"] if r % 2 == 0 else ["fp8", "twin"]
+            order = [(v, w) for v in variants for w in ("twin", "fp8")]
+            order = order if r % 2 == 0 else order[::-1]
             if mode == "cold" and args.accelerate:
-                order = order + ["accelerate"] if r % 2 == 0 else ["accelerate"] + order
-            for which in order:
+                order = order + [(None, "accelerate")] if r % 2 == 0 else [(None, "accelerate")] + order
+            for var, which in order:
                 if which == "accelerate":
                     spec = {"system": "accelerate", "model_dir": str(twins["fp8"]), "prompt_ids": ids,
                             "new_tokens": args.new_tokens, "device": args.device, "cold": True, "gpu_gb": args.gpu_gb,
@@ -182,21 +218,22 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 spec = {"system": "tiered", "model_dir": str(twins[which]), "prompt_ids": ids,
                         "new_tokens": args.new_tokens, "device": args.device, "cold": mode == "cold",
-                        "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": args.threads, "io": args.io,
-                        "prefetch": args.prefetch, "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb}}
+                        "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": var["threads"], "io": args.io,
+                        "prefetch": var["prefetch"], "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb}}
                 res = _run(args, work, spec, limit)
-                res.update(round=r, mode=mode, which=which)
+                res.update(round=r, mode=mode, which=which, variant=var["label"])
                 report["runs"].append(res)
-                print(f"round {r} {mode} {which}: {res.get('status')} "
+                print(f"round {r} {mode}{' ' + var['label'] if var['label'] else ''} {which}: {res.get('status')} "
                       + " ".join(f"{k}={res.get(k):.4g}" for k in FIGURES if isinstance(res.get(k), (int, float))),
                       flush=True)
                 save()
     summary: dict[str, Any] = {}
     stock_tokens = (report.get("stock") or {}).get("tokens_out")
-    for mode in modes:
+    for mode, var in [(m, v) for m in modes for v in variants]:
         m: dict[str, Any] = {}
         for which in ("twin", "fp8"):
-            rows = [x for x in report["runs"] if x["mode"] == mode and x["which"] == which and x.get("status") == "ok"]
+            rows = [x for x in report["runs"] if x["mode"] == mode and x["which"] == which and x.get("status") == "ok"
+                    and x.get("variant") == var["label"]]
             m[which] = {k: _spread([x.get(k) for x in rows]) for k in FIGURES}
             if which == "fp8" and stock_tokens is not None:
                 m["fp8_tokens_equal_stock"] = all(x.get("tokens_out") == stock_tokens for x in rows) and bool(rows)
@@ -212,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("streamed_gb_per_token", "h2d_gb_per_token", "host_expert_gb_per_token"):
             m[k.replace("_gb_per_token", "_bytes_ratio")] = ratio(med(q, k), med(t, k))
         acc = [x for x in report["runs"] if x["mode"] == mode and x["which"] == "accelerate" and x.get("status") == "ok"]
-        if acc:
+        if acc and var is variants[0]:  # accelerate runs once a round, not per variant: reported with the first
             m["accelerate"] = {k: _spread([x.get(k) for x in acc]) for k in FIGURES}
             m["speedup_vs_accelerate"] = ratio(med(m["accelerate"], "decode_s_per_token_median"),
                                                med(q, "decode_s_per_token_median"))
@@ -220,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                 m["accelerate_tokens_equal_stock"] = all(x.get("tokens_out") == stock_tokens for x in acc)
         failed = [x for x in report["runs"] if x["mode"] == mode and x["which"] == "accelerate"
                   and x.get("status") != "ok"]
-        if failed:
+        if failed and var is variants[0]:
             m["accelerate_failed"] = [str(x.get("status"))[:300] for x in failed]
-        summary[mode] = m
+        summary[f"{mode} {var['label']}" if var["label"] else mode] = m
     report["summary"] = summary
     save()
     lines = [f"# {args.arch} L{args.layers} scale {args.scale:g}: {args.quant} (rows 'fp8') against its {args.dtype} twin "
