@@ -364,3 +364,47 @@ def test_fp8_checkpoints_run_against_stocks_dequantized_model(tmp_path: Path) ->
     assert set(runs) == {"main/tiered-streamed/original/mmap/warm", "main/transformers-cpu/original/mmap/warm"}
     assert all(x["status"] == "ok" and x["tokens_match"] for x in runs.values()), runs
     assert "fp8 (stock: dequantized at load)" in next(out.glob("*-quick-fp8.md")).read_text()
+
+
+def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``twins.py --prefetch 2,5 --threads auto,4``: every combination runs in every round (reversed on odd rounds)
+    and gets its own summary row, whose speed-up is that variant's twin median over its quantized median."""
+    import twins
+
+    ck = {}
+    for name in ("twin", "q"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"vocab_size": 97}))
+        ck[name] = d
+    monkeypatch.setattr(twins, "_make", lambda args, quant: ck["q" if quant else "twin"])
+    ran: list[tuple] = []
+
+    def fake_s(spec: dict, r: int) -> float:  # a figure that differs per twin, variant and round
+        return (1.0 if spec["model_dir"] == str(ck["twin"]) else 0.5) * spec["prefetch"] + (spec["threads"] or 0) + r / 10
+
+    def fake_run(args, work, spec, limit):
+        r = sum(1 for x in ran if x[:3] == (spec["model_dir"], spec["prefetch"], spec["threads"]))
+        ran.append((spec["model_dir"], spec["prefetch"], spec["threads"]))
+        return {"status": "ok", "decode_s_per_token_median": fake_s(spec, r)}
+
+    monkeypatch.setattr(twins, "_run", fake_run)
+    out = tmp_path / "out"
+    assert twins.main(["--device", "cpu", "--modes", "warm", "--rounds", "2", "--prefetch", "2,5", "--threads",
+                       "auto,4", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)]) == 0
+    combos = [(p, t) for p in (2, 5) for t in (None, 4)]
+    first = [(str(ck[w]), p, t) for p, t in combos for w in ("twin", "q")]
+    assert ran == first + first[::-1]
+    (js,) = out.glob("*-twins-*.json")
+    summary = json.loads(js.read_text())["summary"]
+    assert set(summary) == {f"warm pf{p} t{t or 'auto'}" for p, t in combos}
+    for p, t in combos:
+        row = summary[f"warm pf{p} t{t or 'auto'}"]
+        twin = [fake_s({"model_dir": str(ck["twin"]), "prefetch": p, "threads": t}, r) for r in (0, 1)]
+        quant = [fake_s({"model_dir": str(ck["q"]), "prefetch": p, "threads": t}, r) for r in (0, 1)]
+        assert row["speedup"] == pytest.approx(statistics.median(twin) / statistics.median(quant))
+    (md,) = out.glob("*-twins-*.md")
+    assert "| warm pf5 t4 |" in md.read_text()
+    with pytest.raises(SystemExit):
+        twins.main(["--prefetch", "0", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
