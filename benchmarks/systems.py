@@ -275,6 +275,9 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "ring_why": getattr(st.placement, "ring_why", None),
         "host_gb_used": getattr(st.placement, "host_gb", None),  # host_gb=None resolved (tiered's default)
         "host_why": getattr(st.placement, "host_why", None),
+        "threads_used": getattr(st.placement, "threads", None),  # reader threads (threads=None resolved) and why
+        "threads_why": getattr(st.placement, "threads_why", None),
+        "prefetch_used": model._tiered.opts.prefetch,
         "ring_high_water_gb": s1["ring_high_water"] / GiB,
         "load_gbps": s0["read_bytes"] / r["load_s"] / 1e9 if r["load_s"] and s0["read_bytes"] else None,
         "load_read_gbps": s0["read_gbps"] or None,
