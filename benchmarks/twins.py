@@ -103,7 +103,7 @@ def _variants(prefetch: str, threads: str) -> list[dict[str, Any]]:
     is not a positive integer (or ``auto`` for threads)."""
     def ints(text: str, name: str, auto: bool) -> list[int | None]:
         out: list[int | None] = []
-        for x in (t.strip() for t in text.split(",") if t.strip()):
+        for x in (t.strip() for t in text.split(",")):
             if auto and x == "auto":
                 out.append(None)
             elif x.isdigit() and int(x) >= 1:
