@@ -10,7 +10,10 @@ Every benchmarked system runs in its own child, so its peak RSS is its own:
   ``cgroup.subtree_control`` when it is missing. The child moves itself in before ``exec`` (it writes
   ``0`` to ``cgroup.procs``), so nothing it allocates escapes the limit. Afterwards ``memory.peak``
   (kernel >= 5.19; page cache charged to the group counts in it) and ``memory.events`` are read:
-  ``oom_kill`` > 0 means the kernel's OOM killer fired inside the group -> ``OOM-killed at limit X``.
+  ``oom_kill`` > 0 means the kernel's OOM killer fired inside the group -> ``OOM-killed at limit X``; and, to
+  see what running at the limit costs, :data:`STAT_KEYS` of ``memory.stat`` (major faults, refaulted file pages)
+  and ``memory.pressure``'s totals (``pressure_some_s``, ``pressure_full_s``: seconds some or all of the group's
+  tasks stalled on memory).
   The group is removed (``cgroup.kill`` first if anything is left in it).
 
 Where the memory controller lives on a cgroup v1 hierarchy (a hybrid host, e.g. older Docker hosts and this
@@ -76,6 +79,10 @@ def cgroup1_memory_mount() -> Path | None:
     except OSError:
         return None
     return None
+
+
+#: memory.stat counters :meth:`MemoryCgroup.read` reports (cgroup v2)
+STAT_KEYS = ("pgmajfault", "workingset_refault_file", "workingset_refault_anon", "file", "anon")
 
 
 def _read(path: Path) -> str | None:
@@ -216,6 +223,15 @@ class MemoryCgroup:
             if v.strip().isdigit():
                 events[k] = int(v)
         out["events"] = events
+        # reclaim under the limit (cgroup-v2.rst): major faults and refaults of file pages (code and libraries
+        # evicted and read back: the cost of running at the limit) and the memory PSI totals (microseconds stalled)
+        stat = dict(ln.partition(" ")[::2] for ln in (_read(self.path / "memory.stat") or "").splitlines())
+        out["stat"] = {k: int(stat[k]) for k in STAT_KEYS if stat.get(k, "").strip().isdigit()}
+        for line in (_read(self.path / "memory.pressure") or "").splitlines():
+            kind, _, rest = line.partition(" ")
+            total = dict(f.partition("=")[::2] for f in rest.split()).get("total", "")
+            if total.isdigit():
+                out[f"pressure_{kind}_s"] = int(total) / 1e6
         return out
 
     def remove(self) -> None:

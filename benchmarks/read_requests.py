@@ -148,7 +148,7 @@ def reader_exp3(ckpt, limit: int, raw_mib: float, chunk_mib: float, threads: int
         bufs = [torch.empty(sum(t.coded.chunk_span(t.chunks[-1])), dtype=torch.uint8) for t, _ in picked]
         jobs: list = []
         t0 = time.perf_counter()
-        for (t, _), dest in zip(picked, bufs):
+        for (t, _), dest in zip(picked, bufs, strict=True):
             for run in rd._chunk_runs(t, rd.RAW_READ):
                 a = t.coded.chunk_span(run[0])[0]
                 sizes.append(sum(t.coded.chunk_span(run[-1])) - a)

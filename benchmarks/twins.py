@@ -55,6 +55,9 @@ GiB = 1 << 30
 FIGURES = ("decode_s_per_token_median", "load_s", "streamed_gb_per_token", "h2d_gb_per_token",
            "host_expert_gb_per_token", "decoded_gb_per_token", "peak_rss_gb", "gpu_peak_gb")
 
+#: printed with each run when its cgroup had them (:func:`_run`): what running at the memory limit cost
+CGROUP_FIGURES = ("cgroup_max", "cgroup_pgmajfault", "cgroup_workingset_refault_file", "cgroup_pressure_full_s")
+
 
 def _make(args: argparse.Namespace, quant: bool) -> Path:
     out = Path(args.cache_dir) / (f"{args.arch}-L{args.layers}-s{args.scale:g}-{args.experts}-"
@@ -94,6 +97,11 @@ def _run(args: argparse.Namespace, work: Path, spec: dict, limit: int | None) ->
     res["child_status"] = r.status
     if r.cgroup and r.cgroup.get("memory_peak") is not None:
         res["cgroup_peak_gb"] = r.cgroup["memory_peak"] / GiB
+    if r.cgroup:  # what running at the limit cost: limit hits, major faults, refaults, memory PSI stall seconds
+        res.update({f"cgroup_{k}": v for k, v in (r.cgroup.get("events") or {}).items() if k in ("max", "high")})
+        res.update({f"cgroup_{k}": v for k, v in (r.cgroup.get("stat") or {}).items()
+                    if k in ("pgmajfault", "workingset_refault_file")})
+        res.update({f"cgroup_{k}": r.cgroup[k] for k in ("pressure_some_s", "pressure_full_s") if k in r.cgroup})
     return res
 
 
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 res.update(round=r, mode=mode, which=which, variant=var["label"])
                 report["runs"].append(res)
                 print(f"round {r} {mode}{' ' + var['label'] if var['label'] else ''} {which}: {res.get('status')} "
-                      + " ".join(f"{k}={res.get(k):.4g}" for k in FIGURES if isinstance(res.get(k), (int, float))),
+                      + " ".join(f"{k}={res.get(k):.4g}" for k in (*FIGURES, *CGROUP_FIGURES, "read_gbps")
+                                 if isinstance(res.get(k), (int, float))),
                       flush=True)
                 save()
     summary: dict[str, Any] = {}

@@ -246,6 +246,25 @@ def test_cgroup_v1_group_reads_like_v2(tmp_path: Path) -> None:
     assert got["events"] == {"max": 12, "oom_kill": 1}
 
 
+def test_cgroup_v2_read_reports_reclaim_and_pressure(tmp_path: Path) -> None:
+    """A v2 group (fake tree): read() gives memory.stat's major faults and file refaults and memory.pressure's
+    stall totals in seconds, beside the peak and the events."""
+    cg = cgroup.MemoryCgroup(1 << 30)
+    cg.path, cg.v1 = tmp_path, False
+    (tmp_path / "memory.peak").write_text(str(900 << 20))
+    (tmp_path / "memory.current").write_text(str(800 << 20))
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 37\noom 0\noom_kill 0\n")
+    (tmp_path / "memory.stat").write_text("anon 123\nfile 456\npgmajfault 789\nworkingset_refault_file 1011\n"
+                                          "workingset_refault_anon 0\n")
+    (tmp_path / "memory.pressure").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=2500000\n"
+                                              "full avg10=0.00 avg60=0.00 avg300=0.00 total=1250000\n")
+    got = cg.read()
+    assert got["memory_peak"] == 900 << 20 and got["events"]["max"] == 37
+    assert got["stat"] == {"pgmajfault": 789, "workingset_refault_file": 1011, "workingset_refault_anon": 0,
+                           "file": 456, "anon": 123}
+    assert got["pressure_some_s"] == 2.5 and got["pressure_full_s"] == 1.25
+
+
 def test_cgroup_unavailable_and_timeout(tmp_path: Path) -> None:
     root = tmp_path / "v1"
     root.mkdir()
