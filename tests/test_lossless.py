@@ -202,6 +202,17 @@ def test_a_row_read_embedding_stays_plain_and_is_read_by_rows(ckpts, tmp_path_fa
         assert torch.equal(logits_of(m, make_ids(4, (1, 5))), logits_of(STOCK(ckpts["llama"]), make_ids(4, (1, 5))))
 
 
+def test_a_ring_too_small_for_a_coded_unit_says_it_is_compressed(ckpts, tmp_path_factory) -> None:
+    """CPU zero copy computes plain units on the file mapping; a coded one must be decoded into the ring, and a ring
+    too small for it is refused saying so (not "cast or converted"), with the ring_gb that would run."""
+    from tiered.errors import RingTooSmallError
+
+    d = _compressed(ckpts, tmp_path_factory, "llama")
+    with pytest.raises(RingTooSmallError, match=r"stored losslessly compressed: the reader threads decode it into "
+                                                r"the ring\); pass ring_gb >= "):
+        tiered.load(d, device="cpu", ring_gb=1e-6, io="mmap")
+
+
 @pytest.mark.parametrize(("name", "kw"), [("llama", {}), ("llama_fp32", {"dtype": torch.bfloat16}),
                                           ("mixtral", {"routed_experts": False})], ids=["bf16", "cast", "mixtral"])
 def test_coded_units_cut_into_pieces_read_every_byte(ckpts, tmp_path_factory, name: str, kw: dict) -> None:
@@ -283,6 +294,8 @@ def test_reader_threads_default_grows_for_a_coded_checkpoint(ckpts, tmp_path_fac
     assert policy.reader_threads(None, True, False, 16)[0] == 14
     assert policy.reader_threads(None, True, True, 16)[0] == 8
     assert policy.reader_threads(None, True, True, 2)[0] == 4 and policy.reader_threads(None, True, False, 64)[0] == 16
+    assert "4, the floor, on 2 cores" in policy.reader_threads(None, True, True, 2)[1]  # never "4 of 2 cores"
+    assert "8 of 16 cores" in policy.reader_threads(None, True, True, 16)[1]
     assert policy.reader_threads(3, True, False, 16) == (3, "given (threads)")
     seen = []
     real = policy.reader_threads

@@ -440,8 +440,10 @@ def _ring_units(plan: Plan, opts: Options, p: Placement, need: list[int], eligib
             why = (" (it runs on views of the file mapping, whose pages are resident while it runs: the ring bounds "
                    "them too)")
         elif cpu and opts.zero_copy and p.io == "mmap" and one:
-            why = (" and cannot run on views of the file mapping (it is cast or converted from the checkpoint's "
-                   "tensors)")
+            coded = any(getattr(c.src, "coded", None) is not None for t in big.targets for c in t.copies)
+            why = (" and cannot run on views of the file mapping (" + (
+                "it is stored losslessly compressed: the reader threads decode it into the ring" if coded else
+                "it is cast or converted from the checkpoint's tensors") + ")")
         _refuse(p, strict, RingTooSmallError(
             f"unit {big.name!r} needs {gib_up(most)} GiB but {_ring_said(opts, p)}{why}; pass ring_gb >= "
             f"{gib_up(most)} (>= {gib_up(2 * most)} lets the next unit load while one runs)"))

@@ -362,7 +362,8 @@ def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None,
         n = READER_THREADS + max(0, room // 8) // DECODE_THREAD_BYTES
         capped = f"; capped by memory: {DECODE_THREAD_BYTES >> 20} MiB a thread beyond {READER_THREADS}, at most 1/8 " \
                  f"of the {room >> 20} MiB left"
-    return n, (f"automatic: {n} of {cores} cores, the checkpoint is losslessly coded (the readers decode it"
+    share = f"{n} of {cores} cores" if n <= cores else f"{n}, the floor, on {cores} cores"
+    return n, (f"automatic: {share}, the checkpoint is losslessly coded (the readers decode it"
                f"{'; half the cores compute' if cpu else ''}{capped})")
 
 
