@@ -403,6 +403,8 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     assert total == pytest.approx(len(new) * units_gb + rows_gb, rel=1e-2), err
     assert per_token == pytest.approx(total / len(new), rel=1e-2), err
     assert 0 < rows_gb < facts["src_bytes"] - facts["ring_src_bytes"], err  # rows, not the table
+    # CPU zero copy: every streamed unit computes on the mapping; the row-read embedding is not counted among them
+    assert "; all of them compute on the file mapping (zero copy)" in err, err
     model_gib = summary_figure(err, r"model ([0-9.]+) GiB")
     assert model_gib == pytest.approx(facts["model_bytes"] / 2**30, rel=1e-2), err
     assert not ZERO_GB.search(err) and "resident" not in err.splitlines()[1], err

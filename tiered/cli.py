@@ -199,8 +199,9 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
         if after["row_units"]:
             rows = after["embedding_bytes"] - before["embedding_bytes"]
             part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"
-        if after["mapped_units"]:
-            part += f"; {after['mapped_units']} of them compute on the file mapping (zero copy)"
+        on_map = len(set(ring_units) & set(model._tiered.placement.mapped))  # (a row-read embedding is mapped too)
+        if on_map:
+            part += f"; {'all' if on_map == len(ring_units) else on_map} of them compute on the file mapping (zero copy)"
         if after["page_cache_units"]:
             part += (f", {after['page_cache_units']} of those ({gb(after['page_cache_bytes'])}) kept in the page cache "
                      f"between tokens (io=auto: the room the memory limit leaves; the rest read O_DIRECT)")
