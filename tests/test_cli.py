@@ -649,6 +649,8 @@ def test_inspect_says_the_default_ring_here(dirs: dict[str, Path]) -> None:
     assert r.returncode == 0 and f"default ring here (ring_gb not given): {ring / 2**30:.3g} GiB" in r.stdout, r.stdout
     r = cli("inspect", d, "--units")
     assert r.returncode == 0 and f"default ring here (ring_gb not given): {ring / 2**30:.3g} GiB" in r.stdout, r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("default ring here"))
+    assert "((" not in line and "))" not in line, line  # one level of parentheses: readable
     assert dr["host_why"].startswith("none: the whole model stays loaded") and dr["io"] == "mmap"
     assert "default host tier here: 0 GiB (none: the whole model stays loaded); io=auto reads with mmap" in r.stdout
     with tiered.load(d, device="cpu") as m:

@@ -79,7 +79,7 @@ def auto_ring_bytes(host_available: int | None, host_where: str, cuda: bool, hos
         return want, f"the default {DEFAULT_RING_GB:g} GiB (host memory unknown here)"
     left = host_available - headroom(cuda) - host_bytes
     if left >= want:
-        return want, f"the default {DEFAULT_RING_GB:g} GiB ({host_available / GiB:.2f} GiB available: {host_where})"
+        return want, f"the default {DEFAULT_RING_GB:g} GiB; {host_available / GiB:.2f} GiB available: {host_where}"
     left = max(0, left) // PAGE_SIZE * PAGE_SIZE
     kept = f"{headroom(cuda) >> 20} MiB for the runtime" + (
         f" and {host_bytes / GiB:.3g} GiB for the host tier and routed experts" if host_bytes else "")
