@@ -61,7 +61,7 @@ def _requests(files: list[Path], size: int, limit: int) -> list[tuple[Path, int,
         n = f.stat().st_size // PAGE * PAGE
         for off in range(0, n, size):
             k = min(size, n - off)
-            if total + k > limit:
+            if total + k > limit and out:  # (at least one request)
                 return out
             out.append((f, off, k))
             total += k
@@ -105,7 +105,7 @@ def reader_plain(ckpt, limit: int, chunk_mib: float, threads: int) -> float:
     tensors = sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.offset))
     picked, total = [], 0
     for t in tensors:
-        if total + t.nbytes > limit:
+        if total + t.nbytes > limit and picked:  # (at least one tensor)
             break
         picked.append(t)
         total += t.nbytes
@@ -137,7 +137,7 @@ def reader_exp3(ckpt, limit: int, raw_mib: float, chunk_mib: float, threads: int
     picked, total = [], 0
     for t in infos:
         n = sum(t.coded.chunk_span(c)[1] for c in t.chunks)
-        if total + n > limit:
+        if total + n > limit and picked:
             break
         picked.append((t, n))
         total += n

@@ -427,3 +427,50 @@ def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: P
     assert "| warm pf5 t4 |" in md.read_text()
     with pytest.raises(SystemExit):
         twins.main(["--prefetch", "0", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
+
+
+def _exp3_pair(tmp: Path) -> tuple[Path, Path]:
+    """A small bf16 checkpoint and its ``reshard --compress --codec exp3`` (tensors small enough to code in chunks)."""
+    import tiered
+    from tiered import lossless
+
+    plain, coded = tmp / "plain", tmp / "exp3"
+    subprocess.run([sys.executable, str(BENCH / "make_checkpoint.py"), "--arch", "llama-tall", "--layers", "2",
+                    "--scale", "0.25", "--quiet", str(plain)], check=True, timeout=300, cwd=REPO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 64 << 10)
+        tiered.reshard(plain, coded, compress="exp3", quiet=True)
+    try:  # O_DIRECT: both scripts read that way
+        os.close(os.open(next(plain.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    return plain, coded
+
+
+def test_read_requests_and_read_trace_run_and_report(tmp_path: Path) -> None:
+    """The two cold-read diagnostics (issue 25, eighth session) on a small exp3 pair: read_requests.py reports every
+    variant (disk request sizes, the reader's plain and exp3 paths, whose exp3 runs grow with RAW_READ) with a rate;
+    read_trace.py times the reads of CPU decode steps (requests seen, the disk busy part of the window)."""
+    plain, coded = _exp3_pair(tmp_path)
+    out = tmp_path / "rr.json"
+    r = subprocess.run([sys.executable, str(BENCH / "read_requests.py"), str(plain), str(coded), "--sizes-mib", "1,4",
+                        "--threads", "2", "--raw-mib", "0.25,1", "--chunk-mib", "1", "--max-gb", "0.004", "--rounds",
+                        "2", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    want = {"disk 1MiB x2", "disk 4MiB x2", "reader plain chunk 1MiB", "reader exp3 raw 0.25MiB chunk 1MiB",
+            "reader exp3 raw 1MiB chunk 1MiB"}
+    assert set(res["summary"]) == want and all(v["min"] > 0 for v in res["summary"].values()), res["summary"]
+    assert len(res["rows"]) == 2 * len(want)
+    runs = {x["variant"]: x["mean_request_mib"] for x in res["rows"] if x["variant"].startswith("reader exp3")}
+    assert 0 < runs["reader exp3 raw 0.25MiB chunk 1MiB"] < runs["reader exp3 raw 1MiB chunk 1MiB"] <= 1, runs
+    out = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, str(BENCH / "read_trace.py"), str(plain), str(coded), "--device", "cpu",
+                        "--ring-gb", "0.006", "--threads", "2", "--tokens", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())["results"]
+    assert set(got) == {str(plain), str(coded)}
+    for s in got.values():
+        assert s["reads"] > 0 and 0 < s["disk_busy"] <= 1 and s["s_per_token"] > 0 and s["read_gbps"] > 0, s
