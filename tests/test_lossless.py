@@ -688,6 +688,37 @@ def test_exp3_checkpoint_round_trips_and_loads_on_the_cpu(tmp_path: Path) -> Non
             assert torch.equal(logits_of(m, ids), want)
 
 
+def test_cuda_placement_names_the_exp3_units_the_readers_decode(tmp_path: Path, monkeypatch) -> None:
+    """A CUDA placement of an exp3 checkpoint (``tiered inspect --device cuda``, here without a GPU) names the units
+    whose coded tensors the reader threads decode instead of the GPU, and why: every coded unit where there is no
+    Triton; with Triton, each unit whose stored layout is larger than the ring (with the ring_gb that keeps it on the
+    GPU) and no other. What a cold 2 GiB cgroup does to Llama-3-8B's lm_head (benchmarks/NOTES.md, issue 25, eighth
+    session)."""
+    from tiered import placement
+    from tiered.hostmem import page_up
+    from tiered.inspection import inspect_dir
+    from tiered.ring import gib_up
+
+    _, d = _exp3_checkpoint(tmp_path)
+    monkeypatch.setattr(placement, "_triton_here", lambda: False)
+    pl = inspect_dir(d, device="cuda", placement={"ring_gb": 1.0, "gpu_gb": 1e-4})["placement"]
+    coded = set(pl["reader_decoded"])
+    assert {"lm_head", "model.layers.0"} <= coded and "model.embed_tokens" not in coded  # (read by rows: plain)
+    assert set(pl["reader_decoded"].values()) == {"no Triton here: no GPU decoder"}
+    monkeypatch.setattr(placement, "_triton_here", lambda: True)
+    stored = {u["name"]: u["bytes"] for u in inspect_dir(d, device="cuda")["units"] if u["name"] in coded}
+    assert len(set(map(page_up, stored.values()))) > 1, stored
+    ring = (min(map(page_up, stored.values())) + max(map(page_up, stored.values()))) // 2
+    ring_gb = ring / 2**30
+    pl = inspect_dir(d, device="cuda", placement={"ring_gb": ring_gb, "gpu_gb": 1e-4})["placement"]
+    want = {n for n, b in stored.items() if page_up(b) > int(ring_gb * 2**30)}
+    assert want and want != coded and set(pl["reader_decoded"]) == want, (pl["reader_decoded"], stored, ring)
+    for n in want:
+        assert pl["reader_decoded"][n].endswith(f"ring_gb >= {gib_up(stored[n])} keeps it on the GPU")
+    pl = inspect_dir(d, device="cuda", placement={"ring_gb": 1.0, "gpu_gb": 1e-4})["placement"]
+    assert pl["reader_decoded"] == {}
+
+
 def test_exp3_checkpoint_needs_no_zstandard_and_refuses_other_dtypes(tmp_path: Path, monkeypatch) -> None:
     """An exp3-only checkpoint loads (stock's logits bit for bit) and decompresses without the zstandard package,
     which only zstd-coded tensors need; exp3 with a target dtype other than bf16 (nothing it could code) is refused

@@ -388,6 +388,12 @@ def _print_placement(info: dict, placement: dict | None) -> None:
                   f"({sum(pl['pieces'].values())} in all, a third of the ring each at most) into one device buffer"
                   + (f"; the host tier holds the first {sum(held.values())} pieces of {len(held)} of them "
                      f"({pl['host_piece_bytes'] / GiB:.3g} GiB pinned, not read per token)" if held else ""))
+        by_why: dict[str, list[str]] = {}
+        for name, why in (pl.get("reader_decoded") or {}).items():
+            by_why.setdefault(why, []).append(name)
+        for why, names in by_why.items():
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            print(f"  exp3-coded, decoded on the reader threads (numpy, on the CPU) instead of the GPU: {shown}: {why}")
         if pl["device"] == "cpu" and pl["streamed"]:
             n, k = len(pl["mapped"]), len(pl["streamed"])
             why = "" if pl["io"] == "mmap" or pl["page_cache"] else " (zero copy needs io=mmap)"

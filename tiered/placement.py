@@ -107,6 +107,11 @@ class Placement:
     threads: int = 4  # reader threads (policy.reader_threads: given, or chosen)
     threads_why: str = ""  # where threads came from
     compute_threads: int | None = None  # torch's CPU threads to set (None: left as they are; policy.compute_threads)
+    # CUDA, an exp3 checkpoint: units whose coded tensors the reader threads decode (numpy, on the CPU) instead of
+    # the GPU after the copy, by name, and why (larger than the ring; distributed; no Triton). A cold 2 GiB cgroup's
+    # 0.44 GiB ring does this to Llama-3-8B's lm_head, and the disk idles while the readers decode it
+    # (benchmarks/NOTES.md, issue 25, eighth session)
+    reader_decoded: dict[str, str] = field(default_factory=dict)
 
     def resident_bytes_of(self, plan: Plan) -> int:
         return sum(plan.units[i].dev_bytes for i in self.resident)
@@ -149,16 +154,20 @@ def _triton_here() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _unstore_exp3(plan: Plan, which: Any) -> None:
+def _unstore_exp3(plan: Plan, which: Any) -> dict[str, int]:
     """Lay out plain again (:func:`tiered.plan.lay_out`) every unit stored only for its exp3 tensors
     (:func:`tiered.plan.device_coded`) for which ``which(unit)`` holds: the reader threads then decode it into the slot,
     and it can be cut into pieces or rank chunks. Used where the GPU decoder cannot take it: a unit larger than the
-    ring (a stored unit is never cut), a distributed load (ranks read chunks of a unit's plain layout), no Triton."""
+    ring (a stored unit is never cut), a distributed load (ranks read chunks of a unit's plain layout), no Triton.
+    Returns each such unit's name and its stored layout's bytes before."""
+    done: dict[str, int] = {}
     if not plan.stored:
-        return
+        return done
     for u in plan.units:
         if u.coded_at is not None and all(c.decode is None for t in u.targets for c in t.copies) and which(u):
+            done[u.name] = u.nbytes
             lay_out(u, plan.align, stored=False)
+    return done
 
 
 def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
@@ -181,8 +190,11 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     job = _dist.SINGLE if job is None else job
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
+    reader_decoded: dict[str, str] = {}  # exp3 units the reader threads decode on this CUDA load, and why
     if dist is not None or not _triton_here():  # ranks cut units into chunks; no Triton, no GPU decoder
-        _unstore_exp3(plan, lambda u: True)
+        why = ("a distributed load: ranks read chunks of its plain layout" if dist is not None else
+               "no Triton here: no GPU decoder")
+        reader_decoded.update(dict.fromkeys(_unstore_exp3(plan, lambda u: True), why))
     io = choose_io(opts.io, ckpt_bytes, machine)
     coded = _coded(plan)  # before route_out takes routed experts' targets out of their units
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
@@ -206,11 +218,15 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         if split:
             host_why = "none: the whole model stays loaded" if machine.host_available is not None else (
                 "none: host memory unknown here")
-    _unstore_exp3(plan, lambda u: page_up(u.nbytes) > int(opts.ring_gb * GiB))  # too large for the ring whole
+    big = _unstore_exp3(plan, lambda u: page_up(u.nbytes) > int(opts.ring_gb * GiB))  # too large for the ring whole
+    reader_decoded.update({name: f"its coded bytes ({gib_up(n)} GiB) are more than the {opts.ring_gb:.3g} GiB ring, "
+                                 f"which holds a GPU-decoded unit whole; ring_gb >= {gib_up(n)} keeps it on the GPU"
+                           for name, n in big.items()})
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
     p.threads, p.threads_why = threads, threads_why
+    p.reader_decoded = reader_decoded
     p.routed = experts
 
     def slot_need(rank: int | None) -> list[int]:  # ring bytes of each unit's slot on a rank
