@@ -863,3 +863,35 @@ def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Pat
     left = {u.name for u in plan.units if u.coded_at is not None}
     assert left == ({"lm_head"} if case == "ring" else set())
     assert all(u.nbytes > stored[u.name] for u in plan.units if u.name in stored and u.name not in left)
+
+
+def test_routed_experts_without_triton_leave_no_unit_for_the_gpu_decoder(tmp_path: Path, monkeypatch) -> None:
+    """An exp3 MoE placed for CUDA where Triton is absent: routing the experts out lays their layers out again, and
+    those layers too stay plain (decoded on the reader threads), named in ``reader_decoded``; no unit is left stored
+    for a GPU decoder the machine lacks."""
+    import models
+
+    from tiered import placement
+    from tiered.inspection import _plan_for
+
+    src = models.qwen3_moe(tmp_path / "m", dtype=torch.bfloat16)
+    d = tmp_path / "x"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 4096)
+        tiered.reshard(src, d, compress="exp3", quiet=True)
+    monkeypatch.setattr(placement, "_triton_here", lambda: False)
+    _, ckpt, plan = _plan_for(d, None, "cuda", False)
+    layers = {u.name for u in plan.units if u.coded_at is not None and u.name.startswith("model.layers.")}
+    assert layers, "the plan stores the coded layers for the GPU decoder"
+    pl = placement.place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, strict=False,
+                              ring_gb=2 * max(u.nbytes for u in plan.units) / 2**30, gpu_gb=1e-4)
+    assert pl.routed, "the experts are routed (the model does not fit the GPU budget)"
+    assert [u.name for u in plan.units if u.coded_at is not None] == []
+    assert layers <= set(pl.reader_decoded) and set(pl.reader_decoded.values()) == {"no Triton here: no GPU decoder"}
+    monkeypatch.setattr(placement, "_triton_here", lambda: True)  # with the decoder: the routed experts' reads
+    _, ckpt, plan = _plan_for(d, None, "cuda", False)
+    pl = placement.place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, strict=False,
+                              ring_gb=2 * max(u.nbytes for u in plan.units) / 2**30, gpu_gb=1e-4)
+    routed = {plan.units[i].name for i in pl.routed}
+    assert routed and {n for n, why in pl.reader_decoded.items() if "routed experts" in why} == routed

@@ -170,6 +170,28 @@ def _unstore_exp3(plan: Plan, which: Any) -> dict[str, int]:
     return done
 
 
+def _exp3_on_readers(plan: Plan, experts: dict[int, list[ExpertSpec]], known: dict[str, str]) -> dict[str, str]:
+    """CUDA: the units not in ``known`` whose exp3 tensors the reader threads still decode, and why: a copy the GPU
+    decoder cannot take whole as stored (:func:`tiered.plan.device_coded`: a cast, a slice, a fused or converted
+    tensor), or routed experts (the expert cache reads and decodes each expert's chunks on the reader threads)."""
+    from .lossless import EXP3, LosslessInfo
+
+    def exp3(info: Any) -> bool:
+        return isinstance(info, LosslessInfo) and info.coded is not None and info.coded.codec == EXP3
+
+    out: dict[str, str] = {}
+    for u in plan.units:
+        if u.name in known:
+            continue
+        if any(exp3(c.src) and c.at is None for t in u.targets for c in t.copies) or any(
+                exp3(s) for conv in u.converts for ss in conv.sources.values() for s in ss):
+            out[u.name] = ("a cast, a slice, or a fused or converted tensor: the GPU decoder takes whole exp3 tensors "
+                           "copied as stored")
+        elif any(exp3(info) for sp in experts.get(u.index, []) for part in sp.parts for info, _ in part.per[0]):
+            out[u.name] = "its routed experts: the expert cache reads and decodes each expert's chunks on the readers"
+    return out
+
+
 def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, config: Any = None,
           job: Any = None, strict: bool = True) -> Placement:
     """The placement of ``plan`` with ``opts`` on ``machine``: a pure function (no allocation, no I/O, no
@@ -191,10 +213,11 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     cpu = _is_cpu(opts.device)
     dist = job.shared  # the Dist whose ranks share each unit; None: one process
     reader_decoded: dict[str, str] = {}  # exp3 units the reader threads decode on this CUDA load, and why
-    if dist is not None or not _triton_here():  # ranks cut units into chunks; no Triton, no GPU decoder
-        why = ("a distributed load: ranks read chunks of its plain layout" if dist is not None else
-               "no Triton here: no GPU decoder")
-        reader_decoded.update(dict.fromkeys(_unstore_exp3(plan, lambda u: True), why))
+    # ranks cut units into chunks; no Triton, no GPU decoder
+    no_gpu = ("a distributed load: ranks read chunks of its plain layout" if dist is not None else
+              None if _triton_here() else "no Triton here: no GPU decoder")
+    if no_gpu:
+        reader_decoded.update(dict.fromkeys(_unstore_exp3(plan, lambda u: True), no_gpu))
     io = choose_io(opts.io, ckpt_bytes, machine)
     coded = _coded(plan)  # before route_out takes routed experts' targets out of their units
     experts = {u.index: ss for u in plan.units if opts.routed_experts and (ss := find_experts(u))}
@@ -209,6 +232,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         experts = {}
     for i, ss in experts.items():
         route_out(plan.units[i], ss, plan.align, stored=plan.stored)
+    if no_gpu and experts:  # route_out laid those units out again, stored where it could
+        reader_decoded.update(dict.fromkeys(_unstore_exp3(plan, lambda u: u.index in experts), no_gpu))
     host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
     if split and machine.host_available is not None and (experts or not policy.fits_whole(plan, opts.ring_bytes, cpu,
                                                                                           local)):
@@ -222,6 +247,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     reader_decoded.update({name: f"its coded bytes ({gib_up(n)} GiB) are more than the {opts.ring_gb:.3g} GiB ring, "
                                  f"which holds a GPU-decoded unit whole; ring_gb >= {gib_up(n)} keeps it on the GPU"
                            for name, n in big.items()})
+    if not cpu:
+        reader_decoded.update(_exp3_on_readers(plan, experts, reader_decoded))
     p = Placement(opts.device, io=io, io_probe=opts.io == "auto" and io == "direct" and dist is None,
                   ring_gb=opts.ring_gb, ring_why=ring_why, host_gb=opts.host_gb, host_why=host_why)
     p.buffers_counted = policy.buffers_counted(opts.gpu_gb, opts.prefetch)
