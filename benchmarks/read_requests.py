@@ -47,6 +47,13 @@ PAGE = 4096
 MIB = 1 << 20
 
 
+def _counts(s: str) -> list[int]:
+    v = [x.strip() for x in s.split(",") if x.strip()]
+    if not v or not all(x.isdigit() and int(x) > 0 for x in v):
+        raise SystemExit(f"need a comma list of positive whole numbers, got {s!r}")
+    return [int(x) for x in v]
+
+
 def _floats(s: str) -> list[float]:
     v = [float(x) for x in s.split(",") if x.strip()]
     if not v or min(v) <= 0:
@@ -161,7 +168,7 @@ def reader_exp3(ckpt, limit: int, raw_mib: float, chunk_mib: float, threads: int
         dt = time.perf_counter() - t0
     finally:
         r.close()
-    return total / dt / 1e9, statistics.mean(sizes) / MIB
+    return total / dt / 1e9, (statistics.mean(sizes) / MIB if sizes else 0.0)
 
 
 def main() -> None:
@@ -177,14 +184,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.rounds < 1 or a.reader_threads < 1 or a.max_gb <= 0:
+        p.error("--rounds and --reader-threads take at least 1, --max-gb more than 0")
     limit = int(a.max_gb * 1e9)
     plain = open_checkpoint(Path(a.plain_dir))
     files = sorted({s.path for s in plain.shards})
     coded = open_checkpoint(Path(a.coded_dir)) if a.coded_dir else None
     variants: list[tuple[str, object]] = []
     for s in _floats(a.sizes_mib):
-        for t in _floats(a.threads):
-            variants.append((f"disk {s:g}MiB x{int(t)}", lambda s=s, t=int(t): disk(files, s, t, limit)))
+        for t in _counts(a.threads):
+            variants.append((f"disk {s:g}MiB x{t}", lambda s=s, t=t: disk(files, s, t, limit)))
     for c in _floats(a.chunk_mib):
         variants.append((f"reader plain chunk {c:g}MiB", lambda c=c: reader_plain(plain, limit, c, a.reader_threads)))
     if coded is not None:

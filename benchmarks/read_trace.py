@@ -15,8 +15,9 @@ it runs, ``os.preadv`` (every disk read of the reader threads: O_DIRECT or buffe
 * ``in_flight_mean``: summed request time / the window (the mean queue depth the threads kept);
 * ``task_busy``: summed task time / (threads x window) — the reader threads' occupancy; ``task_overhead``: the share
   of task time outside ``preadv`` (staging copies, CRC-32, decode);
-* ``unit_gap_ms``: per unit, from the end of the previous unit's last request to the first request of this one —
-  where no read was in flight because the loader waited (ring space, a device buffer, the model);
+* ``unit_gap_ms``: per unit, the time before its first request during which no request at all was in flight (0 when
+  an earlier unit's read still was) — where the disk idled because the loader waited (ring space, a device buffer,
+  the model);
 * ``read_gbps``: bytes read / window.
 
 Figures are printed and, with ``--out``, written as JSON.
@@ -116,14 +117,23 @@ class Trace:
         out["task_overhead"] = 1 - sum(b - a for a, b, _, _ in reads) / ttime if ttime else None
         out["threads_seen"] = len({r[3] for r in reads})
         gaps = []
-        ends = sorted(r[1] for r in reads)
         starts = sorted(r[0] for r in reads)
+        merged: list[list[float]] = []  # the union of the requests' intervals, in order
+        for a, b, _, _ in sorted(reads):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        m_starts = [m[0] for m in merged]
         import bisect
         for (ut, _), nxt in zip(units, [*units[1:], (t1, "")], strict=True):
-            first = starts[bisect.bisect_left(starts, ut)] if bisect.bisect_left(starts, ut) < len(starts) else None
-            prev_end = ends[bisect.bisect_left(ends, ut) - 1] if bisect.bisect_left(ends, ut) > 0 else None
-            if first is not None and prev_end is not None and first < nxt[0]:
-                gaps.append(max(0.0, first - prev_end))
+            k = bisect.bisect_left(starts, ut)
+            first = starts[k] if k < len(starts) else None
+            if first is None or first >= nxt[0]:
+                continue
+            j = bisect.bisect_left(m_starts, first) - 1  # the last stretch of reads that began before ``first``
+            if j >= 0:  # no read in flight from that stretch's end to ``first`` (0: one still was)
+                gaps.append(max(0.0, first - merged[j][1]))
         if gaps:
             out["unit_gap_ms_mean"] = statistics.mean(gaps) * 1e3
             out["unit_gap_ms_sum_per_s"] = sum(gaps) / w * 1e3

@@ -296,6 +296,7 @@ def test_reader_threads_default_grows_for_a_coded_checkpoint(ckpts, tmp_path_fac
     assert policy.reader_threads(None, True, True, 2)[0] == 4 and policy.reader_threads(None, True, False, 64)[0] == 16
     assert "4, the floor, on 2 cores" in policy.reader_threads(None, True, True, 2)[1]  # never "4 of 2 cores"
     assert "8 of 16 cores" in policy.reader_threads(None, True, True, 16)[1]
+    assert "4, the floor, on 6 cores" in policy.reader_threads(None, True, True, 6)[1]  # 3 wanted, raised to 4
     assert policy.reader_threads(3, True, False, 16) == (3, "given (threads)")
     seen = []
     real = policy.reader_threads

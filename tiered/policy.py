@@ -356,13 +356,15 @@ def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None,
         return asked, "given (threads)"
     if not coded or not cores:
         return READER_THREADS, "automatic: the default" + ("" if not coded else " (cores unknown)")
-    n = max(READER_THREADS, min(MAX_DECODE_THREADS, cores // 2 if cpu else cores - 2))
+    want = min(MAX_DECODE_THREADS, cores // 2 if cpu else cores - 2)
+    n = max(READER_THREADS, want)
     capped = ""
     if room is not None and extra_reader_bytes(n) > room // 8:
         n = READER_THREADS + max(0, room // 8) // DECODE_THREAD_BYTES
         capped = f"; capped by memory: {DECODE_THREAD_BYTES >> 20} MiB a thread beyond {READER_THREADS}, at most 1/8 " \
                  f"of the {room >> 20} MiB left"
-    share = f"{n} of {cores} cores" if n <= cores else f"{n}, the floor, on {cores} cores"
+    share = f"{n}, the floor, on {cores} cores" if n == READER_THREADS and want < READER_THREADS else (
+        f"{n} of {cores} cores")
     return n, (f"automatic: {share}, the checkpoint is losslessly coded (the readers decode it"
                f"{'; half the cores compute' if cpu else ''}{capped})")
 
