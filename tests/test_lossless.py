@@ -692,13 +692,13 @@ def test_exp3_checkpoint_round_trips_and_loads_on_the_cpu(tmp_path: Path) -> Non
 def test_cuda_placement_names_the_exp3_units_the_readers_decode(tmp_path: Path, monkeypatch) -> None:
     """A CUDA placement of an exp3 checkpoint (``tiered inspect --device cuda``, here without a GPU) names the units
     whose coded tensors the reader threads decode instead of the GPU, and why: every coded unit where there is no
-    Triton; with Triton, each unit whose stored layout is larger than the ring (with the ring_gb that keeps it on the
-    GPU) and no other. What a cold 2 GiB cgroup does to Llama-3-8B's lm_head (benchmarks/NOTES.md, issue 25, eighth
-    session)."""
+    Triton; with Triton, none when a stored unit larger than the ring is cut into pieces of whole coded chunks
+    (tiered/pieces.py: what a cold 2 GiB cgroup needs for Llama-3-8B's lm_head, benchmarks/NOTES.md, issue 25, eighth
+    session), and each unit with a coded chunk larger than a piece's room, with a ring_gb that keeps it on the GPU
+    (which, passed, does)."""
     from tiered import placement
     from tiered.hostmem import page_up
     from tiered.inspection import inspect_dir
-    from tiered.ring import gib_up
 
     _, d = _exp3_checkpoint(tmp_path)
     monkeypatch.setattr(placement, "_triton_here", lambda: False)
@@ -707,15 +707,25 @@ def test_cuda_placement_names_the_exp3_units_the_readers_decode(tmp_path: Path, 
     assert {"lm_head", "model.layers.0"} <= coded and "model.embed_tokens" not in coded  # (read by rows: plain)
     assert set(pl["reader_decoded"].values()) == {"no Triton here: no GPU decoder"}
     monkeypatch.setattr(placement, "_triton_here", lambda: True)
-    stored = {u["name"]: u["bytes"] for u in inspect_dir(d, device="cuda")["units"] if u["name"] in coded}
+    monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 4 << 10)
+    units = inspect_dir(d, device="cuda")["units"]
+    stored = {u["name"]: u["bytes"] for u in units if u["name"] in coded}
+    index = {u["name"]: i for i, u in enumerate(units)}
     assert len(set(map(page_up, stored.values()))) > 1, stored
     ring = (min(map(page_up, stored.values())) + max(map(page_up, stored.values()))) // 2
-    ring_gb = ring / 2**30
-    pl = inspect_dir(d, device="cuda", placement={"ring_gb": ring_gb, "gpu_gb": 1e-4})["placement"]
-    want = {n for n, b in stored.items() if page_up(b) > int(ring_gb * 2**30)}
-    assert want and want != coded and set(pl["reader_decoded"]) == want, (pl["reader_decoded"], stored, ring)
-    for n in want:
-        assert pl["reader_decoded"][n].endswith(f"ring_gb >= {gib_up(stored[n])} keeps it on the GPU")
+    pl = inspect_dir(d, device="cuda", placement={"ring_gb": ring / 2**30, "gpu_gb": 1e-4})["placement"]
+    big = {n for n, b in stored.items() if page_up(b) > ring}
+    assert big and big != coded and pl["reader_decoded"] == {} and not pl["refused"], pl
+    assert {index[n] for n in big} <= {int(i) for i in pl["pieces"]}, pl["pieces"]  # stored, in pieces
+    tiny = 48 << 10  # a piece's room (a third, less a page) below one 16 KiB coded chunk
+    pl = inspect_dir(d, device="cuda", placement={"ring_gb": tiny / 2**30, "gpu_gb": 1e-4})["placement"]
+    assert set(pl["reader_decoded"]) == coded, pl["reader_decoded"]
+    for n in coded:
+        why = pl["reader_decoded"][n]
+        assert "one of its coded chunks is larger than a piece" in why, why
+        advice = float(why.rsplit("ring_gb >= ", 1)[1].split()[0])
+        again = inspect_dir(d, device="cuda", placement={"ring_gb": advice, "gpu_gb": 1e-4})["placement"]
+        assert n not in again["reader_decoded"], (n, advice, again["reader_decoded"])
     pl = inspect_dir(d, device="cuda", placement={"ring_gb": 1.0, "gpu_gb": 1e-4})["placement"]
     assert pl["reader_decoded"] == {}
 
@@ -755,7 +765,8 @@ def test_exp3_checkpoint_needs_no_zstandard_and_refuses_other_dtypes(tmp_path: P
 def test_cuda_exp3_decoded_on_the_gpu_equals_stock(tmp_path: Path, kw: dict, monkeypatch) -> None:
     """On the GPU, an exp3 checkpoint's coded chunks go through the ring (and host tier) and the H2D copy as stored
     and the Triton decoder writes the weights (``Stats.decoded_bytes``); a unit larger than the ring is read in pieces
-    and decoded on the reader threads instead. Logits and greedy generate equal stock on the same GPU bit for bit."""
+    of whole coded chunks into its buffer's stored region and decoded after the last (tiered/pieces.py). Logits and
+    greedy generate equal stock on the same GPU bit for bit."""
     src, d = _exp3_checkpoint(tmp_path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(src).eval().to("cuda")
     ids = make_ids(6, (2, 9)).cuda()
@@ -773,7 +784,8 @@ def test_cuda_exp3_decoded_on_the_gpu_equals_stock(tmp_path: Path, kw: dict, mon
             assert torch.equal(m.generate(ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0), want_gen)
         assert tiered.stats(m).decoded_bytes > 0
         if kw.get("prefetch") == 1:
-            assert tiered.stats(m).piece_units >= 3  # the three layers, un-stored, in pieces
+            assert tiered.stats(m).piece_units >= 3  # the three layers, stored, in pieces
+            assert tiered.stats(m).placement.reader_decoded == {}  # all decoded on the GPU
 
 
 @pytest.mark.parametrize("group", [1, 3 * (16 << 10)])
@@ -822,11 +834,12 @@ def test_exp3_stored_read_carries_the_coded_bytes_and_checks_every_chunk(tmp_pat
         r.close()
 
 
-@pytest.mark.parametrize("case", ["ring", "no-triton", "distributed"])
+@pytest.mark.parametrize("case", ["ring", "ring-chunk", "no-triton", "distributed"])
 def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Path, case: str, monkeypatch) -> None:
-    """A CUDA placement keeps a unit stored (its exp3 chunks decoded on the GPU) only where that can run: a stored unit
-    larger than the ring, every unit of a distributed load (ranks read chunks of the plain layout) and every unit
-    without Triton are laid out plain again (decoded on the reader threads, cut into pieces or rank chunks)."""
+    """A CUDA placement keeps a unit stored (its exp3 chunks decoded on the GPU) where that can run, also when it is
+    larger than the ring (read in pieces of whole chunks); a unit with a coded chunk larger than a piece, every unit of
+    a distributed load (ranks read chunks of the plain layout) and every unit without Triton are laid out plain again
+    (decoded on the reader threads, cut into pieces or rank chunks)."""
     from tiered import dist as _dist
     from tiered import placement
     from tiered.machine import Machine
@@ -841,9 +854,11 @@ def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Pat
     assert {"model.layers.0", "lm_head"} <= set(stored)
     job = None
     ring = 64 << 20
-    if case == "ring":  # holds the coded head, not a coded layer (with Triton, which CI does not install)
-        ring = (stored["lm_head"] + stored["model.layers.0"]) // 2
-        monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 32 << 10)
+    if case in ("ring", "ring-chunk"):  # with Triton, which CI does not install
+        # holds the coded head, not a coded layer: the layers are cut into pieces of whole chunks and stay stored;
+        # ring-chunk: a piece's room is below one 16 KiB coded chunk: every unit is laid out plain
+        ring = (stored["lm_head"] + stored["model.layers.0"]) // 2 if case == "ring" else 48 << 10
+        monkeypatch.setattr(tiered.policy, "MIN_PIECE_BYTES", 4 << 10)
         monkeypatch.setattr(placement, "_triton_here", lambda: True)
     elif case == "no-triton":
         monkeypatch.setattr(placement, "_triton_here", lambda: False)
@@ -862,7 +877,7 @@ def test_exp3_units_the_gpu_decoder_cannot_take_are_laid_out_plain(tmp_path: Pat
     machine = Machine(64 << 30, "test", 16 << 30, "test", gpu_free=1 << 30)
     placement.place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, config=model.config, job=job)
     left = {u.name for u in plan.units if u.coded_at is not None}
-    assert left == ({"lm_head"} if case == "ring" else set())
+    assert left == (set(stored) if case == "ring" else set())
     assert all(u.nbytes > stored[u.name] for u in plan.units if u.name in stored and u.name not in left)
 
 

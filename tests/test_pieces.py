@@ -218,3 +218,68 @@ def test_ring_too_small_on_cpu_advice_works(piece_models, stock, name, kw):
                 assert torch.equal(m2(ids).logits, want)
         except RingTooSmallError as e2:
             assert f"ring_gb >= {advice:.3f}" in str(e2)
+
+
+@pytest.fixture(scope="module")
+def exp3_plan(tmp_path_factory):
+    """A bf16 Llama coded ``exp3`` (small chunks: every weight coded, in many chunks) and its CUDA plan: stored units,
+    whose slots hold the coded chunks for the GPU decoder (tiered/plan.py ``lay_out``)."""
+    import models
+
+    from tiered import lossless
+    from tiered.inspection import _plan_for
+
+    tmp = tmp_path_factory.mktemp("exp3-pieces")
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=704, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    src = models.save_model(transformers.LlamaForCausalLM(cfg), tmp / "m", seed=5, dtype=torch.bfloat16,
+                            max_shard_size=None, std=0.02)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lossless, "MIN_CODED_BYTES", 1024)
+        mp.setattr(lossless, "DEFAULT_CHUNK_BYTES", 16 << 10)
+        tiered.reshard(src, tmp / "x", compress="exp3", quiet=True)
+    _, ckpt, plan = _plan_for(tmp / "x", None, "cuda", False)
+    return ckpt, plan
+
+
+def test_stored_unit_pieces_carry_whole_chunks_as_stored(exp3_plan):
+    """A stored (exp3) unit larger than a piece's room: its pieces (tiered/pieces.py) are ranges of its slot layout cut
+    where coded chunks start; read each into a slot of its own and placed as the device stage places them (the plain
+    region at its offsets, coded pieces into the stored region after ``dev_bytes``), they give exactly the bytes of the
+    whole unit's slot read at once (coded chunks as they lie, CRC-checked), and each fits the room."""
+    from tiered import pieces
+    from tiered.reader import Reader
+
+    ckpt, plan = exp3_plan
+    stored = [u for u in plan.units if u.coded_at is not None]
+    assert stored and any(u.coded_at > 0 for u in stored)  # a layer: plain norms, then the coded weights
+    reader = Reader(ckpt, threads=2, io="direct")
+    try:
+        for u in stored:
+            whole = torch.zeros(u.nbytes, dtype=torch.uint8)
+            reader.read_unit(u, whole)
+            assert whole[u.coded_at:].any()
+            chunk = max(c.src.coded.chunk_span(k)[1] for t in u.targets for c in t.copies if c.at is not None
+                        for k in range(c.src.coded.count()))
+            for room in (page_up(2 * chunk) + PAGE_SIZE, page_up(u.nbytes // 3), page_up(u.nbytes // 2)):
+                n = pieces.count(u, room, plan.align)
+                assert n is not None and n >= 2, (u.name, room)
+                got = pieces.cut_all(u, n, plan.align)
+                assert len(got) >= 2
+                rebuilt = torch.full((u.nbytes,), 0, dtype=torch.uint8)
+                end = 0
+                for piece, at, nbytes in got:
+                    assert page_up(nbytes) <= room and pieces.slot_bytes(u, n, plan.align) <= room
+                    lo = at if at < u.dev_bytes else at - u.dev_bytes + u.coded_at
+                    assert lo == end and (lo >= u.coded_at or lo + nbytes <= u.coded_at), "contiguous, never across"
+                    end = lo + nbytes
+                    slot = torch.zeros(nbytes, dtype=torch.uint8)
+                    assert reader.read_unit(piece, slot) == piece.src_bytes
+                    rebuilt[lo:end] = slot
+                assert end == u.nbytes
+                assert torch.equal(rebuilt, whole), (u.name, room)
+                assert sum(p.src_bytes for p, _, _ in got) == u.src_bytes
+            big = max(c.src.stored_bytes for t in u.targets for c in t.copies if c.at is not None)
+            assert pieces.count(u, page_up(chunk) - PAGE_SIZE, plan.align) is None or chunk < PAGE_SIZE, big
+    finally:
+        reader.close()

@@ -200,8 +200,21 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
         return None  # a conversion, float8 codes decoded whole (tiered.quant), or a unit decoded on the device
     chunk = _align(max(1, math.ceil(unit.nbytes / world)), align)
     lo, hi = rank * chunk, min(unit.nbytes, (rank + 1) * chunk)
+    runs = plain_runs(unit.targets, lo, hi)
+    if runs is None:
+        return None
+    piece = Unit(unit.index, unit.name, None, runs, nbytes=chunk,  # type: ignore[arg-type]
+                 src_bytes=sum(r.copies[0].nbytes for r in runs))
+    return piece, chunk
+
+
+def plain_runs(targets: list[Target], lo: int, hi: int) -> list[Target] | None:
+    """The 1-D targets that fill layout bytes ``[lo, hi)`` of ``targets`` (laid out plain, :func:`tiered.plan.lay_out`),
+    at offsets from ``lo``: for each target that overlaps, the matching element run of each source (a coded source's
+    :func:`~tiered.lossless.window`). ``lo`` and ``hi`` must lie on element boundaries of the targets they cut (the
+    layout's ``align`` multiples do). None: a stacked source lands in a non-contiguous slice of its target."""
     runs: list[Target] = []
-    for t in unit.targets:
+    for t in targets:
         isz = t.dtype.itemsize
         a, b = max(lo, t.offset), min(hi, t.offset + t.nbytes)
         whole = torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -226,9 +239,7 @@ def split_unit(unit: Unit, rank: int, world: int, align: int) -> tuple[Unit, int
                                           nbytes=(y - x) * sisz)
             runs.append(Target(f"{t.key}[{x}:{y}]", None, t.attr, t.is_param, (y - x,), t.dtype,  # type: ignore[arg-type]
                                copies=[Copy(src)], offset=t.offset + x * isz - lo))
-    piece = Unit(unit.index, unit.name, None, runs, nbytes=chunk,  # type: ignore[arg-type]
-                 src_bytes=sum(r.copies[0].nbytes for r in runs))
-    return piece, chunk
+    return runs
 
 
 def io_plans(units: list[Unit], dist: Dist | None, device: torch.device, align: int) -> list[IoPlan]:

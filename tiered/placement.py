@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist as _dist
+from . import pieces as _pieces
 from . import policy
 from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .expert_spec import top_k_of
@@ -243,9 +244,13 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         if split:
             host_why = "none: the whole model stays loaded" if machine.host_available is not None else (
                 "none: host memory unknown here")
-    big = _unstore_exp3(plan, lambda u: page_up(u.nbytes) > int(opts.ring_gb * GiB))  # too large for the ring whole
-    reader_decoded.update({name: f"its coded bytes ({gib_up(n)} GiB) are more than the {opts.ring_gb:.3g} GiB ring, "
-                                 f"which holds a GPU-decoded unit whole; ring_gb >= {gib_up(n)} keeps it on the GPU"
+    # larger than the ring: read in pieces of whole coded chunks (tiered.pieces) and decoded on the GPU after the
+    # last; a chunk larger than a piece's room cannot be: that unit is laid out plain, its pieces decoded by the readers
+    room, ring = policy.piece_room(page_up(opts.ring_bytes)), page_up(opts.ring_bytes)
+    big = _unstore_exp3(plan, lambda u: page_up(u.nbytes) > ring and _pieces.count(u, room, plan.align) is None)
+    reader_decoded.update({name: f"it is larger than the {opts.ring_gb:.3g} GiB ring and one of its coded chunks is "
+                                 f"larger than a piece of it ({room / 2**20:.0f} MiB, a third of the ring); "
+                                 f"ring_gb >= {gib_up(page_up(n))} keeps it on the GPU whole"
                            for name, n in big.items()})
     if not cpu:
         reader_decoded.update(_exp3_on_readers(plan, experts, reader_decoded))
@@ -548,9 +553,9 @@ def _per_token(plan: Plan, p: Placement, config: Any) -> None:
     p.streamed_bytes = sum(plan.units[i].src_bytes for i in p.streamed)
     for i, n_held in p.host_pieces.items():
         u, n = plan.units[i], p.pieces[i]
-        held = [_dist.split_unit(u, j, n, plan.align) for j in range(n_held)]
-        p.streamed_bytes -= sum(piece.src_bytes for piece, _ in held)  # type: ignore[misc]
-        p.host_bytes += min(u.nbytes, n_held * held[0][1])  # type: ignore[index]
+        held = _pieces.cut_all(u, n, plan.align)[:n_held]
+        p.streamed_bytes -= sum(piece.src_bytes for piece, _, _ in held)
+        p.host_bytes += sum(nbytes for _, _, nbytes in held)
     specs = p.specs
     if specs:
         k = top_k_of(config)

@@ -5,7 +5,6 @@ and the machine facts (no allocation, no I/O); :func:`tiered.placement.place` ap
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from .errors import RingTooSmallError
@@ -18,7 +17,7 @@ if TYPE_CHECKING:  # torch-free at import (the plan's modules import torch): `ti
 
 __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "HOST_HEADROOM_BYTES",
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
-           "host_slot_bytes", "piece_slot", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
+           "host_slot_bytes", "piece_slot", "piece_room", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
            "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
            "auto_split", "auto_ring_want", "DEVICE_ALIGN", "device_slot_bytes"]
 
@@ -228,33 +227,31 @@ def host_slot_bytes(plan: Plan, host: set[int], slot_need: list[int]) -> int:
 
 
 def piece_slot(u: Unit, n: int, align: int) -> int:
-    """Bytes of one ring (or host-tier) slot of ``u`` read in ``n`` pieces (:func:`tiered.dist.split_unit`)."""
-    from . import dist as _dist
+    """Bytes of one ring (or host-tier) slot of ``u`` read in ``n`` pieces (:func:`tiered.pieces.slot_bytes`: the
+    largest piece's)."""
+    from . import pieces as _pieces
 
-    return page_up(_dist._align(max(1, math.ceil(u.nbytes / n)), align))
+    return _pieces.slot_bytes(u, n, align)
 
 
 def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> dict[int, int]:
-    """CUDA, one process: for each unit larger than the ring that can be cut (no whole-tensor conversion; see
-    :func:`tiered.dist.split_unit`), the number of pieces it is read in — each piece's slot at most a third of the
-    ring (half when a third is below :data:`MIN_PIECE_BYTES`), so the next piece is read while one is waited for and
+    """CUDA, one process: for each unit larger than the ring that can be cut (:func:`tiered.pieces.cuttable`: no
+    whole-tensor conversion, no float8 codes decoded whole), the number of pieces it is read in — each piece's slot
+    at most :func:`piece_room` (a third of the ring, or half), so the next piece is read while one is waited for and
     the last one's H2D runs (:data:`tiered.sources.PIECES_IN_FLIGHT`).
 
     Raises:
         RingTooSmallError: a unit needs pieces but half the ring is below :data:`MIN_PIECE_BYTES`.
     """
-    from . import dist as _dist
+    from . import pieces as _pieces
     from .ring import gib_up
 
-    room = ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # a piece's slot, page-rounded, fits here
-    third = ring_bytes // 3 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
-    if third >= MIN_PIECE_BYTES:
-        room = third
+    room = piece_room(ring_bytes)
     out: dict[int, int] = {}
     for u in units:
         if page_up(u.nbytes) <= ring_bytes:
             continue
-        if _dist.split_unit(u, 0, 2, align) is None:
+        if not _pieces.cuttable(u):
             continue  # cannot be cut: attach's check names it and the ring it needs whole
         if room < MIN_PIECE_BYTES:
             raise RingTooSmallError(
@@ -262,8 +259,17 @@ def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -
                 f"ring_gb={ring_gb} cannot hold two pieces of {MIN_PIECE_BYTES >> 20} MiB; pass ring_gb >= "
                 f"{gib_up(2 * (MIN_PIECE_BYTES + 2 * PAGE_SIZE))}"
             )
-        out[u.index] = math.ceil(u.nbytes / (room - align))
+        n = _pieces.count(u, room, align)
+        if n is not None:  # (None: a coded chunk larger than a piece; the placement lays such a unit out plain)
+            out[u.index] = n
     return out
+
+
+def piece_room(ring_bytes: int) -> int:
+    """The largest slot (bytes, page multiple) of one piece of a unit larger than a ring of ``ring_bytes``: a third
+    of the ring, or half when a third is below :data:`MIN_PIECE_BYTES` (:func:`cut_pieces`)."""
+    third = ring_bytes // 3 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+    return third if third >= MIN_PIECE_BYTES else ring_bytes // 2 // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
 
 
 def choose_host_pieces(plan: Plan, pieces: dict[int, int], budget: int) -> dict[int, int]:

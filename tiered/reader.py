@@ -554,23 +554,26 @@ class Reader:
 
     def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, run: list[int],
                         backend: str | None) -> None:
-        """A reader thread: read the consecutive chunks ``run`` of ``src`` (a whole coded tensor) in one request
-        into their place in ``dest`` (the slot's region for the tensor's coded bytes, uint8), then check each chunk's
+        """A reader thread: read the consecutive chunks ``run`` of ``src`` (a whole coded tensor, or a window of whole
+        chunks: a stored piece, :mod:`tiered.pieces`) in one request into their place in ``dest`` (the slot's region
+        for those chunks' coded bytes, uint8, starting where ``src``'s first chunk does), then check each chunk's
         CRC-32 and block starts there; no decode (the device stage decodes after the H2D copy). Raises CodecError: a
         chunk that fails its CRC-32 or whose starts disagree with its codes (names file, tensor, offset)."""
         backend = backend or self.io
+        base = src.coded.chunk_span(src.chunks[0])[0]  # 0 for a whole tensor
         start = src.coded.chunk_span(run[0])[0]
         length = sum(src.coded.chunk_span(run[-1])) - start
         t0 = time.perf_counter()
         faults.hit("read", unit=unit.name, tensor=src.name, offset=src.offset + start, io=backend)
         sub = TensorInfo(src.name, torch.uint8, (length,), src.file, src.offset + start, length)
-        out = dest[start : start + length]
+        out = dest[start - base : start - base + length]
         step = DIRECT_CHUNK if backend != "mmap" else _CHUNK
         for lo in range(0, length, step):
             self._copy(sub, out, lo, min(length, lo + step), backend)
         took = time.perf_counter() - t0
         for c in run:
             at, n = src.coded.chunk_span(c)
+            at -= base
             body = dest[at : at + n].numpy()
             if zlib.crc32(body) != src.coded.crc[c]:
                 raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + at}.."

@@ -115,10 +115,21 @@ class PiecesSource(Source):
         for (:meth:`Reader.start_unit`), so the disk queue never runs dry between pieces (at most
         :data:`PIECES_IN_FLIGHT` pieces read at once; the ring holds those and the pieces whose H2D runs). The unit
         is ready when its last piece's copy is (the copy stream runs in order), so its views are exactly the whole
-        unit's: outputs stay bitwise equal."""
+        unit's: outputs stay bitwise equal.
+
+        A stored unit (:mod:`tiered.pieces`: exp3 chunks as they lie) puts its coded pieces into its stored region —
+        the pool buffer's tail (:attr:`Unit.buf_bytes`), or a temporary for a resident unit — and is ready when
+        :meth:`CudaStage.decode_after` has decoded that region into the buffer, after the last piece's copy."""
         stage = ld.stage
         assert isinstance(stage, CudaStage)
-        buf = stage.buffer(u.nbytes, resident=resident, abort=ld.abort)
+        p0 = u.coded_at
+        buf = stage.buffer(u.dev_bytes if resident else u.buf_bytes, resident=resident, abort=ld.abort)
+        d0 = u.dev_bytes
+        stored = None if p0 is None else stage.staging(u.stored_bytes) if resident else buf.t[d0 : d0 + u.stored_bytes]
+
+        def dest(at: int) -> tuple[torch.Tensor | None, int]:  # a stored region's piece: into it, from its start
+            return (None, at) if stored is None or at < d0 else (stored, at - d0)
+
         held = ld.host_pieces.get(u.index, []) if not resident else []
         ready = None
         reading: collections.deque = collections.deque()  # (slot, jobs, at, n, piece, t0), oldest first
@@ -129,7 +140,8 @@ class PiecesSource(Source):
             ld.reader.finish(jobs)  # raises the first copy's error once all are done; the slot is freed below
             reading.popleft()
             try:
-                ev = stage.put(buf, slot, at, n)
+                into, at = dest(at)
+                ev = stage.put(buf, slot, at, n, into=into)
             except BaseException:
                 ld.ring.free(slot)
                 raise
@@ -141,7 +153,8 @@ class PiecesSource(Source):
         try:
             for k, (piece, at, n) in enumerate(ld.pieces[u.index]):
                 if k < len(held):  # in the host tier: H2D straight from its pinned slot
-                    ready = stage.put(buf, held[k], at, n, keep=True)
+                    into, to = dest(at)
+                    ready = stage.put(buf, held[k], to, n, keep=True, into=into)
                     continue
                 slot = None
                 while slot is None and reading:  # room without waiting: the slots being read are not retired
@@ -164,6 +177,8 @@ class PiecesSource(Source):
                     ready = put_oldest()
             while reading:
                 ready = put_oldest()
+            if stored is not None:  # every piece's copy issued: decode the stored region on the decode stream
+                ready = stage.decode_after(u, stored, buf.t[:d0], temporary=resident)
             faults.hit("stage", unit=u.name)
         except BaseException:
             while reading:  # never free a slot a copy still writes into

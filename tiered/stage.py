@@ -342,8 +342,8 @@ class CudaStage:
             return DevBuf(torch.empty(size, dtype=torch.uint8, device=self.device))
         return self.arena.alloc(size, abort)
 
-    def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False, unit: Unit | None = None
-            ) -> torch.cuda.Event:
+    def put(self, buf: DevBuf, slot: Slot, at: int, n: int, *, keep: bool = False, unit: Unit | None = None,
+            into: torch.Tensor | None = None) -> torch.cuda.Event:
         """Issue the H2D copy ``slot.view[:n]`` -> ``buf.t[at:at + n]`` on the copy stream, after the compute
         stream is done with ``buf`` (its ``free`` event); returns the copy's *ready* event. The slot is freed
         by :meth:`retire` once the copy has finished (``keep``: a host-tier slot, which stays). Loader thread.
@@ -358,8 +358,9 @@ class CudaStage:
         + 1`` stored regions (each kept until its decode ran) and :data:`tiered.quant.DEVICE_BAND` of float32 decode
         temporaries (benchmarks/NOTES.md, issue 25, fourth session: a fix on branch wip/exp3-staging-in-buffer).
 
-        A unit larger than the ring is put piece by piece into one buffer (:meth:`tiered.loader.Loader`):
-        the copy stream runs in order, so the last piece's event says the whole unit is there."""
+        A unit larger than the ring is put piece by piece into one buffer (:class:`tiered.sources.PiecesSource`):
+        the copy stream runs in order, so the last piece's event says the whole unit is there. ``into``: the
+        destination instead of ``buf.t`` (a resident stored unit's temporary stored region, :meth:`staging`)."""
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         copied = torch.cuda.Event(enable_timing=True) if unit is not None else ready
         decoded = 0
@@ -369,7 +370,8 @@ class CudaStage:
             buf.waits = []
             start.record(self.copy_stream)
             if unit is None:
-                buf.t[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
+                dst = buf.t if into is None else into
+                dst[at : at + n].copy_(slot.view[:n], non_blocking=True)  # type: ignore[operator]
             else:
                 p0 = unit.coded_at
                 if p0:
@@ -394,6 +396,30 @@ class CudaStage:
             self._inflight.append((start, copied, None if keep else slot, n))
         if decoded:
             self.stats.add_decoded(decoded)
+        return ready
+
+    def staging(self, n: int) -> torch.Tensor:
+        """``n`` bytes (uint8) of device memory for a resident stored unit's stored region, allocated on the copy
+        stream (the H2D copies write it; :meth:`decode_after` marks it used by the decode stream). Loader thread."""
+        with torch.cuda.stream(self.copy_stream):
+            return torch.empty(n, dtype=torch.uint8, device=self.device)
+
+    def decode_after(self, unit: Unit, stored: torch.Tensor, base: torch.Tensor, *, temporary: bool = False
+                     ) -> torch.cuda.Event:
+        """A stored unit read in pieces (:mod:`tiered.pieces`), every piece's H2D copy issued: decode its stored
+        region ``stored`` (``(unit.stored_bytes,)`` uint8 on the device) into ``base`` (``(unit.dev_bytes,)``) with
+        :func:`tiered.quant.decode_stored` on the decode stream, after all the copy stream's work so far; returns the
+        decode's event (the unit's *ready*). ``temporary``: ``stored`` is a :meth:`staging` tensor, which the allocator
+        must not reuse before the decode ran. Loader thread."""
+        ready = torch.cuda.Event()
+        with torch.cuda.stream(self.decode_stream):
+            self.decode_stream.wait_stream(self.copy_stream)
+            n = quant.decode_stored(unit, stored, base)
+            if temporary:
+                stored.record_stream(self.decode_stream)
+            ready.record(self.decode_stream)
+        if n:
+            self.stats.add_decoded(n)
         return ready
 
     def give_back(self, buf: DevBuf, after: torch.cuda.Event | None) -> None:

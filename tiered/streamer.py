@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from .binding import bind, copy_out_aliases, remember_placeholders, unbind
-from .dist import Dist, io_plans, read_args, split_unit
+from .dist import Dist, io_plans, read_args
 from .errors import RingTooSmallError, StreamerError, TieredError
 from .loader import Loader
 from .order import OrderPolicy
+from .pieces import cut_all
 from .plan import Plan, Unit, same_bytes
 from .reader import Reader
 from .ring import GiB, Ring, gib_up
@@ -163,12 +164,7 @@ class Streamer:
 
         cut: dict[int, list[tuple[Unit, int, int]]] = {}
         for i, n in (pieces or {}).items():
-            u = self._io[i]
-            cut[i] = []
-            for k in range(n):
-                piece, chunk = split_unit(u, k, n, plan.align)  # type: ignore[misc]  # checked cuttable by attach
-                if k * chunk < u.nbytes:
-                    cut[i].append((piece, k * chunk, min(chunk, u.nbytes - k * chunk)))
+            cut[i] = cut_all(self._io[i], n, plan.align)  # cuttable: checked by the placement (tiered.pieces.count)
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
                              mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots, host_ids=self.host_ids)
