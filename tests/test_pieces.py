@@ -283,3 +283,32 @@ def test_stored_unit_pieces_carry_whole_chunks_as_stored(exp3_plan):
             assert pieces.count(u, page_up(chunk) - PAGE_SIZE, plan.align) is None or chunk < PAGE_SIZE, big
     finally:
         reader.close()
+
+
+def test_host_tier_pieces_of_a_stored_unit_count_their_real_slots(exp3_plan, monkeypatch):
+    """The host tier's first pieces of a stored unit (CUDA placement, without a GPU): held pieces are the streamer's
+    own (:func:`tiered.pieces.cut_all`), their pinned bytes the sum of those pieces' page-rounded slots — not the
+    piece count times the largest — and the count ``inspect`` reports is the real one."""
+    from tiered import pieces, placement
+    from tiered.inspection import _plan_for
+
+    ckpt, _ = exp3_plan
+    monkeypatch.setattr(placement, "_triton_here", lambda: True)
+    monkeypatch.setattr(tapi, "MIN_PIECE_BYTES", 4 << 10)
+    root = next(iter({s.path.parent for s in ckpt.shards}))
+    _, _, plan = _plan_for(root, None, "cuda", False)
+    layer = next(u for u in plan.units if u.name == "model.layers.0")
+    ring = page_up(layer.nbytes // 3)
+    for host in (page_up(layer.nbytes // 4), page_up(layer.nbytes // 2)):  # less than a whole unit: its pieces
+        _, _, plan = _plan_for(root, None, "cuda", False)
+        p = placement.place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, strict=False, ring_gb=ring / GiB,
+                                 host_gb=host / GiB, gpu_gb=1e-4)
+        assert not p.refused and p.pieces and p.host_pieces, p.refused
+        want = 0
+        for i, k in p.host_pieces.items():
+            u = plan.units[i]
+            assert u.coded_at is not None  # stored, in pieces
+            cut = pieces.cut_all(u, p.pieces[i], plan.align)
+            assert p.piece_counts[i] == len(cut) and 1 <= k <= len(cut)
+            want += sum(page_up(n) for _, _, n in cut[:k])
+        assert p.host_piece_bytes == want <= host

@@ -384,8 +384,9 @@ def _print_placement(info: dict, placement: dict | None) -> None:
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
         if pl["pieces"]:
             held = pl["host_pieces"]
+            count = sum((pl.get("piece_counts") or pl["pieces"]).values())
             print(f"  {len(pl['pieces'])} streamed units are larger than the ring: each streams in pieces "
-                  f"({sum(pl['pieces'].values())} in all, a third of the ring each at most) into one device buffer"
+                  f"({count} in all, a third of the ring each at most) into one device buffer"
                   + (f"; the host tier holds the first {sum(held.values())} pieces of {len(held)} of them "
                      f"({pl['host_piece_bytes'] / GiB:.3g} GiB pinned, not read per token)" if held else ""))
         by_why: dict[str, list[str]] = {}

@@ -31,7 +31,7 @@ from .hostmem import page_up
 from .lossless import window
 from .plan import Copy, Target, Unit
 
-__all__ = ["Piece", "cuttable", "count", "cut_all", "slot_bytes"]
+__all__ = ["Piece", "cuttable", "count", "cut_all", "slot_bytes", "slot_sizes"]
 
 #: ``(piece, at, nbytes)``: the piece (a :class:`~tiered.plan.Unit` of 1-D targets at offsets from its start, no
 #: module), where its ``nbytes`` bytes go in the unit's device buffer (pool buffers: :attr:`Unit.buf_bytes` bytes)
@@ -70,8 +70,9 @@ def cuttable(u: Unit) -> bool:
 
 
 def _bounds(u: Unit, n: int, align: int, cuts: list[int]) -> list[tuple[int, int]]:
-    """The ranges of stored ``u``'s pieces cut for ``n``, in order, none empty: ``n`` of them, or ``n + 1`` when
-    ``coded_at`` (where a piece's destination changes to the stored region) falls inside one."""
+    """The ranges of stored ``u``'s pieces cut for ``n``, in order, none empty: about ``n`` of them — fewer where two
+    cuts meet at one legal cut, one more where ``coded_at`` (where a piece's destination changes to the stored
+    region) falls inside one."""
     s = _align(max(1, math.ceil(u.nbytes / n)), align)
 
     def at_or_after(x: int) -> int:
@@ -148,7 +149,7 @@ def _stored_piece(u: Unit, lo: int, hi: int) -> Piece:
 
 def cut_all(u: Unit, n: int, align: int) -> list[Piece]:
     """``u`` read in ``n`` pieces (:func:`count`): its non-empty pieces in layout order — at most ``n`` for a unit laid
-    out plain (the layout may end before the last), up to ``n + 1`` for a stored one (:func:`_bounds`)."""
+    out plain (the layout may end before the last), about ``n`` for a stored one (:func:`_bounds`)."""
     if u.coded_at is None:
         out = []
         for k in range(n):
@@ -161,3 +162,14 @@ def cut_all(u: Unit, n: int, align: int) -> list[Piece]:
     cuts = _coded_cuts(u)
     assert cuts is not None, f"unit {u.name!r} cannot be cut"
     return [_stored_piece(u, lo, hi) for lo, hi in _bounds(u, n, align, cuts)]
+
+
+def slot_sizes(u: Unit, n: int, align: int) -> list[int]:
+    """The ring (or host-tier) slot bytes (page-rounded) of each of ``u``'s non-empty pieces when read in ``n``
+    (:func:`cut_all`'s pieces, in order): what holding its first ``k`` pieces in the host tier takes."""
+    if u.coded_at is None:
+        chunk = _align(max(1, math.ceil(u.nbytes / n)), align)
+        return [page_up(chunk) for k in range(n) if k * chunk < u.nbytes]
+    cuts = _coded_cuts(u)
+    assert cuts is not None
+    return [page_up(b - a) for a, b in _bounds(u, n, align, cuts)]

@@ -83,6 +83,7 @@ class Placement:
     host_expert_bytes: int = 0  # their pinned bytes (in host_gb)
     routed_host_bytes: int = 0  # of routed_expert_bytes, what comes from the host tier (H2D, no read)
     pieces: dict[int, int] = field(default_factory=dict)  # CUDA: units larger than the ring the streamer cuts -> pieces
+    piece_counts: dict[int, int] = field(default_factory=dict)  # of those, how many non-empty pieces each has
     host_pieces: dict[int, int] = field(default_factory=dict)  # of those, how many first pieces the host tier holds
     host_piece_bytes: int = 0  # their pinned bytes (slots, in host_gb)
     expert_hit_rate: float = 0.0  # the cache's, under uniform routing
@@ -159,7 +160,8 @@ def _unstore_exp3(plan: Plan, which: Any) -> dict[str, int]:
     """Lay out plain again (:func:`tiered.plan.lay_out`) every unit stored only for its exp3 tensors
     (:func:`tiered.plan.device_coded`) for which ``which(unit)`` holds: the reader threads then decode it into the slot,
     and it can be cut into pieces or rank chunks. Used where the GPU decoder cannot take it: a unit larger than the
-    ring (a stored unit is never cut), a distributed load (ranks read chunks of a unit's plain layout), no Triton.
+    ring with a coded chunk larger than a piece (:mod:`tiered.pieces`), a distributed load (ranks read chunks of a
+    unit's plain layout), no Triton.
     Returns each such unit's name and its stored layout's bytes before."""
     done: dict[str, int] = {}
     if not plan.stored:
@@ -249,7 +251,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     room, ring = policy.piece_room(page_up(opts.ring_bytes)), page_up(opts.ring_bytes)
     big = _unstore_exp3(plan, lambda u: page_up(u.nbytes) > ring and _pieces.count(u, room, plan.align) is None)
     reader_decoded.update({name: f"it is larger than the {opts.ring_gb:.3g} GiB ring and one of its coded chunks is "
-                                 f"larger than a piece of it ({room / 2**20:.0f} MiB, a third of the ring); "
+                                 f"larger than a piece of it ({room / 2**20:.3g} MiB of the ring); "
                                  f"ring_gb >= {gib_up(page_up(n))} keeps it on the GPU whole"
                            for name, n in big.items()})
     if not cpu:
@@ -508,8 +510,9 @@ def _host_tier(plan: Plan, opts: Options, machine: Machine, p: Placement, need: 
     p.host_expert_bytes = sum(HostExperts.bytes_for(specs[i]) for i in p.host_experts)
     streamed_pieces = {i: n for i, n in p.pieces.items() if i not in set(p.resident)}
     p.host_pieces = policy.choose_host_pieces(plan, streamed_pieces, opts.host_bytes - host_slots - p.host_expert_bytes)
-    p.host_piece_bytes = sum(k * policy.piece_slot(plan.units[i], streamed_pieces[i], plan.align)
+    p.host_piece_bytes = sum(sum(_pieces.slot_sizes(plan.units[i], streamed_pieces[i], plan.align)[:k])
                              for i, k in p.host_pieces.items())
+    p.piece_counts = {i: len(_pieces.slot_sizes(plan.units[i], n, plan.align)) for i, n in p.pieces.items()}
     p.host_ring_bytes = host_slots + p.host_piece_bytes if host or p.host_pieces else 0
     total = p.host_ring_bytes + p.host_expert_bytes
     avail, room = machine.host_available, policy.headroom(not cpu)

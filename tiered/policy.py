@@ -277,13 +277,16 @@ def choose_host_pieces(plan: Plan, pieces: dict[int, int], budget: int) -> dict[
     the ``budget`` bytes whole units and experts left: unit index -> how many of its first pieces. Taken one piece
     per unit in turn, in execution order, so the streamed bytes left are spread over the pass (as
     :func:`choose_host` spreads whole units). Each held piece is one the ring does not read per pass."""
+    from . import pieces as _pieces
+
     out: dict[int, int] = {}
     order = sorted(pieces)
-    for r in range(max(pieces.values(), default=0)):
+    sizes = {i: _pieces.slot_sizes(plan.units[i], pieces[i], plan.align) for i in order}  # each real piece's slot
+    for r in range(max(map(len, sizes.values()), default=0)):
         took = False
         for i in order:
-            need = piece_slot(plan.units[i], pieces[i], plan.align)
-            if r < pieces[i] and out.get(i, 0) == r and need <= budget:
+            need = sizes[i][r] if r < len(sizes[i]) else 0
+            if r < len(sizes[i]) and out.get(i, 0) == r and need <= budget:
                 out[i] = r + 1
                 budget -= need
                 took = True

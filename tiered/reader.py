@@ -572,9 +572,8 @@ class Reader:
             self._copy(sub, out, lo, min(length, lo + step), backend)
         took = time.perf_counter() - t0
         for c in run:
-            at, n = src.coded.chunk_span(c)
-            at -= base
-            body = dest[at : at + n].numpy()
+            at, n = src.coded.chunk_span(c)  # in the tensor's coded blob (file offset src.offset + at)
+            body = dest[at - base : at - base + n].numpy()
             if zlib.crc32(body) != src.coded.crc[c]:
                 raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + at}.."
                                  f"{src.offset + at + n} of the file) fails its CRC-32: the file is corrupted; "

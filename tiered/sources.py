@@ -186,7 +186,15 @@ class PiecesSource(Source):
                 ld.reader.cancel(jobs)
                 ld.ring.free(slot)
             if not resident:
-                stage.give_back(buf, ready)
+                after = ready
+                if stored is not None:  # a decode may have been issued: the buffer is free once it has run too
+                    try:
+                        after = torch.cuda.Event()
+                        stage.decode_stream.wait_stream(stage.copy_stream)
+                        after.record(stage.decode_stream)
+                    except Exception:  # noqa: BLE001 - the device itself failed: the first error is the one to raise
+                        after = ready
+                stage.give_back(buf, after)
             raise
         return Loaded(u, views(u, buf.t), dev=None if resident else buf, ready=ready, base=buf.t)
 

@@ -414,9 +414,9 @@ class CudaStage:
         ready = torch.cuda.Event()
         with torch.cuda.stream(self.decode_stream):
             self.decode_stream.wait_stream(self.copy_stream)
-            n = quant.decode_stored(unit, stored, base)
-            if temporary:
+            if temporary:  # before the launch: also if the decode fails part-way
                 stored.record_stream(self.decode_stream)
+            n = quant.decode_stored(unit, stored, base)
             ready.record(self.decode_stream)
         if n:
             self.stats.add_decoded(n)
