@@ -701,6 +701,8 @@ def test_cuda_placement_names_the_exp3_units_the_readers_decode(tmp_path: Path, 
     from tiered.inspection import inspect_dir
 
     _, d = _exp3_checkpoint(tmp_path)
+    info = inspect_dir(d)  # the converter's layout, measured on the coded spans: every unit one span on disk
+    assert info["units_contiguous_on_disk"] == len(info["units"]), info["units_contiguous_on_disk"]
     monkeypatch.setattr(placement, "_triton_here", lambda: False)
     pl = inspect_dir(d, device="cuda", placement={"ring_gb": 1.0, "gpu_gb": 1e-4})["placement"]
     coded = set(pl["reader_decoded"])

@@ -140,7 +140,9 @@ def _disk_layout(plan: Any, ckpt: Any) -> tuple[int, bool, bool]:
     # Stream order on disk: do units' spans appear in execution order and contiguous?
     spans = []
     for u in plan.units:
-        offs = [(str(c.src.file), c.src.offset, c.src.offset + c.src.nbytes) for t in u.targets for c in t.copies]
+        # a losslessly coded tensor's span is its coded bytes (LosslessInfo.stored), not the plain size
+        offs = [(str(c.src.file), c.src.offset, c.src.offset + (getattr(c.src, "stored", 0) or c.src.nbytes))
+                for t in u.targets for c in t.copies]
         spans.append(offs)
     contiguous = 0
     for offs in spans:
@@ -382,11 +384,12 @@ def _print_placement(info: dict, placement: dict | None) -> None:
               + (f"; device pool {o['prefetch'] + 1} slots, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
-        if pl["pieces"]:
+        in_pieces = {i: n for i, n in (pl.get("piece_counts") or pl["pieces"]).items() if i in set(pl["streamed"])}
+        if in_pieces:  # (a resident unit larger than the ring is copied to the GPU in pieces once, at load)
             held = pl["host_pieces"]
-            count = sum((pl.get("piece_counts") or pl["pieces"]).values())
-            print(f"  {len(pl['pieces'])} streamed units are larger than the ring: each streams in pieces "
-                  f"({count} in all, a third of the ring each at most) into one device buffer"
+            print(f"  {len(in_pieces)} streamed units are larger than the ring: each streams in pieces "
+                  f"({sum(in_pieces.values())} in all, each at most a third of the ring, half of a small one) into one "
+                  "device buffer"
                   + (f"; the host tier holds the first {sum(held.values())} pieces of {len(held)} of them "
                      f"({pl['host_piece_bytes'] / GiB:.3g} GiB pinned, not read per token)" if held else ""))
         by_why: dict[str, list[str]] = {}
