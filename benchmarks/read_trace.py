@@ -41,15 +41,6 @@ import tiered  # noqa: E402
 import tiered.reader as rd  # noqa: E402
 
 
-def _union(iv: list[tuple[float, float]]) -> float:
-    tot, end = 0.0, float("-inf")
-    for a, b in sorted(iv):
-        if b > end:
-            tot += b - max(a, end)
-            end = b
-    return tot
-
-
 class Trace:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -110,7 +101,7 @@ class Trace:
         out["read_ms_mean"] = statistics.mean(r[1] - r[0] for r in reads) * 1e3
         out["read_ms_p90"] = sorted(r[1] - r[0] for r in reads)[int(0.9 * (len(reads) - 1))] * 1e3
         out["read_gbps"] = sum(r[2] for r in reads) / w / 1e9
-        out["disk_busy"] = _union([(a, b) for a, b, _, _ in reads]) / w
+        out["disk_busy"] = rd._union([(a, b) for a, b, _, _ in reads]) / w
         out["in_flight_mean"] = sum(b - a for a, b, _, _ in reads) / w
         ttime = sum(b - a for a, b, _ in tasks)
         out["task_busy"] = ttime / (threads * w)
