@@ -302,7 +302,7 @@ def test_host_tier_pieces_of_a_stored_unit_count_their_real_slots(exp3_plan, mon
     for host in (page_up(layer.nbytes // 4), page_up(layer.nbytes // 2)):  # less than a whole unit: its pieces
         _, _, plan = _plan_for(root, None, "cuda", False)
         p = placement.place_here(plan, device="cuda", ckpt_bytes=ckpt.nbytes, strict=False, ring_gb=ring / GiB,
-                                 host_gb=host / GiB, gpu_gb=1e-4)
+                                 host_gb=host / GiB, gpu_gb=1e-4, prefetch=2)
         assert not p.refused and p.pieces and p.host_pieces, p.refused
         want = 0
         for i, k in p.host_pieces.items():
@@ -312,3 +312,9 @@ def test_host_tier_pieces_of_a_stored_unit_count_their_real_slots(exp3_plan, mon
             assert p.piece_counts[i] == len(cut) and 1 <= k <= len(cut)
             want += sum(page_up(n) for _, _, n in cut[:k])
         assert p.host_piece_bytes == want <= host
+        # the pool's slots hold a piece unit's decoded layout only: its stored region is staged apart (PiecesSource)
+        copied = [i for i in range(len(plan.units)) if i not in set(p.resident) | set(p.rows)]
+        assert set(p.pieces) <= set(copied)
+        slot = max(plan.units[i].dev_bytes if i in p.pieces else plan.units[i].buf_bytes for i in copied)
+        assert slot < max(plan.units[i].buf_bytes for i in copied)  # (the largest units are the pieces' ones)
+        assert p.device_buffer_bytes == 3 * tapi.device_slot_bytes(slot)  # prefetch + 1

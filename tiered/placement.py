@@ -531,7 +531,7 @@ def _device_memory(plan: Plan, opts: Options, p: Placement, config: Any, dist: A
         copied = [u.index for u in plan.units if u.index not in set(p.resident) | set(p.rows)]
         full = ([q.full if q.gathered else u.buf_bytes for q, u in
                  zip(_dist.io_plans(plan.units, dist, _device(opts), plan.align), plan.units, strict=True)]
-                if dist is not None else [u.buf_bytes for u in plan.units])
+                if dist is not None else [u.dev_bytes if u.index in p.pieces else u.buf_bytes for u in plan.units])
         p.device_buffer_bytes = (opts.prefetch + 1) * policy.device_slot_bytes(max(full[i] for i in copied)) if copied else 0
     specs = p.specs
     if not specs:

@@ -118,14 +118,15 @@ class PiecesSource(Source):
         unit's: outputs stay bitwise equal.
 
         A stored unit (:mod:`tiered.pieces`: exp3 chunks as they lie) puts its coded pieces into its stored region —
-        the pool buffer's tail (:attr:`Unit.buf_bytes`), or a temporary for a resident unit — and is ready when
-        :meth:`CudaStage.decode_after` has decoded that region into the buffer, after the last piece's copy."""
+        a temporary of ``stored_bytes`` (:meth:`CudaStage.staging`), so that the pool's slots need only its decoded
+        layout — and is ready when :meth:`CudaStage.decode_after` has decoded that region into the buffer, after the
+        last piece's copy."""
         stage = ld.stage
         assert isinstance(stage, CudaStage)
         p0 = u.coded_at
-        buf = stage.buffer(u.dev_bytes if resident else u.buf_bytes, resident=resident, abort=ld.abort)
+        buf = stage.buffer(u.dev_bytes, resident=resident, abort=ld.abort)
         d0 = u.dev_bytes
-        stored = None if p0 is None else stage.staging(u.stored_bytes) if resident else buf.t[d0 : d0 + u.stored_bytes]
+        stored = None if p0 is None else stage.staging(u.stored_bytes)
 
         def dest(at: int) -> tuple[torch.Tensor | None, int]:  # a stored region's piece: into it, from its start
             return (None, at) if stored is None or at < d0 else (stored, at - d0)
@@ -178,7 +179,7 @@ class PiecesSource(Source):
             while reading:
                 ready = put_oldest()
             if stored is not None:  # every piece's copy issued: decode the stored region on the decode stream
-                ready = stage.decode_after(u, stored, buf.t[:d0], temporary=resident)
+                ready = stage.decode_after(u, stored, buf.t[:d0], temporary=True)
             faults.hit("stage", unit=u.name)
         except BaseException:
             while reading:  # never free a slot a copy still writes into

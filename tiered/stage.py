@@ -360,7 +360,7 @@ class CudaStage:
 
         A unit larger than the ring is put piece by piece into one buffer (:class:`tiered.sources.PiecesSource`):
         the copy stream runs in order, so the last piece's event says the whole unit is there. ``into``: the
-        destination instead of ``buf.t`` (a resident stored unit's temporary stored region, :meth:`staging`)."""
+        destination instead of ``buf.t`` (the stored region of a stored unit read in pieces, :meth:`staging`)."""
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         copied = torch.cuda.Event(enable_timing=True) if unit is not None else ready
         decoded = 0
@@ -399,8 +399,9 @@ class CudaStage:
         return ready
 
     def staging(self, n: int) -> torch.Tensor:
-        """``n`` bytes (uint8) of device memory for a resident stored unit's stored region, allocated on the copy
-        stream (the H2D copies write it; :meth:`decode_after` marks it used by the decode stream). Loader thread."""
+        """``n`` bytes (uint8) of device memory for the stored region of a stored unit read in pieces, allocated on
+        the copy stream (the H2D copies write it; :meth:`decode_after` marks it used by the decode stream): beside the
+        pool and the GPU budget, transient, cached by torch's allocator between loads. Loader thread."""
         with torch.cuda.stream(self.copy_stream):
             return torch.empty(n, dtype=torch.uint8, device=self.device)
 

@@ -134,8 +134,9 @@ class Streamer:
         # Bytes of the checkpoint this rank reads for each unit (all of it, unless distributed).
         self.read_share = [p.read.src_bytes for p in self.io_plans] if self.io_plans else [u.src_bytes for u in self.units]
         if device.type == "cuda":
+            # a unit read in pieces stages its stored region apart (PiecesSource): its decoded layout in the pool
             full = [p.full if p.gathered else u.buf_bytes for p, u in zip(self.io_plans, self.units, strict=True)] \
-                if self.io_plans else [u.buf_bytes for u in self.units]
+                if self.io_plans else [u.dev_bytes if u.index in (pieces or {}) else u.buf_bytes for u in self.units]
             streamed_max = max((full[i] for i in self.streamed), default=0)
             n_bufs = self.prefetch + 1 if self.streamed else 0
             self.stage: CpuStage | CudaStage = CudaStage(ring, device, n_bufs=n_bufs, buf_bytes=streamed_max, stats=stats,
