@@ -528,5 +528,60 @@ def test_default_ring_says_when_it_took_all_that_is_left(tmp_path: Path, monkeyp
     machine = Machine(host_available=policy.headroom(False) + (600 << 20) + 1024, host_where="MemAvailable")
     p = place(build_plan(mod, ckpt, align=64), Options(device="cpu"), machine, ckpt_bytes=ckpt.nbytes, strict=False)
     assert p.ring_why.startswith("automatic: 0.586 GiB, all of what MemAvailable leaves"), p.ring_why
-    assert "it asks for prefetch + 1 = 3 of the largest unit it holds (0.250 GiB)" in p.ring_why
+    assert "it asks for prefetch + 1 = 3 of the largest unit it streams (0.250 GiB)" in p.ring_why
     assert p.host_why == "automatic: none, the ring takes all the host leaves"
+
+
+def test_default_split_sizes_the_cuda_ring_by_what_streams(tmp_path: Path, monkeypatch) -> None:
+    """CUDA, the default split: a large head the GPU budget keeps resident does not size the ring (it passes through
+    it once, at load, in pieces); the ring holds prefetch + 1 of the largest *streamed* unit and the host tier takes
+    the rest. Before the fix the ring asked for 3 x the resident head and took all the host left (H200, Llama-3-8B
+    at gpu_gb=3 in a 4 GiB cgroup: ring 2.5 GiB, 1.38 GiB high water, no host tier). A resident head that cannot be
+    cut still gets a ring that holds it whole."""
+    from torch import nn
+
+    from tiered import pieces as _pieces
+    from tiered import policy
+    from tiered.format import open_checkpoint
+    from tiered.machine import Machine
+    from tiered.options import Options
+    from tiered.placement import place
+    from tiered.plan import build_plan
+
+    n, rows, cols = 6, 2048, 8192  # blocks of 64 MiB (fp32)
+    head_rows = 4 * rows  # a 256 MiB head
+    tensors = [(f"blocks.{i}.weight", torch.float32, (rows, cols), rows * cols * 4) for i in range(n)]
+    tensors.append(("head.weight", torch.float32, (head_rows, cols), head_rows * cols * 4))
+    head = encode_header(tensors, {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
+        f.write(head)
+        f.truncate(len(head) + sum(t[3] for t in tensors))
+    ckpt = open_checkpoint(tmp_path)
+
+    def model() -> nn.Module:
+        with torch.device("meta"):
+            mod = nn.Module()
+            mod.blocks = nn.ModuleList(nn.Linear(cols, rows, bias=False) for _ in range(n))
+            mod.head = nn.Linear(cols, head_rows, bias=False)
+        return mod
+
+    block, big = 64 * MiB, 256 * MiB
+    machine = Machine(host_available=policy.headroom(True) + GiB, host_where="MemAvailable", gpu_free=80 * GiB)
+    opts = Options(device="cuda", gpu_gb=(big + block + MiB) / GiB)  # the head and one device buffer
+
+    p = place(build_plan(model(), ckpt, align=64), opts, machine, ckpt_bytes=ckpt.nbytes, strict=False)
+    assert not p.refused, p.refused
+    names = {u.index: u.name for u in build_plan(model(), ckpt, align=64).units}
+    assert [names[i] for i in p.resident] == ["head"], p.resident
+    ring, host = int(p.ring_gb * GiB), int(p.host_gb * GiB)
+    assert ring == page_up(3 * block), p.ring_why  # not 3 x the head (768 MiB)
+    assert "prefetch + 1 = 3 of the largest unit it streams (0.062 GiB)" in p.ring_why, p.ring_why
+    assert host == page_up(n * page_up(block)) and len(p.host) == n, p.host_why  # every block read once, at load
+    assert p.pieces.get(next(i for i in p.resident)), "the resident head loads through the ring in pieces"
+
+    count = _pieces.count  # a head that cannot be cut (tiered.pieces.count says None: e.g. FP8 codes decoded whole)
+    monkeypatch.setattr(_pieces, "count", lambda u, room, align: None if u.name == "head" else count(u, room, align))
+    p = place(build_plan(model(), ckpt, align=64), opts, machine, ckpt_bytes=ckpt.nbytes, strict=False)
+    assert not p.refused, p.refused
+    assert int(p.ring_gb * GiB) == page_up(big) and not p.pieces, p.ring_why
+    assert "a resident unit that cannot be read in pieces passes through it whole" in p.ring_why, p.ring_why

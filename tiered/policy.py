@@ -97,7 +97,7 @@ def auto_ring_want(largest: int, prefetch: int) -> int:
     return page_up(max(MIN_AUTO_RING_BYTES, min((prefetch + 1) * largest, max(int(DEFAULT_RING_GB * GiB), largest))))
 
 
-def auto_split(total: int, largest: int, prefetch: int, streamed: int) -> tuple[int, int]:
+def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least: int = 0) -> tuple[int, int]:
     """``ring_gb`` and ``host_gb`` both left to tiered, and the model does not stay whole: how ``total`` bytes (what
     :func:`auto_ring_bytes` found the host leaves after the runtime's headroom) are shared between the ring and the
     host tier, as ``(ring_bytes, host_bytes)``, both page multiples.
@@ -109,8 +109,10 @@ def auto_split(total: int, largest: int, prefetch: int, streamed: int) -> tuple[
     the units that would stream): each of its bytes is read once at load instead of on every pass, while a byte
     more in the ring saves nothing. Measured on the 2-core CPU machine in a 2 GiB cgroup (TinyLlama-1.1B shape, bf16,
     cold; ``benchmarks/NOTES.md``, issue 23): the 1.2 GiB all in the ring ran at 0.64x accelerate's speed, a 0.25 GiB
-    ring beside a 0.75 GiB host tier at 1.24-1.95x."""
-    ring = min(auto_ring_want(largest, prefetch), total // PAGE_SIZE * PAGE_SIZE)
+    ring beside a 0.75 GiB host tier at 1.24-1.95x. ``largest`` is a unit that streams: on CUDA a resident unit passes
+    through the ring once, at load, in pieces where it is larger (:mod:`tiered.pieces`); ``at_least``: bytes the ring
+    must hold whole all the same (a resident unit that cannot be cut)."""
+    ring = min(max(auto_ring_want(largest, prefetch), page_up(at_least)), total // PAGE_SIZE * PAGE_SIZE)
     host = max(0, min(total - ring, page_up(streamed))) // PAGE_SIZE * PAGE_SIZE
     return ring, host
 
