@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown", "plots", "ceiling_for", "ceiling_stats", "ceiling_text", "merge", "main"]
+__all__ = ["markdown", "plots", "ceiling_for", "ceiling_stats", "ceiling_text", "merge", "main", "scaling_rows",
+           "limit_label"]
 
 GiB = 1 << 30
 SYSTEM_COLORS = {"tiered": "#1f77b4", "transformers": "#d62728", "accelerate": "#ff7f0e", "deepspeed": "#2ca02c"}
@@ -257,10 +258,17 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def limit_label(limit_gib: float | None) -> str:
+    """A cgroup ``memory.max`` in GiB as the tables and plots print it: ``"2 GiB"``; 0 or None: ``"none"``."""
+    return f"{limit_gib:g} GiB" if limit_gib else "none"
+
+
 def scaling_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``run.py --scaling``: per memory limit (GiB; 0: none) and system, the decode s/token of the rounds that ran
-    (``each``), their median, and the medians over those rounds of GB read per token, peak RSS over base and the
-    cgroup's peak; with tiered's automatic ring and host tier (GiB)."""
+    (``each``), their median, and the medians over those rounds of GB read per token (GB = 1e9 bytes), decode read
+    rate (GB/s), peak RSS over base and the cgroup's peak (GiB); with tiered's automatic ring and host tier (GiB),
+    accelerate's ``max_memory["cpu"]`` (``cpu_gb``: the values its rounds were given, GiB) and each ok round's
+    ``tokens_match`` (greedy ids equal to the file's reference run of the checkpoint; None: not compared)."""
     by: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for r in runs:
         if r.get("group") != "scaling":
@@ -278,7 +286,9 @@ def scaling_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "each": [r["decode_s_per_token_median"] for r in ok], "median": med("decode_s_per_token_median"),
                     "gb_per_token": med("streamed_gb_per_token"), "rss_over_base_gb": med("peak_rss_over_base_gb"),
                     "cgroup_peak_gb": med("cgroup_peak_gb"), "ring_gb": med("ring_gb_used"),
-                    "host_gb": med("host_gb_used"), "status": sorted({str(r.get("status")) for r in rs} - {"ok"})})
+                    "host_gb": med("host_gb_used"), "status": sorted({str(r.get("status")) for r in rs} - {"ok"}),
+                    "decode_gbps": med("decode_gbps"), "tokens_match": [r.get("tokens_match") for r in ok],
+                    "cpu_gb": sorted({c for r in rs if (c := (r.get("opts") or {}).get("cpu_gb")) is not None})})
     return out
 
 
@@ -480,7 +490,7 @@ def plots(res: dict[str, Any], stem: Path) -> tuple[list[Path], str | None]:
             for r in pts:
                 ax.scatter([xpos[r["limit_gb"]]] * len(r["each"]), r["each"], s=8, alpha=0.5,
                            color=SYSTEM_COLORS.get(system))
-        ax.set_xticks(range(len(lims)), [f"{x:g} GiB" if x else "none" for x in lims])
+        ax.set_xticks(range(len(lims)), [limit_label(x) for x in lims])
         ax.set_yscale("log")
         ax.set_xlabel("cgroup memory.max (cold page cache)")
         ax.set_ylabel("decode s/token (log; line: median, dots: rounds)")

@@ -363,6 +363,105 @@ def test_scaling_plans_each_limit_and_reports_per_limit_medians(tmp_path: Path) 
     assert note is not None or any(p.name == "x-scaling.png" and p.stat().st_size > 0 for p in made)
 
 
+def _result_file(path: Path, date: str, arch: str, dtype: str, layers: int, runs: list[dict]) -> Path:
+    """A ``run.py`` result file in the layout run.py writes (cut to the keys the reports read), on an H200."""
+    res = {"suite": "quick", "date": date, "machine_label": "h200",
+           "machine": {"gpus": ["NVIDIA H200, 143771 MiB, 580.159.04"], "cpu": "Intel(R) Xeon(R) Processor",
+                       "drop_caches_permitted": True, "tiered_commit": "abc1234"},
+           "config": {"arch": arch, "dtype": dtype, "layers": layers, "scale": 1.0, "max_shard_size": "200MB"},
+           "cgroup": {"available": True}, "notes": [], "ceilings": {},
+           "checkpoints": {"main": {"arch": arch, "dtype": dtype, "layers": layers, "scale": 1.0, "quant": None,
+                                    "max_shard_size": "200MB", "bytes": 12_101_798_312}},
+           "runs": runs}
+    path.write_text(json.dumps(res))
+    return path
+
+
+def _run(group: str, system: str, lim: float, spt: float | None, n: int, status: str = "ok", *, cache: str = "cold",
+         variant: str | None = None, tokens_match: bool = True) -> dict:
+    """One run record as run.py writes it: group scaling (``mem_gb``, key ``.../limitL#n`` or ``.../nolimit#n``) or
+    limit (``mem_gb`` None, key ``.../limit#n``); ``lim`` 0: no cgroup limit."""
+    variant = variant or ("defaults" if system == "tiered" else "disk-offload")
+    tag = ("limit" if group != "scaling" else f"limit{lim:g}" if lim else "nolimit") + f"#{n}"
+    r = {"key": f"main/{system}-{variant}/original/{'auto' if system == 'tiered' else 'mmap'}/{cache}/{tag}",
+         "label": system, "group": group, "system": system, "variant": variant, "ckpt": "main", "layout": "original",
+         "cache": cache, "limit": bool(lim), "mem_gb": lim if group == "scaling" else None,
+         "mem_limit_gb": lim or None, "opts": {"gpu_gb": 3.0} | ({"ring_gb": None} if system == "tiered" else
+                                                                 {"cpu_gb": round(max(lim - 1.2, 0.25), 2)}),
+         "status": status, "decode_s_per_token_median": spt, "streamed_gb_per_token": 9.0 + n / 10,
+         "decode_gbps": 1.0 + n / 10, "peak_rss_over_base_gb": 1.5 + n / 100, "cgroup_peak_gb": lim or None,
+         "tokens_match": tokens_match if status == "ok" else None}
+    if system == "tiered":
+        r |= {"ring_gb_used": 0.5 + n / 100, "host_gb_used": 0.25}
+    return r
+
+
+def _md_row(md: str, file: str, limit: str) -> list[str]:
+    """The cells of the merged table's one row of ``file`` at ``limit``."""
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in md.splitlines() if f"`{file}`" in ln]
+    rows = [c for c in rows if c[1] == limit]
+    assert len(rows) == 1, (file, limit, md)
+    return rows[0]
+
+
+def test_scaling_report_merges_invocations_with_ratios_only_within_a_file(tmp_path: Path) -> None:
+    """benchmarks/scaling_report.py merges the scaling benchmark run over several invocations: per (checkpoint, limit,
+    file) the medians over each system's ok rounds, accelerate ÷ tiered only from runs of the same file (blank for a
+    file holding one system; a (checkpoint, limit) in two files gives two rows), runs of other groups, variants or a
+    warm cache left out, the limits still missing of 2, 4, 8, 16, none per checkpoint, and the plot."""
+    a = _result_file(tmp_path / "a-gptj-scaling-4g.json", "2026-12-03T17:01:29+00:00", "gptj-6b", "fp16", 28, [
+        _run("scaling", "tiered", 4, 6.0, 1), _run("scaling", "accelerate", 4, 9.0, 1),
+        _run("scaling", "accelerate", 4, 8.1, 2), _run("scaling", "tiered", 4, 7.5, 2),
+        _run("scaling", "tiered", 4, 6.6, 3), _run("scaling", "accelerate", 4, None, 3, "failed (exit 1)"),
+        # not taken: another variant, another group (the cold group's accelerate: max_memory cpu = the ring), warm
+        _run("io", "tiered", 4, 0.5, 1, variant="streamed"), _run("cold", "accelerate", 0, 50.0, 1),
+        _run("scaling", "tiered", 4, 0.7, 4, cache="warm")])
+    b = _result_file(tmp_path / "b-gptj-2g.json", "2026-12-02T01:17:57+00:00", "gptj-6b", "fp16", 28, [
+        _run("limit", "tiered", 2, 5.0, 1), _run("limit", "accelerate", 2, 7.0, 1)])
+    c = _result_file(tmp_path / "c-gptj-4g-tiered-only.json", "2026-12-04T09:00:00+00:00", "gptj-6b", "fp16", 28, [
+        _run("limit", "tiered", 4, 3.0, 1)])
+    d = _result_file(tmp_path / "d-llama-scaling.json", "2026-12-02T03:54:24+00:00", "llama3-8b", "bf16", 32, [
+        _run("scaling", "tiered", 0, 2.0, 1), _run("scaling", "accelerate", 0, 3.3, 1),
+        _run("scaling", "tiered", 0, 2.4, 2), _run("scaling", "tiered", 2, 4.0, 1),
+        _run("scaling", "accelerate", 2, 4.4, 1, tokens_match=False),
+        _run("scaling", "tiered", 8, None, 1, "killed (OOM)"), _run("scaling", "accelerate", 8, 1.9, 1)])
+    out = tmp_path / "merged" / "scaling"
+    r = subprocess.run([sys.executable, str(BENCH / "scaling_report.py"), str(a), str(b), str(c), str(d), "--out",
+                        str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    md = Path(f"{out}.md").read_text()
+    # columns: 0 checkpoint, 1 limit, 2 machine, 3 file, 4/5 tiered each/median, 6/7 accelerate each/median, 8 ratio
+    ra = _md_row(md, a.name, "4 GiB")
+    assert ra[0] == "gptj-6b fp16 L28" and "h200 (NVIDIA H200), 2026-12-03 17:01" in ra[2], ra
+    assert ra[4] == "6.000, 7.500, 6.600" and ra[5] == "6.600", ra  # the warm 0.7 and io-group 0.5 are not taken
+    assert ra[6] == "9.000, 8.100 (failed (exit 1))" and ra[7] == "8.550", ra  # the failed round is not in the median
+    assert ra[8] == "1.30×", ra  # 8.55 / 6.6, this file's runs only
+    assert ra[13] == "0.52 + 0.25" and ra[14] == "2.8" and ra[15] == "yes (5 rounds)", ra
+    assert _md_row(md, b.name, "2 GiB")[8] == "1.40×"  # 7.0 / 5.0
+    rc = _md_row(md, c.name, "4 GiB")
+    assert rc[5] == "3.000" and rc[7] == "–" and rc[8] == "", rc  # one system in the file: no ratio
+    assert "2.85×" not in md and "2.70×" not in md  # never file a's accelerate over file c's tiered (or any pool)
+    assert not [ln for ln in md.splitlines() if ln.startswith("| gptj-6b fp16 L28 | none |")]  # the cold group's
+    rn = _md_row(md, d.name, "none")
+    assert rn[0] == "llama3-8b bf16 L32" and rn[5] == "2.200" and rn[7] == "3.300" and rn[8] == "1.50×", rn
+    assert _md_row(md, d.name, "2 GiB")[15].startswith("**no**"), md  # a round whose greedy ids differ
+    r8 = _md_row(md, d.name, "8 GiB")
+    assert r8[4] == "(killed (OOM))" and r8[7] == "1.900" and r8[8] == "", r8
+    # order: checkpoint, then limit (none last), then date
+    order = [(c[0], c[1], c[3]) for c in ([x.strip() for x in ln.split("|")[1:-1]] for ln in md.splitlines()
+                                           if ln.startswith("| gptj") or ln.startswith("| llama"))]
+    assert order == [("gptj-6b fp16 L28", "2 GiB", f"`{b.name}`"), ("gptj-6b fp16 L28", "4 GiB", f"`{a.name}`"),
+                     ("gptj-6b fp16 L28", "4 GiB", f"`{c.name}`"), ("llama3-8b bf16 L32", "2 GiB", f"`{d.name}`"),
+                     ("llama3-8b bf16 L32", "8 GiB", f"`{d.name}`"), ("llama3-8b bf16 L32", "none", f"`{d.name}`")]
+    assert ("* gptj-6b fp16 L28 (`gptj-6b-fp16-L28-200MB`, 12.10 GB): still missing of 2, 4, 8, 16, none: "
+            "8 GiB, 16 GiB, none") in md.splitlines(), md
+    assert ("* llama3-8b bf16 L32 (`llama3-8b-bf16-L32-200MB`, 12.10 GB): still missing of 2, 4, 8, 16, none: "
+            "4 GiB, 8 GiB, 16 GiB (one system only: 8 GiB)") in md.splitlines(), md
+    png = Path(f"{out}.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+    assert "![memory scaling](scaling.png)" in md
+
+
 def test_fp8_checkpoints_run_against_stocks_dequantized_model(tmp_path: Path) -> None:
     """`run.py --quant fp8` (issue 24): the checkpoint is written in block FP8, tiered streams it, transformers loads
     it dequantized (FineGrainedFP8Config(dequantize=True)), and the greedy tokens agree."""
