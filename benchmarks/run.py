@@ -105,7 +105,7 @@ SUITE_HELP = {
     **{k: v.help for k, v in steps.STEP_SUITES.items()},
 }
 
-GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed", "scaling")
+GROUPS = ("core", "cold", "limit", "sweep", "resharded", "io", "deepspeed", "scaling", "scaling-io")
 
 
 @dataclass
@@ -264,6 +264,12 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                              opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow),
                            R("scaling", "accelerate", "disk-offload", cache="cold", limit=bool(lim),
                              opts={**acc, "cpu_gb": round(cpu, 2)}, new_tokens=slow))]
+        # --scaling-io: the same defaults with the read backend forced, beside them in every round (group scaling-io,
+        # out of the scaling table: the report's rounds table holds each against accelerate at the same limit)
+        runs += [dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim)
+                 for r in (R("scaling-io", "tiered", "defaults", cache="cold", limit=bool(lim), io=io,
+                             opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow)
+                           for io in a.scaling_io)]
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
     if a.no_cold:
@@ -665,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
                    "accelerate disk offload (max_memory cpu = limit - 1.2 GiB on CUDA, - 1.0 on the CPU), cold, at "
                    "each of these cgroup "
                    "memory.max in GiB ('none' or 0: no limit; e.g. 2,4,8,16,none); with --repeat, alternating rounds")
+    p.add_argument("--scaling-io", default="", metavar="IO,...",
+                   help="with --scaling: also run tiered's defaults with io forced to each of these (direct, pread, "
+                        "mmap) at every limit, in the same rounds (group scaling-io; its rows are in the rounds "
+                        "table, against accelerate at the same limit)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -705,8 +715,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ceiling-rounds must be >= 1")
     a.mem_limit_gb = a.mem_limit_gb if a.mem_limit_gb is not None else a.ring_gb + 2.0
     a.scaling = [0.0 if x.strip() in ("none", "0") else float(x) for x in a.scaling.split(",") if x.strip()]
+    a.scaling_io = [x.strip() for x in a.scaling_io.split(",") if x.strip()]
+    if bad_io := [x for x in a.scaling_io if x not in ("direct", "pread", "mmap")]:
+        p.error(f"--scaling-io {bad_io}: choose from direct, pread, mmap")
+    if a.scaling_io and not a.scaling:
+        p.error("--scaling-io needs --scaling")
     if a.scaling and a.groups == ",".join(GROUPS):
-        a.groups = "scaling"  # --scaling alone: only its runs
+        a.groups = "scaling,scaling-io"  # --scaling alone: only its runs
     a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]
     a.systems = [x.strip() for x in a.systems.split(",") if x.strip()]
     a.runs = [x.strip() for x in a.runs.split(",") if x.strip()]

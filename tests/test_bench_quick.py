@@ -377,6 +377,42 @@ def _result_file(path: Path, date: str, arch: str, dtype: str, layers: int, runs
     return path
 
 
+
+def test_scaling_io_forces_the_read_backend_beside_the_defaults_and_is_held_against_accelerate(tmp_path: Path) -> None:
+    """`run.py --scaling 2 --scaling-io direct,pread`: beside tiered's defaults (io auto) and accelerate, tiered's
+    defaults with io forced to each backend at the same limit, in the same alternating rounds (group scaling-io, so the
+    scaling table keeps one tiered row per limit); the rounds table holds each against accelerate at that limit; an
+    unknown backend and --scaling-io without --scaling are refused."""
+    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--gpu-gb", "3",
+           "--scaling", "2", "--scaling-io", "direct,pread", "--repeat", "2", "--list"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    lines = [ln.split(None, 2) for ln in r.stdout.splitlines()]
+    base = "main/tiered-defaults/original/{}/cold/limit2"
+    acc = "main/accelerate-disk-offload/original/mmap/cold/limit2"
+    first = [base.format("auto"), acc, base.format("direct"), base.format("pread")]
+    assert [ln[1] for ln in lines] == [f"{k}#1" for k in first] + [f"{k}#2" for k in first[::-1]], r.stdout
+    assert [ln[0] for ln in lines[:4]] == ["scaling", "scaling", "scaling-io", "scaling-io"]
+    assert all("'ring_gb': None" in ln[2] for ln in lines if "tiered" in ln[1]), r.stdout
+
+    def rec(key: str, group: str, spt: float) -> dict:
+        return {"key": key, "group": group, "system": key.split("/")[1].split("-")[0], "mem_gb": 2.0, "status": "ok",
+                "decode_s_per_token_median": spt, "label": key}
+    runs = [rec(f"{base.format('auto')}#1", "scaling", 8.0), rec(f"{acc}#1", "scaling", 9.0),
+            rec(f"{base.format('pread')}#1", "scaling-io", 7.5), rec(f"{base.format('pread')}#2", "scaling-io", 6.5),
+            rec(f"{acc}#2", "scaling", 7.0), rec(f"{base.format('auto')}#2", "scaling", 10.0)]
+    rows = report.scaling_rows(runs)
+    assert [(x["system"], x["each"]) for x in rows] == [("accelerate", [9.0, 7.0]), ("tiered", [8.0, 10.0])]
+    table = "\n".join(report._repeats(runs))
+    pread = next(ln for ln in table.splitlines() if "/pread/" in ln)
+    assert "| 7.000 |" in pread and f"{8.0 / 7.0:.2f}×" in pread, table
+    for bad in (["--scaling-io", "odirect"], []):
+        cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list",
+               *(["--scaling", "2"] if bad else []), *(bad or ["--scaling-io", "pread"])]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert r.returncode == 2 and "--scaling-io" in r.stderr, r.stderr
+
+
 def _run(group: str, system: str, lim: float, spt: float | None, n: int, status: str = "ok", *, cache: str = "cold",
          variant: str | None = None, tokens_match: bool = True) -> dict:
     """One run record as run.py writes it: group scaling (``mem_gb``, key ``.../limitL#n`` or ``.../nolimit#n``) or
