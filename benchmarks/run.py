@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -375,7 +376,9 @@ def machine_info(ckpt_dir: Path) -> dict[str, Any]:
 
 def machine_label(info: dict[str, Any]) -> str:
     if info["gpus"]:
-        name = info["gpus"][0].split(",")[0].split()[-1].lower()
+        # the model token ("NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200), else the name's last word
+        words = info["gpus"][0].split(",")[0].split()
+        name = next((w for w in words if re.fullmatch(r"[A-Za-z]+\d+[A-Za-z]*", w)), words[-1]).lower()
         n = len(info["gpus"])
         return name if n == 1 else f"{n}x{name}"
     ram = f"-{round(info['ram_gib'])}g" if info.get("ram_gib") else ""

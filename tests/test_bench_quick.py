@@ -609,3 +609,12 @@ def test_read_requests_and_read_trace_run_and_report(tmp_path: Path) -> None:
     assert set(got) == {str(plain), str(coded)}
     for s in got.values():
         assert s["reads"] > 0 and 0 < s["disk_busy"] <= 1 and s["s_per_token"] > 0 and s["read_gbps"] > 0, s
+
+
+def test_machine_label_names_the_gpu_model_not_its_memory() -> None:
+    """Result files are named by the GPU model: an H100 reports "NVIDIA H100 80GB HBM3" and was labelled "hbm3"
+    (the name's last word) until 2026-12-05."""
+    import run
+    assert run.machine_label({"gpus": ["NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04"]}) == "h100"
+    assert run.machine_label({"gpus": ["NVIDIA H200, 143771 MiB, 580.159.04"] * 2}) == "2xh200"
+    assert run.machine_label({"gpus": [], "cores": 2, "ram_gib": 23.5}) == "cpu-2c-24g"
