@@ -400,6 +400,7 @@ class Runner:
         self.work = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=a.cache_dir))
         self.warm: set[Path] = set()  # checkpoint dirs the page cache holds (emptied by every cache drop)
         self.logs: list[str] = []
+        self.took: dict[str, float] = {}  # --repeat: a run's key without its round (#n) -> seconds its last round took
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                         TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1")
         self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
@@ -506,6 +507,11 @@ class Runner:
         if left < a.min_start_s:
             row["status"] = f"not run: suite budget spent (--budget-s {a.budget_s:.0f})"
             return row
+        took = self.took.get(rd.key.rpartition("#")[0] or rd.key)
+        if took is not None and left - a.min_start_s < 0.9 * took:  # a timeout it cannot meet: a wasted run
+            row["status"] = (f"not run: {left:.0f} s of the suite budget left (--budget-s {a.budget_s:.0f}), its "
+                             f"earlier round took {took:.0f} s")
+            return row
         if not self.ensure_ckpt(c):
             row["status"] = f"not run: checkpoint {c.status}"
             return row
@@ -574,6 +580,8 @@ class Runner:
             row["cgroup_peak_gb"] = r.cgroup["memory_peak"] / GiB if r.cgroup.get("memory_peak") is not None else None
             row["cgroup_events"] = r.cgroup.get("events")
         row["wall_s"] = r.wall_s
+        if r.status == "ok":
+            self.took[rd.key.rpartition("#")[0] or rd.key] = r.wall_s
         msg = row["status"]
         if row.get("decode_s_per_token_median"):
             msg += f": load {row.get('load_s', 0):.1f} s, {row['decode_s_per_token_median']:.3f} s/token"

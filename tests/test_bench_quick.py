@@ -618,3 +618,26 @@ def test_machine_label_names_the_gpu_model_not_its_memory() -> None:
     assert run.machine_label({"gpus": ["NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04"]}) == "h100"
     assert run.machine_label({"gpus": ["NVIDIA H200, 143771 MiB, 580.159.04"] * 2}) == "2xh200"
     assert run.machine_label({"gpus": [], "cores": 2, "ram_gib": 23.5}) == "cpu-2c-24g"
+
+
+def test_a_round_the_budget_cannot_fit_is_not_started(tmp_path: Path) -> None:
+    """run.py gives each run the budget that is left as its timeout; a round whose earlier round took longer than that
+    is not started (it used to start with a 21 s timeout and be killed, wasting device time), while a run with no
+    earlier round, or one that fits, still is."""
+    import argparse
+
+    import run
+    a = argparse.Namespace(budget_s=100.0, min_start_s=10.0, cache_dir=str(tmp_path), mem_limit_gb=None)
+    runner = run.Runner(a, {"main": object()}, [], cuda=False)
+    runner.t0 -= 40.0  # 60 s of the budget left, 50 s before the last start
+    rd = run.RunDef(key="main/tiered-defaults/original/auto/cold/limit2#2", group="scaling", system="tiered",
+                    variant="defaults", ckpt="main")
+    runner.took["main/tiered-defaults/original/auto/cold/limit2"] = 75.0
+    row = runner.run_one(rd, True, "")
+    assert row["status"].startswith("not run:") and "took 75 s" in row["status"], row
+    for took in (40.0, None):  # fits, or never ran: it goes on (and here stops at the dummy checkpoint)
+        runner.took.clear()
+        if took:
+            runner.took["main/tiered-defaults/original/auto/cold/limit2"] = took
+        with pytest.raises(AttributeError):
+            runner.run_one(rd, True, "")
