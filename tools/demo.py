@@ -55,8 +55,11 @@ def part_a(ring_gb: float) -> bool:
         e = (h * m).sum(1) / m.sum(1)  # mean pooling, as sentence-transformers does: (B, 384)
         return torch.nn.functional.normalize(e, dim=-1)
 
-    ref = embed(AutoModel.from_pretrained(d).eval())
-    with tiered.load(d, ring_gb=ring_gb, device="cpu") as model:
+    # compute_threads="auto": while units stream on the CPU, torch gets the cores the reader threads leave (torch's
+    # default, a thread per core, beside busy readers oversubscribes them: OversubscribedWarning). It sets torch's
+    # threads process-wide, so stock runs after it, at the same setting: float32 matmuls are then bit-comparable
+    with tiered.load(d, ring_gb=ring_gb, device="cpu", compute_threads="auto") as model:
+        ref = embed(AutoModel.from_pretrained(d).eval())
         got = embed(model)
         s = tiered.stats(model)
         snap = s.snapshot()
@@ -85,7 +88,7 @@ def part_b(cache: Path, ring_gb: float, new_tokens: int, threads: int) -> None:
     print(f"(b) {d} ({size / GiB:.2f} GiB, TinyLlama-1.1B shapes, random bf16 weights; ready in {gen_s:.1f} s)")
     base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
-    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads)
+    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads, compute_threads="auto")
     load_s = time.perf_counter() - t0
     ids = torch.tensor([[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]])
     with model, torch.no_grad():
@@ -150,7 +153,7 @@ def part_c(cache: Path, ring_gb: float, question: str, new_tokens: int, threads:
                                   return_tensors="pt", return_dict=True)
     reset = reset_peak_rss()
     base = proc_status()["VmRSS"]
-    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads)
+    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads, compute_threads="auto")
     print(f"    ring {ring_gb * 1024:.0f} MiB for a {size / 2**20:.0f} MiB model; Q: {question}")
     print("    A: ", end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -189,7 +192,7 @@ def part_d(cache: Path, ring_gb: float, question: str, threads: int) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads)
+    model = tiered.load(d, ring_gb=ring_gb, device="cpu", threads=threads, compute_threads="auto")  # as `tiered serve`
     uv = uvicorn.Server(uvicorn.Config(create_app(Server(model, AutoTokenizer.from_pretrained(d), "smollm2")),
                                        host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=uv.run, daemon=True)
