@@ -31,8 +31,9 @@ import tiered.api  # the package imports it lazily
 import tiered.machine  # patched below
 import tiered.policy
 from tiered.cli import flags_for_options, main
+from tiered.hostmem import page_up
 from tiered.rows import row_eligible
-from tiered.stats import GB, Stats, gb, gib, sig3
+from tiered.stats import GB, GiB, Stats, gb, gib, sig3
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 10  # tokens generated per run
@@ -404,7 +405,7 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     assert per_token == pytest.approx(total / len(new), rel=1e-2), err
     assert 0 < rows_gb < facts["src_bytes"] - facts["ring_src_bytes"], err  # rows, not the table
     # CPU zero copy: every streamed unit computes on the mapping; the row-read embedding is not counted among them
-    assert "; all of them compute on the file mapping (zero copy)" in err, err
+    assert f"; all {n_units} compute on the file mapping (zero copy)" in err, err
     model_gib = summary_figure(err, r"model ([0-9.]+) GiB")
     assert model_gib == pytest.approx(facts["model_bytes"] / 2**30, rel=1e-2), err
     assert not ZERO_GB.search(err) and "resident" not in err.splitlines()[1], err
@@ -423,6 +424,54 @@ def test_chat_text_equals_transformers_resident(dirs: dict[str, Path], facts: di
     assert f"all {facts['units']} units resident in the ring" in err and "nothing streamed per token" in err, err
     assert not ZERO_GB.search(err), err  # no "streamed 0.00 GB at 0.00 GB/s"
     assert "(--ring-gb 1 capped: the whole model fits in less)" in err, err  # a tiny model: the ring was capped
+
+
+def _counted(text: str) -> list[tuple[int, str]]:
+    """Every ``N unit(s)`` / ``N embedding(s)`` count in ``text``: (N, noun as written)."""
+    return [(int(m[1]), m[2]) for m in re.finditer(r"(?<![\d.])(\d+) (units?|embeddings?)\b", text)]
+
+
+@pytest.mark.parametrize("case", ["one_streamed", "llama", "gpt2"])
+def test_generate_summary_counts_agree_and_are_grammatical(case: str, ckpts: Checkpoints,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiered generate`'s lines after the text: each count is the placement's (the units streamed through the ring,
+    those of them on the file mapping, the embeddings read by row), says what it counts (no "of them" after the
+    embeddings' clause) and agrees with its noun in number ("1 unit is", "2 units are"). ``one_streamed``: a host
+    tier holds every streamed unit but one; ``gpt2``: two embeddings read by row (wte, wpe)."""
+    d = ckpts["gpt2" if case == "gpt2" else "llama"]
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        ring = streaming_ring_gb(probe)
+    opts: dict = {"ring_gb": ring}
+    if case == "one_streamed":  # a host tier of every streamed unit's slot but the smallest
+        with tiered.load(d, device="cpu", ring_gb=ring) as m:
+            p = tiered.stats(m).placement
+            slots = sorted(page_up(m._tiered.plan.units[i].nbytes) for i in p.streamed)
+        opts["host_gb"] = (sum(slots) - slots[0]) / GiB
+    with tiered.load(d, device="cpu", **opts) as m:
+        p = tiered.stats(m).placement
+        ring_units, mapped, rows = set(p.streamed) - set(p.host), set(p.mapped), len(p.rows)
+    n, on_map = len(ring_units), len(ring_units & mapped)
+    assert (n == 1) == (case == "one_streamed") and on_map and rows == (2 if case == "gpt2" else 1), (p, case)
+    main(["generate", str(d), "--ids", "--prompt", "1 2 3", "--max-new-tokens", "2", "--device", "cpu",
+          *[f for k, v in opts.items() for f in ("--" + k.replace("_", "-"), repr(v))]])
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if " tokens in " in ln)
+    said = re.search(r"the (\d+) streamed (unit is|units are) ", line)
+    assert said and int(said[1]) == n and (said[2] == "unit is") == (n == 1), line
+    said = re.search(r"; (it computes|all (\d+) compute|(\d+) of the (\d+) (computes?)) on the file mapping", line)
+    assert said, line
+    got = (1, 1) if said[1] == "it computes" else (int(said[2]),) * 2 if said[2] else (int(said[3]), int(said[4]))
+    assert got == (on_map, n), line
+    assert said[5] is None or (said[5] == "computes") == (on_map == 1), line
+    said = re.search(r"\((\d+) (embeddings?) read by row\)", line)
+    assert said and int(said[1]) == rows, line
+    assert "of them" not in line, line
+    stats_line = next(ln for ln in err.splitlines() if ln.startswith("[tiered] read "))
+    said = re.search(r"(\d+) units? (computes?) on the file mapping", stats_line)
+    assert said and int(said[1]) == len(mapped) and (said[2] == "computes") == (len(mapped) == 1), stats_line
+    assert "units loaded" in stats_line or "unit loaded" in stats_line, stats_line  # loads over passes, not units
+    for k, noun in _counted(line) + _counted(stats_line):  # "1 unit", "2 units"
+        assert (k == 1) == (not noun.endswith("s")), (k, noun, line, stats_line)
 
 
 def test_chat_with_a_system_message_equals_transformers(dirs: dict[str, Path]) -> None:
@@ -542,7 +591,7 @@ def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints
             assert s["read_bytes"] > n * per_pass  # what the old per-read count would have charged to n passes
             last = s
         text = str(tiered.stats(m))
-        assert f"{gb(3 * per_pass)} used by passes ({3 * len(ring_units)} units, {gb(3 * rows)} of embedding rows)" \
+        assert f"{gb(3 * per_pass)} used by passes ({3 * len(ring_units)} units loaded, {gb(3 * rows)} of embedding rows)" \
             in text, text
         assert f"{gb(ahead)} read ahead and not used (yet)" in text, text
 
@@ -656,6 +705,45 @@ def test_inspect_says_the_default_ring_here(dirs: dict[str, Path]) -> None:
     with tiered.load(d, device="cpu") as m:
         p = tiered.stats(m).placement
         assert p.ring_why.startswith("automatic") and (p.host_gb, p.host_why, p.io) == (0, dr["host_why"], dr["io"])
+
+
+@pytest.mark.parametrize("case", ["llama_big_vocab", "gpt2_long_positions"])
+def test_inspect_ring_needed_names_a_unit_that_goes_through_the_ring(case: str, tmp_path: Path) -> None:
+    """``ring needed`` names the largest unit the ring holds with the defaults, never an embedding read by rows
+    (which never enters the ring): ``llama_big_vocab``, an untied Llama whose embedding is as large as its head (the
+    largest units: the embedding comes first); ``gpt2_long_positions``, a GPT-2 whose position table (read by rows)
+    is larger than any other unit. The unit named is the one tiered.load's placement sizes the ring by, and the
+    figure printed is a ring that load takes."""
+    if case == "llama_big_vocab":
+        cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        model, dtype = transformers.LlamaForCausalLM(cfg), torch.bfloat16
+    else:
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=4096, n_embd=64, n_layer=2, n_head=4)
+        model, dtype = transformers.GPT2LMHeadModel(cfg), torch.float32
+    d = models.save_model(model, tmp_path / case, seed=5, dtype=dtype, max_shard_size=None)
+    info = _inspect_json(d, "--units")
+    size = {u["name"]: u["bytes"] for u in info["units"]}
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        streams = streaming_ring_gb(probe)
+    with tiered.load(d, device="cpu", ring_gb=streams) as m:  # what load reads by rows, and the unit it sizes the ring by
+        p = tiered.stats(m).placement
+        by_rows = {m._tiered.plan.units[i].name for i in p.rows}
+        need = p.largest_unit_bytes
+    biggest_row_read = max(size[n] for n in by_rows)
+    assert by_rows and biggest_row_read >= max(size.values()), (by_rows, size)  # the case the message got wrong
+    r = cli("inspect", d, "--units")
+    assert r.returncode == 0, r.stderr
+    said = re.search(r"^ring needed[^\n]*?: >= ([0-9.]+) GiB \(largest unit (?:through the ring )?([\w.]+)\)",
+                     r.stdout, re.M)
+    assert said, r.stdout
+    name = said[2]
+    assert name not in by_rows, r.stdout
+    assert size[name] == max(b for n, b in size.items() if n not in by_rows) == need, (name, size, need)
+    assert info["largest_ring_unit"] == {"name": name, "bytes": need}
+    ring = float(said[1])
+    assert ring * GiB >= page_up(need)
+    tiered.load(d, device="cpu", ring_gb=ring, prefetch=0).close()  # the ring said is one that runs
 
 
 def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:

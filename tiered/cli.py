@@ -45,7 +45,7 @@ from .inspection import (  # noqa: F401 - re-exported
     print_headers,
     print_inspect,
 )
-from .stats import gb, gbps, gib, proc_status, sig3
+from .stats import gb, gbps, gib, plural, proc_status, sig3
 
 __all__ = ["main", "inspect_dir", "build_parser"]
 
@@ -186,37 +186,46 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
            f"({sig3(gen_s / n)} s/token)"
     streamed = after["streamed_bytes"] - before["streamed_bytes"]
     if n_res == n_units and not after["expert_modules"]:
-        lines.append(f"{rate}; all {n_units} units resident in {where} (read once, at load: "
+        lines.append(f"{rate}; all {plural(n_units, 'unit')} resident in {where} (read once, at load: "
                      f"{gb(after['load_bytes'])}); nothing streamed per token")
     else:
         st = model._tiered.streamer
         ring_units = [i for i in st.streamed if i not in st.host_ids]  # read each pass (row-read embeddings apart)
+        n_ring = len(ring_units)
         src = sum(plan.units[i].src_bytes for i in ring_units)
-        part = f"the {len(ring_units)} streamed units are {gb(src)}" if ring_units else "no unit streams whole"
+        # every count below names its own noun (no "of them" that could mean the embeddings or the host tier)
+        part = (f"the {plural(n_ring, 'streamed unit')} {'is' if n_ring == 1 else 'are'} {gb(src)}" if ring_units
+                else "no unit streams whole")
         if st.host_ids:
             part += (f" ({len(st.host_ids)} more in the host tier: {gib(after['host_bytes'])}, read once at load, "
                      f"{gb(after['host_used_bytes'] - before['host_used_bytes'])} used by the passes)")
-        if after["row_units"]:
-            rows = after["embedding_bytes"] - before["embedding_bytes"]
-            part += f", plus {gb(rows)} of embedding rows in all ({after['row_units']} embedding read by row)"
         on_map = len(set(ring_units) & set(model._tiered.placement.mapped))  # (a row-read embedding is mapped too)
         if on_map:
-            part += f"; {'all' if on_map == len(ring_units) else on_map} of them compute on the file mapping (zero copy)"
+            who = ("it computes" if n_ring == 1 else f"all {n_ring} compute" if on_map == n_ring else
+                   f"{on_map} of the {n_ring} {'computes' if on_map == 1 else 'compute'}")
+            part += f"; {who} on the file mapping (zero copy)"
         if after["page_cache_units"]:
-            part += (f", {after['page_cache_units']} of those ({gb(after['page_cache_bytes'])}) kept in the page cache "
-                     f"between tokens (io=auto: the room the memory limit leaves; the rest read O_DIRECT)")
+            part += (f", {after['page_cache_units']} of those ({gb(after['page_cache_bytes'])}) "
+                     f"kept in the page cache between tokens (io=auto: the room the memory limit leaves; the rest "
+                     "read O_DIRECT)")
+        if after["row_units"]:
+            rows = after["embedding_bytes"] - before["embedding_bytes"]
+            part += (f"; plus {gb(rows)} of embedding rows in all ({plural(after['row_units'], 'embedding')} "
+                     "read by row)")
         if after["expert_modules"]:
             ex = after["expert_bytes"] - before["expert_bytes"]
-            part += (f", plus {gb(ex)} of routed experts ({after['expert_modules']} MoE blocks read only the "
-                     "experts their router picked")
+            blocks = after["expert_modules"]
+            part += (f"; plus {gb(ex)} of routed experts ({plural(blocks, 'MoE block')} "
+                     f"{'reads' if blocks == 1 else 'read'} only the experts {'its' if blocks == 1 else 'their'} "
+                     "router picked")
             if after["expert_cache_slots"]:
                 hits = after["expert_cache_hits"] - before["expert_cache_hits"]
                 looked = hits + after["expert_cache_misses"] - before["expert_cache_misses"]
-                part += (f"; the expert cache holds {after['expert_cache_slots']} experts, "
+                part += (f"; the expert cache holds {plural(after['expert_cache_slots'], 'expert')}, "
                          f"{hits / max(1, looked):.0%} of picks found there")
             part += ")"
         if n_res:
-            part += f"; {n_res} units resident in {where}"
+            part += f"; {plural(n_res, 'unit')} resident in {where}"
         lines.append(f"{rate}; streamed {gb(streamed)} ({gb(streamed / n)}/token; {part}) at "
                      f"{gbps(streamed, gen_s)} end to end; stalls {after['stall_s'] - before['stall_s']:.2f} s")
     st = proc_status()

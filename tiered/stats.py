@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "gib", "gbps", "sig3"]
+__all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "gib", "gbps", "sig3", "plural", "compression_ratios"]
 
 GB = 10**9  #: bytes moved and rates
 GiB = 1 << 30  #: memory sizes
@@ -43,6 +43,22 @@ def sig3(x: float) -> str:
         return "0"
     decimals = min(12, max(0, 2 - math.floor(math.log10(abs(x)))))
     return f"{x:.{decimals}f}"
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """A count and its noun, singular for 1: ``plural(1, "unit") == "1 unit"``, ``plural(2, "unit") == "2 units"``
+    (``nouns``: the plural where it is not ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def compression_ratios(stored: int, plain: int, coded_stored: int, coded_plain: int) -> str:
+    """A losslessly compressed checkpoint's stored bytes over its plain bytes, as ``tiered reshard --compress`` and
+    ``tiered inspect`` both print them: over all tensors (``stored``/``plain``: a tensor written plain counts its
+    bytes in both) and over the coded tensors only (``coded_stored``/``coded_plain``)."""
+    def r(a: int, b: int) -> str:
+        return f"{a / b:.3f}" if b else "n/a"
+
+    return f"stored/plain bytes: all tensors {r(stored, plain)}, coded tensors {r(coded_stored, coded_plain)}"
 
 
 def gb(nbytes: float) -> str:
@@ -378,8 +394,9 @@ class Stats:
             via += f" chosen over {'pread' if c['chosen'] == 'direct' else 'direct'}: direct {c['direct_gbps']:.3g} " \
                    f"vs pread {c['pread_gbps']:.3g} GB/s per copy thread"
         if s["mapped_units"]:  # their bytes are faulted in by the compute itself: no copy, no read time of their own
-            read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {s['mapped_units']} units compute on the file "
-                    "mapping, zero copy: no ring copy)")
+            n = s["mapped_units"]
+            read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {plural(n, 'unit')} {'computes' if n == 1 else 'compute'} "
+                    "on the file mapping, zero copy: no ring copy)")
         else:
             read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
@@ -392,7 +409,8 @@ class Stats:
                 + cache if s["expert_modules"] else "nothing streams")
         else:
             read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
-            read += f"{gb(s['streamed_bytes'])} used by passes ({s['units_streamed']} units"
+            # units loaded, summed over the passes (a unit each pass streams counts once a pass): not distinct units
+            read += f"{gb(s['streamed_bytes'])} used by passes ({plural(s['units_streamed'], 'unit')} loaded"
             read += f", {gb(s['embedding_bytes'])} of embedding rows" if s["row_units"] else ""
             if s["expert_modules"]:
                 per = s["experts_read"] / s["expert_calls"] if s["expert_calls"] else 0.0
