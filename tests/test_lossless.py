@@ -5,6 +5,7 @@ tests/test_reshard.py.)"""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -913,3 +914,41 @@ def test_routed_experts_without_triton_leave_no_unit_for_the_gpu_decoder(tmp_pat
                               ring_gb=2 * max(u.nbytes for u in plan.units) / 2**30, gpu_gb=1e-4)
     routed = {plan.units[i].name for i in pl.routed}
     assert routed and {n for n, why in pl.reader_decoded.items() if "routed experts" in why} == routed
+
+
+def _header_spans(f: Path) -> dict[str, tuple[str, int]]:
+    """A safetensors file's tensors, from its JSON header alone: name -> (header dtype, bytes of its data section)."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    return {k: (v["dtype"], v["data_offsets"][1] - v["data_offsets"][0]) for k, v in head.items() if k != "__metadata__"}
+
+
+def test_reshard_and_inspect_print_the_same_compression_ratios(tmp_path: Path) -> None:
+    """`tiered reshard --compress` and `tiered inspect` of its output print the same labelled ratios, stored over
+    plain bytes over all tensors and over the coded ones only, and both are the files' own: stored bytes from the
+    output's headers (a coded tensor is a U8 blob there), plain bytes from the source's."""
+    import models
+
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    src = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "src", seed=25, dtype=torch.bfloat16,
+                            max_shard_size="600KB", std=0.02)  # tensors of 64-512 KiB: coded by the default rule
+    dst = tmp_path / "z"
+    cmd = [sys.executable, "-m", "tiered.cli"]
+    r = subprocess.run([*cmd, "reshard", str(src), str(dst), "--compress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    i = subprocess.run([*cmd, "inspect", str(dst)], capture_output=True, text=True, timeout=120)
+    assert i.returncode == 0, i.stderr
+    pattern = r"stored/plain bytes: all tensors ([0-9.]+), coded tensors ([0-9.]+)"
+    said = [re.findall(pattern, out) for out in (r.stdout, i.stdout)]
+    assert len(said[0]) == len(said[1]) == 1 and said[0] == said[1], (r.stdout, i.stdout)
+    plain = {k: nb for f in src.glob("*.safetensors") for k, (_, nb) in _header_spans(f).items()}
+    stored = {k: v for f in dst.glob("*.safetensors") for k, v in _header_spans(f).items()}
+    assert set(plain) == set(stored)
+    coded = {k for k, (dt, _) in stored.items() if dt == "U8"}
+    assert 0 < len(coded) < len(stored)  # some coded, some plain (the embedding read by rows stays plain)
+    want_all = sum(nb for _, nb in stored.values()) / sum(plain.values())
+    want_coded = sum(stored[k][1] for k in coded) / sum(plain[k] for k in coded)
+    assert said[0][0] == (f"{want_all:.3f}", f"{want_coded:.3f}"), (said, want_all, want_coded)
+    assert want_coded < want_all < 1  # two different figures: the label matters

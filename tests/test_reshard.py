@@ -1103,7 +1103,9 @@ def test_compress_round_trip_is_bitwise(llama_z: Path, tmp_path: Path) -> None:
     ratio = s.stored_bytes / s.data_bytes
     print(f"llama_z bf16 N(0, 0.02): compressed to {ratio:.3f} of {s.data_bytes} bytes")
     assert ratio < 0.75 and s.data_bytes == a.data_bytes == c.data_bytes and c.stored_bytes is None
-    assert f"compressed: {ratio:.3f} of" in str(s) and "compressed" not in str(c)
+    coded_ratio = s.coded_stored_bytes / s.coded_plain_bytes
+    assert f"compressed: stored/plain bytes: all tensors {ratio:.3f}, coded tensors {coded_ratio:.3f} (" in str(s) \
+        and "compressed" not in str(c)
     assert s.kernel_copy_bytes <= infos[rows].nbytes  # the plain embedding may go kernel to kernel, nothing coded
     assert s.shards == a.shards and s.file_bytes < a.file_bytes
     # deterministic: a second run writes the same bytes (the coder's threads finish in any order)
@@ -1300,7 +1302,7 @@ def test_cli_compress_and_decompress(llama_z: Path, tmp_path: Path) -> None:
     r = subprocess.run([*cmd, str(llama_z), str(tmp_path / "z"), "--compress", "--verify"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "compressed: 0." in r.stdout and "verified" in r.stdout
+    assert "compressed: stored/plain bytes: all tensors 0." in r.stdout and "verified" in r.stdout
     _check_compressed(tmp_path / "z")
     r = subprocess.run([*cmd, str(tmp_path / "z"), str(tmp_path / "plain"), "--decompress", "-q"],
                        capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import QuantizationError
-from .stats import GiB, gib
+from .stats import GiB, compression_ratios, gib
 
 __all__ = ["inspect_dir", "print_inspect", "inspect_headers", "print_headers", "flags_for_options"]
 
@@ -83,6 +83,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     # CPU zero copy computes on the file mapping, but the pages of the unit running count against the ring as a copy
     # does (the bound load() promises): only embedding rows need no ring
     in_ring = [u for u in plan.units if not row_eligible(u)]
+    # the largest of those: what the defaults' ring must hold (a row-read embedding as large or larger never enters it)
+    big_in_ring = max(in_ring, key=lambda u: u.nbytes, default=None)
     return {
         "placement": placed,
         "experts": _experts_info(config, plan),
@@ -106,7 +108,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_recommended_gb": min(3 * page_up(big.nbytes), sum(page_up(u.nbytes) for u in plan.units)) / GiB,
         "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
         # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
-        "ring_min_default_gb": max((page_up(u.nbytes) for u in in_ring), default=0) / GiB,
+        "ring_min_default_gb": page_up(big_in_ring.nbytes) / GiB if big_in_ring else 0.0,
+        "largest_ring_unit": {"name": big_in_ring.name, "bytes": big_in_ring.nbytes} if big_in_ring else None,
         "ring_free_units": len(plan.units) - len(in_ring),
         # what ring_gb=None picks on this machine, and why (beside the host tier asked for)
         "default_ring": _default_ring(model_dir, dtype, device, trust_remote_code,
@@ -316,6 +319,8 @@ def _print_checkpoint(info: dict, a: Any) -> None:
         why = "read embedding rows"
         need = (f">= {gib_up(info['ring_min_default_gb'] * GiB)} GiB" if info["ring_min_default_gb"]
                 else "any size (a small one bounds RSS best)")
+        if info["largest_ring_unit"]:
+            need += f" (largest unit through the ring {info['largest_ring_unit']['name']})"
         print(f"ring needed with the defaults: {need}: {info['ring_free_units']} of {len(units)} units {why} and "
               f"need no ring slot" + ("; the rest compute on views of the file mapping (zero copy), and the ring "
                                       "bounds the pages of the unit running" if cpu else
@@ -326,7 +331,10 @@ def _print_checkpoint(info: dict, a: Any) -> None:
               f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
               + (" (loaded once)" if a.device == "cpu" else ""))
     else:
-        print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
+        # the same figure as the largest unit's, but name one that goes through the ring: a row-read embedding as
+        # large (an untied head's twin) never does
+        print(f"ring needed: >= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit through the ring "
+              f"{info['largest_ring_unit']['name']}); "
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
               f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
               + (" (loaded once)" if a.device == "cpu" else ""))
@@ -594,7 +602,7 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     :func:`inspect_dir`), ``layout`` (the numbered blocks by tensor name: contiguous, in order),
     ``tensors_not_in_index`` (shard tensors the index omits: loaded all the same), ``compressed`` (a ``tiered reshard
     --compress`` output: its coded tensors, counted above as the dtype and bytes they decode to, their stored and
-    plain bytes; None otherwise), and ``default_ring``
+    plain bytes, and ``all_stored_bytes``/``all_plain_bytes`` over every tensor; None otherwise), and ``default_ring``
     (``{"gb", "why"}``: the ring ``ring_gb`` not given takes on ``device`` here when the model fits in it:
     :func:`tiered.policy.auto_ring_bytes`; the split with a host tier needs the units).
 
@@ -617,7 +625,9 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
     dtypes: dict[str, str] = {}  # every tensor: its header dtype
     nbytes: dict[str, int] = {}
     spans: dict[str, tuple[int, int, int]] = {}
-    coded = {"tensors": 0, "stored_bytes": 0, "plain_bytes": 0, "unreadable": [], "codecs": {}}
+    # stored/plain_bytes: the coded tensors'; all_stored/all_plain_bytes: every tensor's (a plain one in both)
+    coded = {"tensors": 0, "stored_bytes": 0, "plain_bytes": 0, "all_stored_bytes": 0, "all_plain_bytes": 0,
+             "unreadable": [], "codecs": {}}
     for rank, p in enumerate(files.paths):
         size, start, meta, entries = scan_header(p)
         tables = _lossless_tables(meta, p, coded["unreadable"])
@@ -628,6 +638,8 @@ def inspect_headers(model_dir: str | Path, *, device: str = "cpu") -> dict:
                 raise DuplicateTensorError(f"tensor {name!r} is in both {prev[0]} (offset {prev[1]}) and {p} (offset "
                                            f"{start + begin}); remove one copy")
             entry = tables.get(name)
+            coded["all_stored_bytes"] += end - begin
+            coded["all_plain_bytes"] += entry[2] if entry is not None and dt == "U8" else end - begin
             if entry is not None and dt == "U8":  # a coded tensor (tiered.lossless): seen as what it decodes to
                 coded["tensors"] += 1
                 coded["stored_bytes"] += end - begin
@@ -703,10 +715,11 @@ def print_headers(info: dict) -> None:
               f"stored (codes and scales); disk and page cache carry the stored bytes (--units: what they decode to)")
     z = info.get("compressed")
     if z:
-        ratio = f" ({z['stored_bytes'] / z['plain_bytes']:.3f})" if z["plain_bytes"] else ""
+        ratios = compression_ratios(z["all_stored_bytes"], z["all_plain_bytes"], z["stored_bytes"], z["plain_bytes"])
         print(f"compressed (tiered reshard --compress): {z['tensors']} tensors stored in {gib(z['stored_bytes'])} for "
-              f"{gib(z['plain_bytes'])} of plain bytes{ratio}"
+              f"{gib(z['plain_bytes'])} of plain bytes"
               + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(z.get('codecs', {}).items()))})" if z.get("codecs") else "")
+              + f"; {ratios}"  # the figures `tiered reshard --compress` prints
               + "; tiered.load decodes them on its reader threads"
               + (" (exp3-bf16 ones on the GPU after the H2D copy when it loads to CUDA)"
                  if "exp3-bf16" in z.get("codecs", {}) else "")

@@ -355,5 +355,7 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
         kernel_copy_bytes=copier.kernel_copied, notes=tuple(notes),
         stored_bytes=sum(s.stored_bytes for s in shards) if compress else None,
         coded_tensors=coder.coded if coder is not None else 0,
+        coded_plain_bytes=sum(t.nbytes for s in shards for t in s.tensors if t.coded is not None),
+        coded_stored_bytes=sum(t.coded.coded_bytes for s in shards for t in s.tensors if t.coded is not None),
         codec="exp3-bf16 for bf16 tensors, bytegroup-zstd1 for others" if compress == "exp3" else "bytegroup-zstd1",
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..stats import compression_ratios
+
 __all__ = ["ReshardSummary"]
 
 
@@ -43,6 +45,8 @@ class ReshardSummary:
     notes: tuple[str, ...] = ()
     stored_bytes: int | None = None  # --compress: bytes of the shards' data sections (coded); None: not compressed
     coded_tensors: int = 0  # --compress: tensors written coded (the rest are small or did not shrink)
+    coded_plain_bytes: int = 0  # --compress: plain bytes of the coded tensors (what they decode to)
+    coded_stored_bytes: int = 0  # --compress: their coded bytes in the shards (part of stored_bytes)
     codec: str = "bytegroup-zstd1"  # --compress: the code (exp3: "exp3-bf16 for bf16, bytegroup-zstd1 otherwise")
 
     @property
@@ -69,10 +73,11 @@ class ReshardSummary:
             changed.append(f"dropped duplicates of tied weights: {pairs}")
         lines.append(f"  changed: {'; '.join(changed)}")
         if self.stored_bytes is not None:
-            ratio = self.stored_bytes / self.data_bytes if self.data_bytes else 1.0
-            lines.append(f"  compressed: {ratio:.3f} of {_human(self.data_bytes)} ({_human(self.stored_bytes)} "
-                         f"stored; {self.coded_tensors} of {self.tensors} tensors coded, {self.codec}, CRC-32 "
-                         "per chunk); index model.lossless.index.json (tiered.load reads it; from_pretrained does not)")
+            ratios = compression_ratios(self.stored_bytes, self.data_bytes, self.coded_stored_bytes,
+                                        self.coded_plain_bytes)  # the figures `tiered inspect` prints
+            lines.append(f"  compressed: {ratios} ({_human(self.stored_bytes)} stored for {_human(self.data_bytes)}; "
+                         f"{self.coded_tensors} of {self.tensors} tensors coded, {self.codec}, CRC-32 per chunk); "
+                         "index model.lossless.index.json (tiered.load reads it; from_pretrained does not)")
         if self.copied_files:
             lines.append(f"  copied: {', '.join(self.copied_files)}")
         if self.verified:
