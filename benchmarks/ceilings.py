@@ -130,9 +130,9 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
-def odirect_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int) -> dict:
-    """O_DIRECT read GB/s of the checkpoint's shards with ``threads`` threads."""
-    n, dt = _parallel_read(_requests(_files(Path(model_dir)), max_bytes), threads, direct=True)
+def odirect_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int, skip: int = 0) -> dict:
+    """O_DIRECT read GB/s of the checkpoint's shards with ``threads`` threads (after their first ``skip`` bytes)."""
+    n, dt = _parallel_read(_requests(_files(Path(model_dir)), max_bytes, skip=skip), threads, direct=True)
     return {"gbps": n / dt / 1e9, "bytes": n, "s": dt, "threads": threads}
 
 
@@ -147,9 +147,11 @@ def _evict(reqs: list[tuple[Path, int, int]]) -> None:
             os.close(fd)
 
 
-def buffered_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int, warm: bool) -> dict:
-    """Buffered read GB/s: ``warm`` reads the bytes once untimed first (page cache), else evicts them first."""
-    reqs = _requests(_files(Path(model_dir)), max_bytes)
+def buffered_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: int, warm: bool,
+                  skip: int = 0) -> dict:
+    """Buffered read GB/s: ``warm`` reads the bytes once untimed first (page cache), else evicts them first
+    (the bytes after the shards' first ``skip``)."""
+    reqs = _requests(_files(Path(model_dir)), max_bytes, skip=skip)
     if warm:
         _parallel_read(reqs, max(threads, 4), direct=False)
     else:
@@ -207,28 +209,38 @@ def _cuda_available() -> bool:
 
 
 def measure(model_dir: str | os.PathLike[str], *, max_bytes: int = 2 * GiB, threads: tuple[int, ...] = (1, 4),
-            cuda: bool = True, cold: bool = True, rounds: int = 3) -> dict:
+            cuda: bool = True, cold: bool = True, rounds: int = 3, disk_only: bool = False, skip: int = 0) -> dict:
     """Every ceiling (see the module docstring), each measured in ``rounds`` interleaved rounds, as
     ``{name_gbps: median, name_gbps_min, name_gbps_max, name_gbps_each: [...], name_n, name_detail: {...}}``;
     errors as text.
 
     ``cold``: also measure the buffered cold read (evicts the bytes it reads from the page cache first).
+    ``disk_only``: only the disk's read ceilings (O_DIRECT at each thread count, buffered cold), none of the page
+    cache, memcpy or H2D figures: what ``run.py`` measures again beside each cold run (a virtual disk's rate drifts
+    within minutes). ``skip``: read the bytes after the shards' first ``skip`` bytes (wrapping round to 0 when fewer
+    than ``max_bytes`` are left), so that a measurement repeated later reads bytes not read before.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     t0 = time.perf_counter()
     out: dict = {"max_bytes": max_bytes, "files_dir": str(model_dir), "rounds": rounds,
                  "order": "interleaved: round 1 of every ceiling, then round 2, ...; odd rounds in reverse order"}
+    total = sum(f.stat().st_size for f in _files(Path(model_dir)))
+    skip = skip if skip + max_bytes <= total else 0
+    out["skip"] = skip
     figures: list[tuple[str, Callable[[], dict]]] = []  # (name, fn), the order of one round
     for t in threads:
-        figures.append((f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes)))
+        figures.append((f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes,
+                                                                  skip=skip)))
     if cold:
-        figures.append(("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False)))
-    for t in threads:
+        figures.append(("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False,
+                                                               skip=skip)))
+    for t in threads if not disk_only else ():
         figures.append((f"pagecache_{t}t",
                         lambda t=t: buffered_read(model_dir, threads=t, max_bytes=max_bytes, warm=True)))
-    figures.append(("memcpy", lambda: memcpy_gbps()))
-    if cuda and _cuda_available():
+    if not disk_only:
+        figures.append(("memcpy", lambda: memcpy_gbps()))
+    if cuda and not disk_only and _cuda_available():
         import torch
 
         out["cuda_device"] = torch.cuda.get_device_name()
@@ -297,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,4", help="thread counts for the parallel reads (default 1,4)")
     p.add_argument("--no-cuda", action="store_true", help="skip the H2D figures")
     p.add_argument("--no-cold", action="store_true", help="skip the buffered cold read (it evicts what it reads)")
+    p.add_argument("--disk-only", action="store_true",
+                   help="only the disk's read ceilings (O_DIRECT at --threads, buffered cold): no page cache, memcpy, H2D")
+    p.add_argument("--skip-gb", type=float, default=0.0,
+                   help="read the bytes after the shards' first GiB given (wraps to 0 past the end; default 0)")
     p.add_argument("--sweep", metavar="MIB,...", default="",
                    help="instead: sweep O_DIRECT and buffered cold reads over --threads and these request sizes")
     p.add_argument("--rounds", type=int, default=None,
@@ -309,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                                rounds=a.rounds or 2)))
         return 0
     res = measure(a.model_dir, max_bytes=int(a.max_gb * GiB), threads=threads, cuda=not a.no_cuda, cold=not a.no_cold,
-                  rounds=a.rounds or 3)
+                  rounds=a.rounds or 3, disk_only=a.disk_only, skip=int(a.skip_gb * GiB))
     print(json.dumps(res))
     return 0
 

@@ -288,8 +288,23 @@ def scaling_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "cgroup_peak_gb": med("cgroup_peak_gb"), "ring_gb": med("ring_gb_used"),
                     "host_gb": med("host_gb_used"), "status": sorted({str(r.get("status")) for r in rs} - {"ok"}),
                     "decode_gbps": med("decode_gbps"), "tokens_match": [r.get("tokens_match") for r in ok],
+                    # issue 23's disk efficiency (run.disk_efficiency; tiered, cold, every byte from the disk): each
+                    # round's against the ceiling measured beside it, and the median against the invocation's
+                    "disk_eff_each": [r.get("disk_efficiency") for r in ok],
+                    "disk_eff": med("disk_efficiency"), "disk_eff_invocation": med("disk_efficiency_invocation"),
                     "cpu_gb": sorted({c for r in rs if (c := (r.get("opts") or {}).get("cpu_gb")) is not None})})
     return out
+
+
+def disk_efficiency_text(r: dict[str, Any]) -> str:
+    """A :func:`scaling_rows` row's disk efficiency: each round's against the disk ceiling measured beside it, then
+    the median against the invocation's ceilings in parentheses (``–``: not a cold tiered run read wholly from the
+    disk, or no ceiling measured)."""
+    each = [x for x in r.get("disk_eff_each") or [] if x is not None]
+    inv = r.get("disk_eff_invocation")
+    if not each and inv is None:
+        return "–"
+    return (", ".join(f"{x:.2f}" for x in each) or "–") + (f" ({inv:.2f})" if inv is not None else "")
 
 
 def _scaling(runs: list[dict[str, Any]]) -> list[str]:
@@ -300,18 +315,20 @@ def _scaling(runs: list[dict[str, Any]]) -> list[str]:
     out = ["", "Memory scaling (`--scaling`: cold page cache; tiered with its defaults, accelerate disk offload with "
            "max_memory cpu = limit - 1.2 GiB on CUDA, - 1.0 on the CPU; medians over the rounds, each round's "
            "figure listed):", "",
-           "| limit | system | s/token, each round | median | accelerate ÷ this | GB read/token | peak RSS over base "
-           "GiB | cgroup peak GiB | tiered ring + host tier GiB |", "|---|---|---|---|---|---|---|---|---|"]
+           "| limit | system | s/token, each round | median | accelerate ÷ this | GB read/token | disk efficiency, "
+           "each round (invocation) | peak RSS over base GiB | cgroup peak GiB | tiered ring + host tier GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = acc.get(r["limit_gb"])
         ratio = f"{a / r['median']:.2f}×" if a and r["median"] and r["system"] != "accelerate" else "–"
         each = ", ".join(f"{x:.3f}" for x in r["each"]) + (f" ({'; '.join(r['status'])})" if r["status"] else "")
         split = f"{r['ring_gb']:.2f} + {r['host_gb']:.2f}" if r["ring_gb"] is not None and r["host_gb"] is not None else "–"
+        eff = disk_efficiency_text(r)
         out.append(f"| {r['limit_gb']:g} GiB | {r['system']} | {each} | {_f(r['median'], 3)} | {ratio} | "
-                   f"{_f(r['gb_per_token'], 3)} | {_f(r['rss_over_base_gb'])} | {_f(r['cgroup_peak_gb'])} | {split} |"
-                   if r["limit_gb"] else
+                   f"{_f(r['gb_per_token'], 3)} | {eff} | {_f(r['rss_over_base_gb'])} | {_f(r['cgroup_peak_gb'])} | "
+                   f"{split} |" if r["limit_gb"] else
                    f"| none | {r['system']} | {each} | {_f(r['median'], 3)} | {ratio} | {_f(r['gb_per_token'], 3)} | "
-                   f"{_f(r['rss_over_base_gb'])} | – | {split} |")
+                   f"{eff} | {_f(r['rss_over_base_gb'])} | – | {split} |")
     return out
 
 

@@ -13,7 +13,10 @@ each gets a timeout, and optionally a cgroup v2 ``memory.max`` (``benchmarks/cgr
 of one checkpoint use the same prompt token ids and greedy decoding, so their tokens must agree.
 The machine's ceilings (``benchmarks/ceilings.py``) are measured in the same invocation, in ``--ceiling-rounds``
 interleaved rounds (default 3): the report prints each as median (min-max, n runs) and holds every figure
-against its ceiling's max over those rounds.
+against its ceiling's max over those rounds. Before each cold run of the scaling groups the disk's read ceilings
+are measured again, over bytes not read before (``adjacent_ceilings``; ``--no-adjacent-ceilings`` skips it): a
+virtual disk's rate drifts within minutes, and the run's disk efficiency (``disk_efficiency``) is held against the
+ceiling measured beside it as well as the invocation's (``disk_efficiency_invocation``).
 
 Output in ``--out-dir`` (at most 6 files): ``<date>-<machine>-<suite>.json`` (machine info, ceilings,
 every run), ``.md`` (the table), ``-rss.png``, ``-spt.png``, ``-gbps.png`` (plots; skipped with a
@@ -400,6 +403,8 @@ class Runner:
         self.work = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=a.cache_dir))
         self.warm: set[Path] = set()  # checkpoint dirs the page cache holds (emptied by every cache drop)
         self.logs: list[str] = []
+        self.ceiling_skip = 0.0  # GiB: where the next adjacent disk ceiling starts reading (disk_ceilings)
+        self.invocation_ceilings: dict[str, Any] = {}  # the invocation's ceilings, once measured (main sets it)
         self.took: dict[str, float] = {}  # --repeat: a run's key without its round (#n) -> seconds its last round took
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                         TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1")
@@ -498,6 +503,30 @@ class Runner:
             self._child_log("ceilings", err)
             return {"error": f"ceilings.py {r.status}"}
 
+    def disk_ceilings(self) -> dict[str, Any]:
+        """The disk's read ceilings again, just before a cold run of the scaling groups (``ceilings.py --disk-only``,
+        one round of ``ceiling_gb``: O_DIRECT at 1 and 4 threads, buffered cold), each time over bytes of the main
+        checkpoint that the previous measurement did not read. A virtual disk's rate drifts within a call (1.76 ->
+        1.10 GB/s in six minutes on the H100 of 2026-12-05), so the run's disk efficiency is held against the
+        ceiling measured beside it as well as against the invocation's (:func:`disk_efficiency`)."""
+        c = self.ckpts["main"]
+        skip = self.ceiling_skip
+        self.ceiling_skip += self.a.ceiling_gb
+        cmd = [sys.executable, str(HERE / "ceilings.py"), str(c.dir), "--max-gb", str(self.a.ceiling_gb),
+               "--rounds", "1", "--disk-only", "--no-cuda", "--skip-gb", f"{skip:g}"]
+        out, err = self.work / "adjacent.out", self.work / "adjacent.err"
+        r = cgroup.run_child(cmd, timeout_s=max(10.0, min(60.0, self.left() - 20.0)), stdout=out, stderr=err,
+                             env=self.env, cwd=ROOT)
+        try:
+            res = json.loads(out.read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            self._child_log("adjacent ceilings", err)
+            return {"error": f"ceilings.py --disk-only {r.status}"}
+        keep = {k: v for k, v in res.items() if k.endswith("_gbps") or k in ("skip", "max_bytes", "elapsed_s")}
+        self.log("  disk now: " + ", ".join(f"{k.removesuffix('_gbps')} {v:.2f}" for k, v in keep.items()
+                                             if k.endswith("_gbps")) + " GB/s")
+        return keep
+
     def run_one(self, rd: RunDef, cg_ok: bool, cg_why: str) -> dict[str, Any]:
         a = self.a
         c = self.ckpts[rd.ckpt]
@@ -542,6 +571,9 @@ class Runner:
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
                 "extra": {k: v for k, v in opts.items() if k in ("drop_page_cache", "host_gb", "zero_copy")}}
+        if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:
+            row["adjacent_ceilings"] = self.disk_ceilings()  # the disk's rate now, beside this run (it drifts)
+            left = self.left()
         sp = self.work / f"spec-{len(self.logs)}.json"
         sp.write_text(json.dumps(spec))
         out, err = self.work / "child.out", self.work / "child.err"
@@ -580,6 +612,7 @@ class Runner:
             row["cgroup_peak_gb"] = r.cgroup["memory_peak"] / GiB if r.cgroup.get("memory_peak") is not None else None
             row["cgroup_events"] = r.cgroup.get("events")
         row["wall_s"] = r.wall_s
+        row.update(disk_efficiency(row, self.invocation_ceilings))
         if r.status == "ok":
             self.took[rd.key.rpartition("#")[0] or rd.key] = r.wall_s
         msg = row["status"]
@@ -598,6 +631,32 @@ class Runner:
             pass
         rng = random.Random(self.a.seed)
         return [rng.randrange(100, min(vocab, 30000)) for _ in range(self.a.prompt_len)]
+
+
+DISK_CEILINGS = ("odirect_1t", "odirect_4t", "buffered_cold")  # ceilings.py's disk read figures
+
+
+def disk_efficiency(row: dict[str, Any], ceilings: dict[str, Any]) -> dict[str, Any]:
+    """Issue 23's disk efficiency of a cold tiered run: bytes read per second of decode (``decode_gbps``: GB read per
+    token / decode s per token) over the better of the disk's read ceilings (:data:`DISK_CEILINGS`):
+    ``disk_efficiency`` against the ones measured just before the run (``adjacent_ceilings``), and
+    ``disk_efficiency_invocation`` against the max over the rounds of the invocation's (measured at its start). Only
+    where every byte read came from the disk (no page-cache tier: its reads are cache hits) and the decode read at
+    least 0.01 GB per token (a host tier holding every streamed unit leaves the disk idle: no rate to hold); ``{}``
+    otherwise, or for other systems (accelerate's per-token bytes include what it keeps in CPU memory)."""
+    if (row.get("system") != "tiered" or (row.get("decode_gbps") or 0) <= 0 or (row.get("streamed_gb_per_token") or 0)
+            < 0.01 or (row.get("spec") or {}).get("cold") is not True
+            or (row.get("stats_total") or {}).get("page_cache_units")):
+        return {}
+    out: dict[str, Any] = {}
+    adj = row.get("adjacent_ceilings") or {}
+    best = max((adj.get(f"{k}_gbps") or 0.0 for k in DISK_CEILINGS), default=0.0)
+    if best:
+        out["disk_efficiency"] = row["decode_gbps"] / best
+    inv = max((ceilings.get(f"{k}_gbps_max") or ceilings.get(f"{k}_gbps") or 0.0 for k in DISK_CEILINGS), default=0.0)
+    if inv:
+        out["disk_efficiency_invocation"] = row["decode_gbps"] / inv
+    return out
 
 
 def warm_page_cache(d: Path) -> int:
@@ -694,6 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling-rounds", type=int, default=None, metavar="N",
                    help="rounds of every machine ceiling, interleaved (default: the suite's, 3); the report holds "
                         "each figure against its ceiling's max over the rounds")
+    p.add_argument("--no-adjacent-ceilings", action="store_true",
+                   help="scaling groups: do not measure the disk's read ceilings again before each cold run (the "
+                        "run's disk efficiency is then held against the invocation's ceilings only)")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
     p.add_argument("--timeout-s", type=float, default=None, help="per child process")
@@ -786,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if runner.ensure_ckpt(ckpts["main"]):
-            results["ceilings"] = runner.ceilings()
+            results["ceilings"] = runner.invocation_ceilings = runner.ceilings()
+            runner.ceiling_skip = a.ceiling_gb  # the invocation's ceilings read the first ceiling_gb
         save()
         for rd in runs:
             results["runs"].append(runner.run_one(rd, cg_ok, cg_why))

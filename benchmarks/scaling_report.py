@@ -76,7 +76,10 @@ def selected_runs(res: dict[str, Any]) -> dict[tuple[str, float], list[dict[str,
         lim = float(r.get("mem_limit_gb") or 0) if r.get("limit") else 0.0
         if r.get("group") == "limit" and not lim:
             continue  # the limit group is always limited; a row without one is not a "none" run
-        out.setdefault((r.get("ckpt", "main"), lim), []).append({**r, "group": "scaling", "mem_gb": lim})
+        r = {**r, "group": "scaling", "mem_gb": lim}
+        if "disk_efficiency_invocation" not in r:  # a file from before run.py computed it: from its own ceilings
+            r.update(run.disk_efficiency(r, res.get("ceilings") or {}))
+        out.setdefault((r.get("ckpt", "main"), lim), []).append(r)
     return out
 
 
@@ -84,7 +87,8 @@ def _machine(res: dict[str, Any]) -> str:
     m = res.get("machine") or {}
     gpus = m.get("gpus") or []
     what = gpus[0].split(",")[0].strip() if gpus else f"{m.get('cpu', '?')}, no GPU"
-    return f"{res.get('machine_label', '?')} ({what})"
+    label = run.machine_label(m) if gpus else res.get("machine_label", "?")  # (files before 2026-12-05 said "hbm3")
+    return f"{label} ({what})"
 
 
 def file_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
@@ -178,11 +182,16 @@ def markdown(rows: list[dict[str, Any]], cks: dict[str, dict[str, Any]], notes: 
            "GiB = 2^30 bytes. accelerate's `max_memory[\"cpu\"]` is what its runs were given: `--scaling` gives it "
            f"the limit less {rt['cuda']:.1f} GiB on CUDA ({rt['cpu']:.1f} on the CPU; with no limit MemAvailable "
            f"less {rt['cpu']:.1f}), the limit group `--cpu-gb`. Tokens agree: every ok round's greedy ids equal the "
-           "reference run of the checkpoint in the same file (run.py's `tokens_match`).", "",
+           "reference run of the checkpoint in the same file (run.py's `tokens_match`). Disk efficiency (issue 23): tiered's "
+           "bytes read per second of decode over the better of the disk's read ceilings (O_DIRECT 1 and 4 threads, "
+           "buffered cold), each round's against the ceilings measured just before it (files from 2026-12-06 on), in "
+           "parentheses the median against the max over the invocation's ceilings measured at its start; blank "
+           "where a page-cache tier served some reads.", "",
            "| checkpoint | limit | machine, date (UTC), tiered commit | file | tiered s/token, each round | tiered "
            "median | accelerate s/token, each round | accelerate median | accelerate ÷ tiered (same file) | GB read/"
-           "token t / a | decode read GB/s t / a | peak RSS over base GiB t / a | cgroup peak GiB t / a | tiered ring "
-           "+ host tier GiB | accelerate max_memory cpu GiB | tokens agree |", "|" + "---|" * 16]
+           "token t / a | decode read GB/s t / a | tiered disk efficiency, each round (invocation) | peak RSS over base "
+           "GiB t / a | cgroup peak GiB t / a | tiered ring "
+           "+ host tier GiB | accelerate max_memory cpu GiB | tokens agree |", "|" + "---|" * 17]
     for r in rows:
         t, a = r["tiered"], r["accelerate"]
         split = (f"{t['ring_gb']:.2f} + {t['host_gb']:.2f}" if t and t["ring_gb"] is not None
@@ -194,7 +203,8 @@ def markdown(rows: list[dict[str, Any]], cks: dict[str, dict[str, Any]], notes: 
             cks[r["ckpt"]]["name"], report.limit_label(r["limit"]), when, f"`{r['file']}`",
             _each(t), report._f((t or {}).get("median"), 3), _each(a), report._f((a or {}).get("median"), 3),
             f"{r['ratio']:.2f}×" if r["ratio"] is not None else "", _pair(t, a, "gb_per_token", 3),
-            _pair(t, a, "decode_gbps"), _pair(t, a, "rss_over_base_gb"), _pair(t, a, "cgroup_peak_gb"), split, cpu,
+            _pair(t, a, "decode_gbps"), report.disk_efficiency_text(t or {}), _pair(t, a, "rss_over_base_gb"),
+            _pair(t, a, "cgroup_peak_gb"), split, cpu,
             _tokens(t, a)]) + " |")
     want = ", ".join(f"{x:g}" if x else "none" for x in TARGET_LIMITS)
     out += ["", "Limits still missing (of " + want + "; measured = both systems in one file):", ""]

@@ -472,7 +472,7 @@ def test_scaling_report_merges_invocations_with_ratios_only_within_a_file(tmp_pa
     assert ra[4] == "6.000, 7.500, 6.600" and ra[5] == "6.600", ra  # the warm 0.7 and io-group 0.5 are not taken
     assert ra[6] == "9.000, 8.100 (failed (exit 1))" and ra[7] == "8.550", ra  # the failed round is not in the median
     assert ra[8] == "1.30×", ra  # 8.55 / 6.6, this file's runs only
-    assert ra[13] == "0.52 + 0.25" and ra[14] == "2.8" and ra[15] == "yes (5 rounds)", ra
+    assert ra[14] == "0.52 + 0.25" and ra[15] == "2.8" and ra[16] == "yes (5 rounds)", ra
     assert _md_row(md, b.name, "2 GiB")[8] == "1.40×"  # 7.0 / 5.0
     rc = _md_row(md, c.name, "4 GiB")
     assert rc[5] == "3.000" and rc[7] == "–" and rc[8] == "", rc  # one system in the file: no ratio
@@ -480,7 +480,7 @@ def test_scaling_report_merges_invocations_with_ratios_only_within_a_file(tmp_pa
     assert not [ln for ln in md.splitlines() if ln.startswith("| gptj-6b fp16 L28 | none |")]  # the cold group's
     rn = _md_row(md, d.name, "none")
     assert rn[0] == "llama3-8b bf16 L32" and rn[5] == "2.200" and rn[7] == "3.300" and rn[8] == "1.50×", rn
-    assert _md_row(md, d.name, "2 GiB")[15].startswith("**no**"), md  # a round whose greedy ids differ
+    assert _md_row(md, d.name, "2 GiB")[16].startswith("**no**"), md  # a round whose greedy ids differ
     r8 = _md_row(md, d.name, "8 GiB")
     assert r8[4] == "(killed (OOM))" and r8[7] == "1.900" and r8[8] == "", r8
     # order: checkpoint, then limit (none last), then date
@@ -641,3 +641,61 @@ def test_a_round_the_budget_cannot_fit_is_not_started(tmp_path: Path) -> None:
             runner.took["main/tiered-defaults/original/auto/cold/limit2"] = took
         with pytest.raises(AttributeError):
             runner.run_one(rd, True, "")
+
+
+def test_disk_efficiency_is_held_against_the_ceiling_beside_the_run_and_the_invocations(tmp_path: Path) -> None:
+    """Issue 23's disk efficiency: a cold tiered run's bytes read per second of decode over the better disk read
+    ceiling, measured just before it (``ceilings.py --disk-only``, over bytes not read before) and at the start of
+    the invocation; none for accelerate, a warm run, or one whose page-cache tier served reads. The scaling tables
+    print each round's figure and the invocation's; the merged report computes it for files written before run.py
+    did, from their own ceilings."""
+    import run
+    shard = tmp_path / "ck" / "model-00001-of-00001.safetensors"
+    shard.parent.mkdir()
+    shard.write_bytes(os.urandom(3 << 20))
+    res = ceilings.measure(shard.parent, max_bytes=1 << 20, threads=(1, 2), cuda=False, rounds=1, disk_only=True,
+                           skip=2 << 20)
+    names = {k.removesuffix("_gbps") for k in res if k.endswith("_gbps")} | {k.removesuffix("_error") for k in res
+                                                                             if k.endswith("_error")}
+    assert names == {"odirect_1t", "odirect_2t", "buffered_cold"}, res  # no page cache, memcpy or H2D figure
+    assert res["skip"] == 2 << 20 and res["buffered_cold_gbps"] > 0, res
+    assert ceilings.measure(shard.parent, max_bytes=2 << 20, threads=(1,), cuda=False, rounds=1, disk_only=True,
+                            skip=2 << 20)["skip"] == 0  # fewer bytes than asked left: from the start again
+
+    def row(system: str = "tiered", cold: bool = True, cache_units: int = 0, gbps: float = 1.2) -> dict:
+        return {"system": system, "decode_gbps": gbps, "streamed_gb_per_token": 9.3, "spec": {"cold": cold},
+                "stats_total": {"page_cache_units": cache_units},
+                "adjacent_ceilings": {"odirect_1t_gbps": 1.5, "odirect_4t_gbps": 1.2, "buffered_cold_gbps": 1.0}}
+    inv = {"odirect_1t_gbps": 1.7, "odirect_1t_gbps_max": 2.0, "odirect_4t_gbps_max": 1.6, "buffered_cold_gbps": 1.4,
+           "pagecache_1t_gbps_max": 9.0}  # the page cache's figure is no disk ceiling
+    eff = run.disk_efficiency(row(), inv)
+    assert eff["disk_efficiency"] == pytest.approx(1.2 / 1.5) and eff["disk_efficiency_invocation"] == pytest.approx(
+        1.2 / 2.0), eff
+    assert run.disk_efficiency(row("accelerate"), inv) == {} and run.disk_efficiency(row(cold=False), inv) == {}
+    assert run.disk_efficiency(row(cache_units=3), inv) == {}
+    assert run.disk_efficiency(row() | {"streamed_gb_per_token": 0.0}, inv) == {}  # a host tier held every unit
+    no_adj = row()
+    del no_adj["adjacent_ceilings"]
+    assert run.disk_efficiency(no_adj, inv) == {"disk_efficiency_invocation": pytest.approx(0.6)}
+
+    runs = []
+    for n, (gbps, spt) in enumerate([(1.2, 8.0), (1.35, 7.0)], 1):
+        r = _run("scaling", "tiered", 2, spt, n) | row(gbps=gbps)
+        runs.append(r | run.disk_efficiency(r, inv))
+    runs.append(_run("scaling", "accelerate", 2, 9.0, 1))
+    md = "\n".join(report._scaling(runs))
+    t = next(ln for ln in md.splitlines() if ln.startswith("| 2 GiB | tiered |"))
+    assert f"| 0.80, 0.90 ({statistics.median([0.6, 0.675]):.2f}) |" in t, t
+    assert next(ln for ln in md.splitlines() if ln.startswith("| 2 GiB | accelerate |")).count("| – |") >= 1
+    old = [{k: v for k, v in r.items() if not k.startswith("disk_efficiency") and k != "adjacent_ceilings"}
+           for r in runs]  # a file from before: its ceilings only
+    f = _result_file(tmp_path / "old.json", "2026-12-05T10:00:00+00:00", "gptj-6b", "fp16", 28, old)
+    doc = json.loads(f.read_text())
+    doc["ceilings"] = inv
+    f.write_text(json.dumps(doc))
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, str(BENCH / "scaling_report.py"), str(f), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = _md_row(Path(f"{out}.md").read_text(), f.name, "2 GiB")
+    assert cells[11] == f"– ({statistics.median([0.6, 0.675]):.2f})", cells
