@@ -225,16 +225,16 @@ def measure(model_dir: str | os.PathLike[str], *, max_bytes: int = 2 * GiB, thre
     t0 = time.perf_counter()
     out: dict = {"max_bytes": max_bytes, "files_dir": str(model_dir), "rounds": rounds,
                  "order": "interleaved: round 1 of every ceiling, then round 2, ...; odd rounds in reverse order"}
-    total = sum(f.stat().st_size for f in _files(Path(model_dir)))
-    skip = skip if skip + max_bytes <= total else 0
+    if skip and skip + max_bytes > sum(f.stat().st_size for f in _files(Path(model_dir))):
+        skip = 0
     out["skip"] = skip
+    at = {"skip": skip} if skip else {}
     figures: list[tuple[str, Callable[[], dict]]] = []  # (name, fn), the order of one round
     for t in threads:
-        figures.append((f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes,
-                                                                  skip=skip)))
+        figures.append((f"odirect_{t}t", lambda t=t: odirect_read(model_dir, threads=t, max_bytes=max_bytes, **at)))
     if cold:
         figures.append(("buffered_cold", lambda: buffered_read(model_dir, threads=1, max_bytes=max_bytes, warm=False,
-                                                               skip=skip)))
+                                                               **at)))
     for t in threads if not disk_only else ():
         figures.append((f"pagecache_{t}t",
                         lambda t=t: buffered_read(model_dir, threads=t, max_bytes=max_bytes, warm=True)))
