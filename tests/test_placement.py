@@ -541,7 +541,7 @@ def test_compute_threads_policy() -> None:
 def test_compute_threads_reach_torch_and_oversubscription_is_said(ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU model that streams: ``compute_threads="auto"`` lowers torch's threads to what the readers leave (never
     raises them) and the placement says so; the default leaves torch's setting (stock's bits in the same process) and
-    warns, once, when the threads oversubscribe the cores."""
+    warns, once, when the threads oversubscribe the cores, at the caller's line (not one inside tiered)."""
     import tiered.api as api
 
     d = ckpts["llama"]
@@ -551,8 +551,9 @@ def test_compute_threads_reach_torch_and_oversubscription_is_said(ckpts, monkeyp
     monkeypatch.setattr(api, "_warned_oversubscribed", [False])
     try:
         torch.set_num_threads(2)
-        with pytest.warns(api.OversubscribedWarning, match="compute_threads='auto' \\(here 1\\)"):
+        with pytest.warns(api.OversubscribedWarning, match="compute_threads='auto' \\(here 1\\)") as w:
             m = tiered.load(d, device="cpu", ring_gb=0.0002, threads=4)
+        assert [x.filename for x in w if x.category is api.OversubscribedWarning] == [__file__]  # the user's line
         with m:
             assert torch.get_num_threads() == 2 and tiered.stats(m).placement.compute_threads is None
         with tiered.load(d, device="cpu", ring_gb=0.0002, threads=4, compute_threads="auto") as m:

@@ -868,23 +868,30 @@ def test_cli(ckpts, tmp_path: Path) -> None:
 
 
 def test_cli_usage_errors_come_before_torch(ckpts, tmp_path: Path) -> None:
-    """A missing SRC, a hub id, an existing DST without --force and a bad --max-shard-size are said before torch is
-    imported (issue 26: every subcommand checks paths and flags first); each exits 2 and writes nothing."""
+    """A missing SRC, a hub id, an existing DST without --force, a DST that is SRC or lies inside it (with or without
+    --force: said as that, not as "exists; pass --force") and a bad --max-shard-size are said before torch is imported
+    (issue 26: every subcommand checks paths and flags first); each exits 2 and writes nothing."""
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "keep").write_text("mine")
     cases = [["reshard", "meta-llama/Llama-3-8B", str(tmp_path / "x")], ["reshard", str(tmp_path / "nope"), "y"],
              ["reshard", str(ckpts["llama"]), str(tmp_path / "dst")],
              ["reshard", str(ckpts["llama"]), str(tmp_path / "z"), "--max-shard-size", "12 parsecs"],
-             ["reshard", str(ckpts["llama"]), str(tmp_path / "z"), "--max-shard-size", "9" * 400]]
+             ["reshard", str(ckpts["llama"]), str(tmp_path / "z"), "--max-shard-size", "9" * 400],
+             ["reshard", str(ckpts["llama"]), str(ckpts["llama"])],
+             ["reshard", str(ckpts["llama"]), str(ckpts["llama"]), "--force"],
+             ["reshard", str(ckpts["llama"]), str(ckpts["llama"] / "sub")]]
+    before = sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in ckpts["llama"].iterdir())
     code = ("import json, sys\nfrom tiered.cli import main\nout = []\nfor argv in json.loads(sys.argv[1]):\n"
             "    try:\n        out.append(main(argv))\n    except SystemExit as e:\n        out.append(e.code)\n"
             "print(json.dumps([out, 'torch' in sys.modules]))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=120,
                        cwd=tmp_path)
     codes, torch_loaded = json.loads(r.stdout.strip().splitlines()[-1])
-    assert codes == [2, 2, 2, 2, 2] and not torch_loaded, (codes, r.stderr)
+    assert codes == [2] * 8 and not torch_loaded, (codes, r.stderr)
     assert "too large" in r.stderr and "Traceback" not in r.stderr
     assert "exists; pass --force" in r.stderr and "Hugging Face Hub id" in r.stderr and "parsecs" in r.stderr
+    assert r.stderr.count("is SRC, inside it or contains it") == 3 and r.stderr.count("exists; pass --force") == 1
+    assert sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in ckpts["llama"].iterdir()) == before
     assert (tmp_path / "dst" / "keep").read_text() == "mine" and not (tmp_path / "z").exists()
 
 

@@ -291,6 +291,16 @@ class OversubscribedWarning(UserWarning):
 _warned_oversubscribed = [False]
 
 
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel that names the first frame outside the ``tiered`` package (the user's call of
+    :func:`load`, however deep inside tiered the warning is raised), counted from the caller of this function."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    f, level = sys._getframe(2), 2  # the function that calls warnings.warn is level 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg):
+        f, level = f.f_back, level + 1
+    return level
+
+
 def _set_compute_threads(p: Placement, opts: Options) -> None:
     """Apply ``p.compute_threads`` (:func:`tiered.policy.compute_threads`): torch's intra-op threads, process-wide
     (``"auto"`` never raises torch's own setting). Warns when compute and reader threads oversubscribe the cores
@@ -311,7 +321,7 @@ def _set_compute_threads(p: Placement, opts: Options) -> None:
         warnings.warn(f"{have} torch compute threads and {p.threads} reader threads share {cores} cores while units "
                       "stream: torch's spinning threads can starve the readers (10x slower decode measured on 2 cores); "
                       f"pass compute_threads='auto' (here {auto}) or a number, or set OMP_NUM_THREADS (said once)",
-                      OversubscribedWarning, stacklevel=4)
+                      OversubscribedWarning, stacklevel=_caller_stacklevel())
 
 
 def _check_linear_pieces(h: Handle, p: Placement) -> None:

@@ -3,7 +3,8 @@
 
 Exit status: 0 done, 1 error (nothing written), 2 usage error (argparse: a missing argument, an unknown
 option, a bad ``--dtype`` or ``--max-shard-size``, ``--compress`` with ``--decompress``; a SRC that does not exist,
-checked before the conversion starts; a DST that exists without ``--force``), 130 interrupted (Ctrl-C or SIGTERM;
+checked before the conversion starts; a DST that is SRC, inside it or contains it; a DST that exists without
+``--force``), 130 interrupted (Ctrl-C or SIGTERM;
 nothing written).
 """
 
@@ -137,11 +138,23 @@ def _check_dst(parser: argparse.ArgumentParser, dst: str, force: bool) -> None:
             parser.error(str(e))
 
 
+def _check_not_src(parser: argparse.ArgumentParser, src: str, dst: str) -> None:
+    """A DST that is SRC, lies inside it or contains it is a usage error (exit 2), checked before DST's existence
+    (the converter's own check, :func:`tiered.reshard.convert._check_paths`, raises the same with exit 1)."""
+    from pathlib import Path
+
+    s, d = Path(src), Path(dst)
+    rs, rd = s.resolve(), d.resolve()
+    if rd == rs or rd in rs.parents or (s.is_dir() and rs in rd.parents):
+        parser.error(f"DST {dst} is SRC, inside it or contains it; SRC is never modified: choose another DST")
+
+
 def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Run ``reshard`` for parsed arguments; SIGTERM cleans up like Ctrl-C. Raises TieredError. With ``parser``: a
     missing SRC and an existing DST (without ``--force``) are usage errors (exit 2, the parser's message)."""
     if parser is not None:
         _check_src(parser, a.src)
+        _check_not_src(parser, a.src, a.dst)  # before DST's existence: SRC itself exists, and --force would not help
         _check_dst(parser, a.dst, a.force)
         if getattr(a, "codec", None) and not getattr(a, "compress", False):
             parser.error("--codec chooses the code of --compress: pass --compress too")
