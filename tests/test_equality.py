@@ -94,8 +94,9 @@ def _check_mode(m: torch.nn.Module, mode: str) -> None:
     if mode == "resident":
         assert s["resident_units"] == s["units"], s
         assert s["misses"] == 0 and s["hits"] == 0, s
-        # loaded exactly once
-        assert s["read_bytes"] == sum(u.src_bytes for u in m._tiered.plan.units), s
+        # loaded exactly once; a tied head is bound to its embedding's tensors, not read again
+        twins = m._tiered.streamer.resident_twins
+        assert s["read_bytes"] == sum(u.src_bytes for u in m._tiered.plan.units if u.index not in twins), s
     else:
         assert s["resident_units"] == 0, s
         assert s["hits"] > 0, s
@@ -160,6 +161,29 @@ def test_streamed_prefetch_depths(prefetch: int, ckpts: Checkpoints, refs: Refer
         assert s["resident_units"] == 0
         if prefetch == 0:
             assert s["hits"] == 0 and s["misses"] == s["units_streamed"] > 0, s
+
+
+def test_tied_head_stays_tied_to_its_embedding_when_the_model_stays_whole(ckpts: Checkpoints,
+                                                                          refs: References) -> None:
+    """A tied model that fits the ring keeps stock's tie: the head's weight *is* the embedding's Parameter (one tensor,
+    read once, one ring slot), not an equal copy in a slot of its own; outputs stay stock's bits. The default ring is
+    the model's distinct bytes, not the embedding twice."""
+    d = ckpts["llama_tied_single"]
+    ref = refs.model("llama_tied_single")
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight  # what stock does
+    with tiered.load(d, device="cpu", ring_gb=RESIDENT_GB) as m, torch.no_grad():
+        s = tiered.stats(m)
+        assert s.resident_units == s.units and m.lm_head.weight is m.model.embed_tokens.weight
+        assert s.read_bytes == s.model_bytes  # the tied table read once
+        assert s.ring_high_water <= sum(-(-u.nbytes // 4096) * 4096 for u in m._tiered.plan.units
+                                        if u.name != "lm_head")
+        assert torch.equal(m(**_inputs(True)).logits, refs.output("llama_tied_single").logits)
+    assert is_placeholder(m.lm_head.weight) and is_placeholder(m.model.embed_tokens.weight)  # both unbound at close
+    with tiered.load(d, device="cpu") as m:  # the default ring holds it whole: sized without the twin's slot
+        whole = sum(-(-u.nbytes // 4096) * 4096 for u in m._tiered.plan.units)
+        head = next(u for u in m._tiered.plan.units if u.name == "lm_head")
+        assert tiered.stats(m).resident_units == tiered.stats(m).units
+        assert m._tiered.ring.size <= whole - (-(-head.nbytes // 4096) * 4096), (m._tiered.ring.size, whole)
 
 
 def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:

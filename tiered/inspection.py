@@ -51,6 +51,7 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     :func:`tiered.load` does."""
     from .hostmem import page_up
     from .plan import layer_index
+    from .policy import resident_ring_bytes
 
     model_dir = Path(model_dir)
     config, ckpt, plan = _plan_for(model_dir, dtype, device, trust_remote_code)
@@ -105,8 +106,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         # as the ring allocates them: whole pages per unit (the same figures RingTooSmallError gives)
         "ring_min_gb": page_up(big.nbytes) / GiB,
         # the running unit + prefetch=2, never more than the whole model
-        "ring_recommended_gb": min(3 * page_up(big.nbytes), sum(page_up(u.nbytes) for u in plan.units)) / GiB,
-        "ring_resident_gb": sum(page_up(u.nbytes) for u in plan.units) / GiB,
+        "ring_recommended_gb": min(3 * page_up(big.nbytes), resident_ring_bytes(plan)) / GiB,
+        # every unit at once; a tied head bound to its embedding's tensors takes no slot (tiered.policy)
+        "ring_resident_gb": resident_ring_bytes(plan) / GiB,
         # with the defaults, the largest unit the ring must hold (0: none; CPU zero copy and embedding rows)
         "ring_min_default_gb": page_up(big_in_ring.nbytes) / GiB if big_in_ring else 0.0,
         "largest_ring_unit": {"name": big_in_ring.name, "bytes": big_in_ring.nbytes} if big_in_ring else None,

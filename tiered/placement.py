@@ -270,7 +270,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
                                                       _device(opts), plan.align)]
 
     need = slot_need(dist.rank if dist else None)
-    p.ring_bytes = _ring_bytes(opts.ring_bytes, need)
+    p.ring_bytes = _ring_bytes(opts.ring_bytes, need, plan if cpu else None)
     if cpu and opts.io == "auto" and p.io == "direct" and dist is None and opts.zero_copy and opts.drop_pages and any(
             page_up(need[u.index]) > p.ring_bytes and linear_piece_eligible(u) for u in plan.units):
         # O_DIRECT copies each unit into the ring whole; a linear unit larger than the ring runs only on the file
@@ -278,7 +278,8 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         p.io, p.io_probe = "mmap", False
     p.gpu_budget = local if cpu else job.min(local)  # one budget for all ranks: the smallest
     ring_min = job.min(opts.ring_bytes)  # every rank places with the smallest ring (rank 0's choice must fit all)
-    ring_room = min(_ring_bytes(ring_min, slot_need(r)) for r in range(dist.world)) if dist else p.ring_bytes
+    ring_room = (min(_ring_bytes(ring_min, slot_need(r), plan if cpu else None) for r in range(dist.world)) if dist
+                 else p.ring_bytes)
     eligible = {u.index for u in plan.units if opts.embedding_rows and row_eligible(u)}
     mappable, pieces, big = _ring_units(plan, opts, p, need, eligible, dist is None, strict)
     call = call if experts else 0  # routed: a block's experts live for its call beside the ring (CPU)
@@ -445,10 +446,12 @@ def _device(opts: Options) -> Any:
     return torch.device(opts.device)
 
 
-def _ring_bytes(ring: int, need: list[int]) -> int:
+def _ring_bytes(ring: int, need: list[int], plan: Plan | None = None) -> int:
     """The ring as allocated: ``ring`` bytes, never more than every unit's page-rounded slot (more would only cost
-    RSS)."""
-    return page_up(min(ring, sum(page_up(n) for n in need)))
+    RSS). With ``plan`` (the CPU, where a ring that holds every unit keeps them all): less the slots of units bound to
+    an earlier unit's tensors (a tied head, :func:`tiered.policy.resident_ring_bytes`)."""
+    whole = policy.resident_ring_bytes(plan, need) if plan is not None else sum(page_up(n) for n in need)
+    return page_up(min(ring, whole))
 
 
 def _refuse(p: Placement, strict: bool, e: Exception) -> None:

@@ -129,7 +129,7 @@ def fits_whole(plan: Plan, ring_bytes: int, cpu: bool, budget: int) -> bool:
     """Whether the whole model would stay loaded: in the ring (CPU), or in the GPU ``budget`` (bytes) with every unit
     fitting the ring to be loaded through it (CUDA). Then nothing is routed: every expert stays."""
     if cpu:
-        return sum(page_up(u.nbytes) for u in plan.units) <= ring_bytes
+        return resident_ring_bytes(plan) <= ring_bytes
     return plan.dev_bytes <= budget and page_up(plan.max_unit.nbytes) <= ring_bytes
 
 
@@ -142,6 +142,18 @@ def buffers_counted(gpu_gb: float | None, prefetch: int) -> int:
     return 1 if gpu_gb is not None else prefetch + 1
 
 
+def resident_ring_bytes(plan: Plan, slot_need: list[int] | None = None) -> int:
+    """Ring bytes (page-rounded slots) that hold every unit of ``plan`` at once, on the CPU: a unit whose slot would
+    hold the same bytes as an earlier one's (a tied head after its embedding, :func:`tiered.plan.same_bytes`) is
+    bound to that unit's tensors instead (:meth:`tiered.streamer.Streamer.load_resident`) and takes none.
+    ``slot_need``: each unit's slot bytes by index (default ``Unit.nbytes``)."""
+    from .plan import same_bytes
+
+    twins = same_bytes(plan.units)
+    sizes = slot_need or [u.nbytes for u in plan.units]
+    return sum(page_up(sizes[u.index]) for u in plan.units if u.index not in twins)
+
+
 def choose_resident(plan: Plan, ring: int, cpu: bool, budget: int, buffers: int,
                     rows: set[int] = frozenset(),  # type: ignore[assignment]
                     slot_need: list[int] | None = None) -> set[int]:
@@ -151,9 +163,10 @@ def choose_resident(plan: Plan, ring: int, cpu: bool, budget: int, buffers: int,
     than ``Unit.nbytes``); default ``Unit.nbytes``. ``budget``: GPU bytes (:func:`gpu_budget`); ``buffers``: device
     buffers counted in it (:func:`buffers_counted`)."""
     if cpu:
-        # The ring is the only memory: keep everything there when it all fits, else stream everything.
-        need = sum(page_up(n) for n in (slot_need or [u.nbytes for u in plan.units]))
-        return {u.index for u in plan.units} if need <= ring else set()
+        # The ring is the only memory: keep everything there when it all fits, else stream everything. A unit holding
+        # the same bytes as an earlier one (a tied head after its embedding: tiered.plan.same_bytes) takes no slot of
+        # its own when both stay: it is bound to the earlier one's tensors, as stock ties them
+        return {u.index for u in plan.units} if resident_ring_bytes(plan, slot_need) <= ring else set()
     too_big = {i for i in rows if page_up(plan.units[i].nbytes) > ring}
     if plan.dev_bytes <= budget and not too_big:
         return {u.index for u in plan.units}

@@ -151,6 +151,7 @@ class Streamer:
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
         self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
+        self.resident_twins: dict[int, int] = {}  # a resident unit bound to an earlier one's tensors -> that unit
         self._waiting: set[int] = set()  # ids of threads blocked in _wait
         self._closed = False  # no new units (stop)
         self._released = False  # everything given back (close)
@@ -259,7 +260,10 @@ class Streamer:
 
         ``progress``: a tqdm bar on stderr (bytes read, GB/s, ETA).
         """
-        ids = sorted(self.resident_ids)
+        # a unit holding the same bytes as an earlier resident one (a tied head after its embedding) is not read: it is
+        # bound to that unit's tensors, the same Parameter objects, as stock ties them (and costs no slot)
+        self.resident_twins = same_bytes([self.units[i] for i in sorted(self.resident_ids)])
+        ids = [i for i in sorted(self.resident_ids) if i not in self.resident_twins]
         futs = [self.loader.submit(self._io[i], resident=True) for i in ids]
         bar = None
         if progress and futs:
@@ -281,6 +285,11 @@ class Streamer:
                 self._gather(ld)
                 self.stage.before_compute(ld)
                 bind(self.units[i], ld.params, streamed=False)  # resident: stock's parameter, gradients and all
+                for t, first in self.resident_twins.items():
+                    if first == i:
+                        tw = self.units[t]
+                        bind(tw, {a.key: ld.params[b.key] for a, b in zip(tw.targets, self.units[i].targets,
+                                                                         strict=True)}, streamed=False)
                 if bar is not None:
                     bar.update(self.units[i].src_bytes)
         finally:
@@ -451,6 +460,9 @@ class Streamer:
             for i in list(self.held):
                 unbind(self.units[i])
                 del self.held[i]
+            for t in list(self.resident_twins):
+                unbind(self.units[t])
+                del self.resident_twins[t]
             for i in list(self.resident):
                 unbind(self.units[i])
                 del self.resident[i]
