@@ -558,22 +558,6 @@ def test_tied_embedding_and_head_share_one_host_slot_on_cuda(ckpts: Checkpoints)
         assert s.read_bytes == s.model_bytes  # each distinct weight read once, at load
 
 
-def test_tied_head_stays_tied_when_resident_on_cuda(ckpts: Checkpoints) -> None:
-    """A tied model resident on the GPU keeps stock's tie: the head's weight is the embedding's Parameter (one device
-    copy, read once), and outputs and greedy tokens are stock's bits."""
-    d = ckpts["llama_tied_single"]
-    ref = _ref(d)
-    with torch.no_grad():
-        want = ref(_ids()).logits
-        want_gen = ref.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with tiered.load(d, device=DEV, ring_gb=0.5, gpu_gb=4.0, embedding_rows=False) as m, torch.no_grad():
-        s = tiered.stats(m)
-        assert s.resident_units == s.units and m.lm_head.weight is m.model.embed_tokens.weight
-        assert m.lm_head.weight.device.type == "cuda" and s.read_bytes == s.model_bytes
-        assert torch.equal(m(_ids()).logits, want)
-        assert torch.equal(m.generate(_ids()[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
-
-
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_host_tier_experts_on_cuda(name: str, ckpts: Checkpoints) -> None:
     """host_gb larger than the streamed units: the rest takes whole MoE blocks' experts (HostExperts), and a call
