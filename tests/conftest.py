@@ -139,15 +139,21 @@ def routed_unit_sizes(plan) -> list[int]:
 
 
 def streaming_ring_gb(model: torch.nn.Module) -> float:
-    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan).
+    """A ring (GiB) that holds the biggest unit (up to ~3 of them) but not the whole model (from a loaded plan); the
+    whole model's bytes count a tied head once, as a CPU load that keeps it whole does.
 
     For a mixture-of-experts model the units are counted without their routed experts (as ``tiered.load``
     lays them out when the model does not fit: ``tiered/experts.py``), so that the layers stream too.
     Call it on a probe model that is closed afterwards (the probe's plan is laid out again).
     """
-    sizes = routed_unit_sizes(model._tiered.plan)
+    from tiered.plan import same_bytes
+
+    plan = model._tiered.plan
+    sizes = routed_unit_sizes(plan)
     big = page_align(max(sizes))
-    whole = sum(page_align(n) for n in sizes)
+    # A tied head that would stay with its embedding takes no slot (tiered.policy.resident_ring_bytes): count it once
+    twins = same_bytes(plan.units)
+    whole = sum(page_align(n) for i, n in enumerate(sizes) if i not in twins)
     ring = max(big, min(3 * big, whole - PAGE))
     assert big <= ring < whole, (big, ring, whole)
     return ring / 2**30
