@@ -246,6 +246,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     import tiered
     from tiered.errors import ConfigError
 
+    if "auto_ring_in_pieces" in spec.extra:  # run.py --scaling-whole-ring: the automatic ring's rule (an A/B switch)
+        import tiered.policy
+
+        tiered.policy.AUTO_RING_IN_PIECES = bool(spec.extra["auto_ring_in_pieces"])
     b.start_load()
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,

@@ -585,3 +585,57 @@ def test_default_split_sizes_the_cuda_ring_by_what_streams(tmp_path: Path, monke
     assert not p.refused, p.refused
     assert int(p.ring_gb * GiB) == page_up(big) and not p.pieces, p.ring_why
     assert "a resident unit that cannot be read in pieces passes through it whole" in p.ring_why, p.ring_why
+
+
+def test_default_split_on_cuda_streams_in_pieces_and_gives_the_rest_to_the_host_tier(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """CUDA, the default split, layers larger than a third of tiered.policy.PIECE_RING_BYTES: the ring asks for
+    three pieces (192 MiB), every streamed layer is read in pieces through it, and the rest of what the limit leaves
+    is the host tier's: here 1 GiB left holds three whole 256 MiB layers and the first piece of a fourth, where a ring
+    of prefetch + 1 = 3 whole layers (768 MiB, the rule before; ``AUTO_RING_IN_PIECES=False``) left one layer's room.
+    Fewer bytes stream per pass for the same memory. A losslessly coded or float8 checkpoint keeps the whole-unit ring
+    (policy.pieces_ring_ok)."""
+    from torch import nn
+
+    from tiered import policy
+    from tiered.format import open_checkpoint
+    from tiered.machine import Machine
+    from tiered.options import Options
+    from tiered.placement import place
+    from tiered.plan import build_plan
+
+    n, rows, cols = 8, 8192, 8192  # layers of 256 MiB (fp32)
+    block = rows * cols * 4
+    tensors = [(f"blocks.{i}.weight", torch.float32, (rows, cols), block) for i in range(n)]
+    head = encode_header(tensors, {"format": "pt"})
+    with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
+        f.write(head)
+        f.truncate(len(head) + n * block)
+    ckpt = open_checkpoint(tmp_path)
+
+    def placed():
+        with torch.device("meta"):
+            mod = nn.Module()
+            mod.blocks = nn.ModuleList(nn.Linear(cols, rows, bias=False) for _ in range(n))
+        plan = build_plan(mod, ckpt, align=64)
+        machine = Machine(host_available=policy.headroom(True) + GiB, host_where="cgroup /t memory.max",
+                          gpu_free=80 * GiB)
+        opts = Options(device="cuda", gpu_gb=(block + MiB) / GiB)  # one device buffer: nothing resident
+        p = place(plan, opts, machine, ckpt_bytes=ckpt.nbytes, strict=False)
+        assert not p.refused, p.refused
+        return p
+
+    p = placed()
+    ring, host = int(p.ring_gb * GiB), int(p.host_gb * GiB)
+    assert ring == policy.PIECE_RING_BYTES and ring + host == GiB, (p.ring_why, p.host_why)
+    assert "three pieces of 64 MiB" in p.ring_why and p.host_why.startswith("automatic: 0.812 GiB"), p.ring_why
+    assert not p.resident and len(p.host) == 3, (p.resident, p.host)
+    assert set(p.pieces) == set(p.streamed) and len(p.streamed) == n - 3  # every streamed layer, in pieces
+    assert sum(p.host_pieces.values()) == 1 and p.host_piece_bytes <= policy.piece_room(ring)
+    in_pieces = p.streamed_bytes
+
+    monkeypatch.setattr(policy, "AUTO_RING_IN_PIECES", False)  # the rule before: prefetch + 1 whole layers
+    p = placed()
+    assert int(p.ring_gb * GiB) == 3 * page_up(block) and len(p.host) == 1 and not p.pieces, p.ring_why
+    assert "prefetch + 1 = 3 of the largest unit it streams" in p.ring_why, p.ring_why
+    assert in_pieces < p.streamed_bytes - 2 * block, (in_pieces, p.streamed_bytes)  # > 2 layers fewer per pass

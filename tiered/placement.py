@@ -389,6 +389,11 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     rows -= resident
     streamed = sum(page_up(need[u.index]) for u in plan.units if u.index not in resident | rows)
     streamed += sum(HostExperts.bytes_for(sp) for ss in experts.values() for sp in ss)
+    # CUDA, the model streams by the GPU budget: a ring of a few pieces (policy.PIECE_RING_BYTES) where every unit that
+    # streams can be cut, the rest of the memory to the host tier (policy.pieces_ring_ok)
+    in_pieces = (not cpu and not experts and plan.dev_bytes > budget
+                 and policy.pieces_ring_ok(plan, [u.index for u in plan.units if u.index not in resident | rows],
+                                           plan.align))
     floor = 0
     if not cpu and resident:
         # CUDA: the ring holds what streams; a resident unit passes through it once, at load, in pieces where it is
@@ -396,10 +401,12 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
         # bf16, gpu_gb=3, 4 GiB cgroup, benchmarks/NOTES.md issue 23): sized by the resident 0.98 GiB lm_head, the
         # ring took all 2.5 GiB the limit left (1.38 GiB high water) and the host tier got none
         largest = max((page_up(need[u.index]) for u in plan.units if u.index not in resident | rows), default=0)
-        room = policy.piece_room(min(policy.auto_ring_want(largest, opts.prefetch), total // PAGE_SIZE * PAGE_SIZE))
+        ask = policy.auto_ring_want(largest, opts.prefetch)
+        room = policy.piece_room(min(min(ask, policy.PIECE_RING_BYTES) if in_pieces else ask,
+                                     total // PAGE_SIZE * PAGE_SIZE))
         floor = max((page_up(need[i]) for i in resident
                      if _pieces.count(plan.units[i], room, plan.align) is None), default=0)
-    ring, host = policy.auto_split(total, largest, opts.prefetch, streamed, at_least=floor)
+    ring, host = policy.auto_split(total, largest, opts.prefetch, streamed, at_least=floor, pieces=in_pieces)
     left = (f"what {machine.host_where} leaves ({machine.host_available / GiB:.3f} GiB available) after "
             f"{policy.headroom(not cpu) >> 20} MiB for the runtime"
             + (f" and {call / GiB:.3g} GiB for one MoE block's routed experts during its call" if call else "")
@@ -407,9 +414,13 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     if staging:
         left += f" and {staging / GiB:.3g} GiB of pinned staging for routed experts"
     n = opts.prefetch + 1
-    want = max(policy.auto_ring_want(largest, opts.prefetch), page_up(floor))
+    ask = policy.auto_ring_want(largest, opts.prefetch)
+    want = max(min(ask, policy.PIECE_RING_BYTES) if in_pieces else ask, page_up(floor))
     units = (f"at least {floor / GiB:.3f} GiB: a resident unit that cannot be read in pieces passes through it whole"
              if floor and want == page_up(floor) else
+             f"three pieces of {policy.PIECE_RING_BYTES // 3 >> 20} MiB: every unit it streams larger than that is "
+             f"read in pieces, the rest of the memory is the host tier's (policy.PIECE_RING_BYTES)"
+             if in_pieces and want == policy.PIECE_RING_BYTES < page_up(n * largest) else
              f"prefetch + 1 = {n} of the largest unit it streams ({largest / GiB:.3f} GiB)"
              if want == page_up(n * largest) else
              f"at most {gib_up(want)} GiB: the default ring, or the largest unit it streams ({largest / GiB:.3f} GiB)"

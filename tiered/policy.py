@@ -19,7 +19,8 @@ __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "piece_room", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
            "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
-           "auto_split", "auto_ring_want", "DEVICE_ALIGN", "device_slot_bytes"]
+           "auto_split", "auto_ring_want", "PIECE_RING_BYTES", "AUTO_RING_IN_PIECES", "pieces_ring_ok", "DEVICE_ALIGN",
+           "device_slot_bytes"]
 
 #: CUDA device pool: each buffer's offset (bytes) is a multiple of this, so every dtype's view and the vectorised copy
 #: kernels are aligned (``tiered.stage.DeviceArena``).
@@ -97,7 +98,20 @@ def auto_ring_want(largest: int, prefetch: int) -> int:
     return page_up(max(MIN_AUTO_RING_BYTES, min((prefetch + 1) * largest, max(int(DEFAULT_RING_GB * GiB), largest))))
 
 
-def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least: int = 0) -> tuple[int, int]:
+#: CUDA, one process: the ring :func:`auto_split` asks for when every unit that streams can be read in pieces
+#: (:func:`pieces_ring_ok`): three pieces of 64 MiB, one whose H2D runs while the next two are read
+#: (:data:`tiered.sources.PIECES_IN_FLIGHT`); 64 MiB is 8 O_DIRECT requests of ``DIRECT_CHUNK``, two for each of the
+#: 4 default reader threads. A ring of ``prefetch + 1`` whole units holds nothing a pass needs more of: the device pool
+#: holds the units loaded ahead, the ring only what is being read. So the memory a limit leaves goes to the host tier,
+#: which saves its bytes on every pass. :data:`AUTO_RING_IN_PIECES` False restores the whole-unit ring (benchmarks'
+#: A/B: ``benchmarks/run.py --scaling-split``).
+PIECE_RING_BYTES = 192 << 20
+#: Whether :func:`auto_split` may size the ring for pieces (:data:`PIECE_RING_BYTES`); a switch for benchmarks.
+AUTO_RING_IN_PIECES = True
+
+
+def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least: int = 0,
+               pieces: bool = False) -> tuple[int, int]:
     """``ring_gb`` and ``host_gb`` both left to tiered, and the model does not stay whole: how ``total`` bytes (what
     :func:`auto_ring_bytes` found the host leaves after the runtime's headroom) are shared between the ring and the
     host tier, as ``(ring_bytes, host_bytes)``, both page multiples.
@@ -111,10 +125,35 @@ def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least:
     cold; ``benchmarks/NOTES.md``, issue 23): the 1.2 GiB all in the ring ran at 0.64x accelerate's speed, a 0.25 GiB
     ring beside a 0.75 GiB host tier at 1.24-1.95x. ``largest`` is a unit that streams: on CUDA a resident unit passes
     through the ring once, at load, in pieces where it is larger (:mod:`tiered.pieces`); ``at_least``: bytes the ring
-    must hold whole all the same (a resident unit that cannot be cut)."""
-    ring = min(max(auto_ring_want(largest, prefetch), page_up(at_least)), total // PAGE_SIZE * PAGE_SIZE)
+    must hold whole all the same (a resident unit that cannot be cut). ``pieces`` (CUDA, :func:`pieces_ring_ok`): the
+    ring asks for no more than :data:`PIECE_RING_BYTES`, units larger than it stream in pieces."""
+    want = auto_ring_want(largest, prefetch)
+    if pieces:
+        want = min(want, PIECE_RING_BYTES)
+    ring = min(max(want, page_up(at_least)), total // PAGE_SIZE * PAGE_SIZE)
     host = max(0, min(total - ring, page_up(streamed))) // PAGE_SIZE * PAGE_SIZE
     return ring, host
+
+
+def pieces_ring_ok(plan: Plan, streamed: list[int], align: int) -> bool:
+    """CUDA, one process, ``ring_gb`` and ``host_gb`` left to tiered: whether :func:`auto_split` sizes the ring for
+    pieces (:data:`PIECE_RING_BYTES`): :data:`AUTO_RING_IN_PIECES`, no unit losslessly coded or stored (decoded after
+    the copy: those keep the whole-unit ring they were measured with, issues 24 and 25), and every unit of
+    ``streamed`` (indices) that is larger than that ring can be cut into pieces that fit a third of it."""
+    from . import pieces as _pieces
+
+    if not AUTO_RING_IN_PIECES:
+        return False
+    room = piece_room(PIECE_RING_BYTES)
+    for u in plan.units:
+        if u.coded_at is not None or any(getattr(c.src, "coded", None) is not None or c.decode is not None
+                                         for t in u.targets for c in t.copies):
+            return False
+    for i in streamed:
+        u = plan.units[i]
+        if page_up(u.nbytes) > PIECE_RING_BYTES and (not _pieces.cuttable(u) or _pieces.count(u, room, align) is None):
+            return False
+    return True
 
 
 def gpu_budget(gpu_gb: float | None, gpu_free: int | None) -> int:
