@@ -274,11 +274,11 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                  for r in (R("scaling-io", "tiered", "defaults", cache="cold", limit=bool(lim), io=io,
                              opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None}, new_tokens=slow)
                            for io in a.scaling_io)]
-        # --scaling-whole-ring: the defaults with the ring of prefetch + 1 whole units the rule before gave (tiered.policy
-        # .AUTO_RING_IN_PIECES off): the A/B of the pieces ring, in the same rounds
-        if a.scaling_whole_ring:
-            r = R("scaling-io", "tiered", "defaults-whole-ring", cache="cold", limit=bool(lim), io="auto",
-                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "auto_ring_in_pieces": False},
+        # --scaling-pieces-ring: the defaults with the automatic ring of three pieces on CUDA (tiered.policy
+        # .AUTO_RING_IN_PIECES on, PIECE_RING_BYTES) instead of prefetch + 1 whole units: its A/B, in the same rounds
+        if a.scaling_pieces_ring:
+            r = R("scaling-io", "tiered", "defaults-pieces-ring", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "auto_ring_in_pieces": True},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
@@ -753,10 +753,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --scaling: also run tiered's defaults with io forced to each of these (direct, pread, "
                         "mmap) at every limit, in the same rounds (group scaling-io; its rows are in the rounds "
                         "table, against accelerate at the same limit)")
-    p.add_argument("--scaling-whole-ring", action="store_true",
-                   help="with --scaling: also run tiered's defaults with the automatic ring of prefetch + 1 whole units "
-                        "(tiered.policy.AUTO_RING_IN_PIECES off; the rule before the ring of pieces) at every limit, "
-                        "in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-pieces-ring", action="store_true",
+                   help="with --scaling: also run tiered's defaults with the automatic ring of three pieces on CUDA "
+                        "(tiered.policy.AUTO_RING_IN_PIECES on; the rest of the memory to the host tier) at every "
+                        "limit, in the same rounds (group scaling-io)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -805,8 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--scaling-io {bad_io}: choose from direct, pread, mmap")
     if a.scaling_io and not a.scaling:
         p.error("--scaling-io needs --scaling")
-    if a.scaling_whole_ring and not a.scaling:
-        p.error("--scaling-whole-ring needs --scaling")
+    if a.scaling_pieces_ring and not a.scaling:
+        p.error("--scaling-pieces-ring needs --scaling")
     if a.scaling and a.groups == ",".join(GROUPS):
         a.groups = "scaling,scaling-io"  # --scaling alone: only its runs
     a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]

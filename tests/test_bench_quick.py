@@ -413,23 +413,23 @@ def test_scaling_io_forces_the_read_backend_beside_the_defaults_and_is_held_agai
         assert r.returncode == 2 and "--scaling-io" in r.stderr, r.stderr
 
 
-def test_scaling_whole_ring_runs_the_rule_before_beside_the_defaults() -> None:
-    """`run.py --scaling 2 --scaling-whole-ring`: tiered's defaults with the whole-unit automatic ring (the A/B of
+def test_scaling_pieces_ring_runs_beside_the_defaults() -> None:
+    """`run.py --scaling 2 --scaling-pieces-ring`: tiered's defaults with the automatic ring of pieces (the A/B of
     tiered.policy.PIECE_RING_BYTES: the child sets tiered.policy.AUTO_RING_IN_PIECES from the spec) run in the same
     rounds as the defaults and accelerate, in group scaling-io; without --scaling it is refused."""
     cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--gpu-gb", "3",
-           "--scaling", "2", "--scaling-whole-ring", "--repeat", "2", "--list"]
+           "--scaling", "2", "--scaling-pieces-ring", "--repeat", "2", "--list"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     lines = [ln.split(None, 2) for ln in r.stdout.splitlines()]
-    whole = "main/tiered-defaults-whole-ring/original/auto/cold/limit2"
+    whole = "main/tiered-defaults-pieces-ring/original/auto/cold/limit2"
     assert [ln[1] for ln in lines].count(f"{whole}#1") == 1 and f"{whole}#2" in [ln[1] for ln in lines], r.stdout
     row = next(ln for ln in lines if ln[1] == f"{whole}#1")
-    assert row[0] == "scaling-io" and "'auto_ring_in_pieces': False" in row[2] and "'ring_gb': None" in row[2], row
+    assert row[0] == "scaling-io" and "'auto_ring_in_pieces': True" in row[2] and "'ring_gb': None" in row[2], row
     assert "auto_ring_in_pieces" in (BENCH / "systems.py").read_text()  # the child applies it
     r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list",
-                        "--scaling-whole-ring"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.returncode == 2 and "--scaling-whole-ring needs --scaling" in r.stderr, r.stderr
+                        "--scaling-pieces-ring"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "--scaling-pieces-ring needs --scaling" in r.stderr, r.stderr
 
 
 def _run(group: str, system: str, lim: float, spt: float | None, n: int, status: str = "ok", *, cache: str = "cold",

@@ -589,10 +589,11 @@ def test_default_split_sizes_the_cuda_ring_by_what_streams(tmp_path: Path, monke
 
 def test_default_split_on_cuda_streams_in_pieces_and_gives_the_rest_to_the_host_tier(tmp_path: Path,
                                                                                       monkeypatch) -> None:
-    """CUDA, the default split, layers larger than a third of tiered.policy.PIECE_RING_BYTES: the ring asks for
+    """CUDA, the default split with tiered.policy.AUTO_RING_IN_PIECES (off by default until measured on the GPU),
+    layers larger than a third of tiered.policy.PIECE_RING_BYTES: the ring asks for
     three pieces (192 MiB), every streamed layer is read in pieces through it, and the rest of what the limit leaves
     is the host tier's: here 1 GiB left holds three whole 256 MiB layers and the first piece of a fourth, where a ring
-    of prefetch + 1 = 3 whole layers (768 MiB, the rule before; ``AUTO_RING_IN_PIECES=False``) left one layer's room.
+    of prefetch + 1 = 3 whole layers (768 MiB, the default rule) leaves one layer's room.
     Fewer bytes stream per pass for the same memory. A losslessly coded or float8 checkpoint keeps the whole-unit ring
     (policy.pieces_ring_ok)."""
     from torch import nn
@@ -625,6 +626,7 @@ def test_default_split_on_cuda_streams_in_pieces_and_gives_the_rest_to_the_host_
         assert not p.refused, p.refused
         return p
 
+    monkeypatch.setattr(policy, "AUTO_RING_IN_PIECES", True)  # off by default until measured on the GPU
     p = placed()
     ring, host = int(p.ring_gb * GiB), int(p.host_gb * GiB)
     assert ring == policy.PIECE_RING_BYTES and ring + host == GiB, (p.ring_why, p.host_why)
@@ -634,7 +636,7 @@ def test_default_split_on_cuda_streams_in_pieces_and_gives_the_rest_to_the_host_
     assert sum(p.host_pieces.values()) == 1 and p.host_piece_bytes <= policy.piece_room(ring)
     in_pieces = p.streamed_bytes
 
-    monkeypatch.setattr(policy, "AUTO_RING_IN_PIECES", False)  # the rule before: prefetch + 1 whole layers
+    monkeypatch.setattr(policy, "AUTO_RING_IN_PIECES", False)  # the default: prefetch + 1 whole layers
     p = placed()
     assert int(p.ring_gb * GiB) == 3 * page_up(block) and len(p.host) == 1 and not p.pieces, p.ring_why
     assert "prefetch + 1 = 3 of the largest unit it streams" in p.ring_why, p.ring_why

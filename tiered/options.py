@@ -44,9 +44,7 @@ OPTION_DOCS = """\
             and ``host_gb`` (:func:`tiered.policy.auto_ring_bytes`; ``tiered.stats(model).placement.ring_why`` says
             which). With ``host_gb`` not given either and a model that does not stay whole, the ring takes
             ``prefetch + 1`` of the largest unit and the host tier the rest of that memory
-            (:func:`tiered.policy.auto_split`); on CUDA, where every unit that streams can be cut, the ring takes
-            three pieces (:data:`tiered.policy.PIECE_RING_BYTES`, 192 MiB), units larger than that stream through it
-            in pieces, and the host tier gets the rest. A number given is a hard limit: more than the host can give is a
+            (:func:`tiered.policy.auto_split`). A number given is a hard limit: more than the host can give is a
             ``HostMemoryError``.
         device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;

@@ -102,12 +102,15 @@ def auto_ring_want(largest: int, prefetch: int) -> int:
 #: (:func:`pieces_ring_ok`): three pieces of 64 MiB, one whose H2D runs while the next two are read
 #: (:data:`tiered.sources.PIECES_IN_FLIGHT`); 64 MiB is 8 O_DIRECT requests of ``DIRECT_CHUNK``, two for each of the
 #: 4 default reader threads. A ring of ``prefetch + 1`` whole units holds nothing a pass needs more of: the device pool
-#: holds the units loaded ahead, the ring only what is being read. So the memory a limit leaves goes to the host tier,
-#: which saves its bytes on every pass. :data:`AUTO_RING_IN_PIECES` False restores the whole-unit ring (benchmarks'
-#: A/B: ``benchmarks/run.py --scaling-split``).
+#: holds the units loaded ahead, the ring only what is being read. So the memory a limit leaves would go to the host
+#: tier, which saves its bytes on every pass (GPT-J-6B at 2 GiB: 0.29 GiB more host tier, ~3% fewer bytes per token;
+#: Llama-3-8B at 4 GiB: ~1.0 GiB more, ~9% fewer: predictions, not measured).
 PIECE_RING_BYTES = 192 << 20
-#: Whether :func:`auto_split` may size the ring for pieces (:data:`PIECE_RING_BYTES`); a switch for benchmarks.
-AUTO_RING_IN_PIECES = True
+#: Whether :func:`auto_split` sizes the ring for pieces (:data:`PIECE_RING_BYTES`). **Off** until measured on the GPU
+#: against the whole-unit ring in alternating rounds (``benchmarks/run.py --scaling 2,4 --scaling-pieces-ring``): the
+#: pieces path streamed 0.88-1.01x as fast as a whole-unit ring at equal bytes in one 2026-12-01 call
+#: (benchmarks/NOTES.md, issue 9), within that call's noise. The 2026-12-06 session had no device time left to run it.
+AUTO_RING_IN_PIECES = False
 
 
 def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least: int = 0,
