@@ -33,7 +33,7 @@ import tiered.policy
 from tiered.cli import flags_for_options, main
 from tiered.hostmem import page_up
 from tiered.rows import row_eligible
-from tiered.stats import GB, GiB, Stats, gb, gib, sig3
+from tiered.stats import GB, GiB, Stats, gb, gib, sig3, size
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 10  # tokens generated per run
@@ -397,7 +397,9 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     n_units = facts["ring_units"]
     per_token = summary_figure(err, r"streamed [0-9.]+ GB \(([0-9.]+) GB/token")
     units_gb = summary_figure(err, rf"the {n_units} streamed units are ([0-9.]+) GB")
-    rows_gb = summary_figure(err, r"plus ([0-9.e-]+) GB of embedding rows in all")
+    rows = re.search(r"plus ([0-9.]+) (GB|MB|kB|B) of embedding rows in all", err)  # small: in the unit it reaches
+    assert rows, err
+    rows_gb = float(rows[1]) * {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[rows[2]] / GB
     total = summary_figure(err, r"streamed ([0-9.]+) GB \(")
     assert units_gb == pytest.approx(facts["ring_src_bytes"] / GB, rel=1e-2), (units_gb, facts)
     # every pass: the ring units, plus the rows its ids look up (the prompt's, then one per token)
@@ -411,6 +413,33 @@ def test_greedy_text_equals_transformers_streamed(dirs: dict[str, Path], facts: 
     assert not ZERO_GB.search(err) and "resident" not in err.splitlines()[1], err
     assert "capped" not in err, err  # this ring is smaller than the model: used as given
     assert time.perf_counter() - t0 < 300
+
+
+def test_generate_summary_counts_a_linear_unit_computed_in_pieces_of_rows(tmp_path: Path) -> None:
+    """A head larger than the ring computes in pieces of rows on the file mapping (CPU zero copy): it is not one of the
+    streamed units the summary lists, so the summary names it with its bytes, and the figures add up to the bytes per
+    token (before: "the N streamed units are X GB" and a per-token figure larger by the head, unexplained). Small byte
+    counts are printed in kB/MB, not "0.0000092 GB"."""
+    from tiered.cli import _summary
+
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    d = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=3, dtype=torch.float32,
+                          max_shard_size=None)
+    with tiered.load(d, device="cpu", ring_gb=(512 << 10) / GiB) as m, torch.no_grad():
+        p = m._tiered.placement
+        head = [m._tiered.plan.units[i] for i in p.linear_pieces]
+        assert [u.name for u in head] == ["lm_head"], p.linear_pieces
+        before = tiered.stats(m).snapshot()
+        m(torch.randint(0, 4096, (1, 5), generator=torch.Generator().manual_seed(4)))
+        after = tiered.stats(m).snapshot()
+        line = _summary(d, m, before, after, n_new=1, load_s=0.1, gen_s=0.1)[1]
+    assert f"plus 1 linear unit larger than the ring ({gb(head[0].src_bytes)}) computed in pieces of rows" in line, line
+    units = summary_figure(line, r"the \d+ streamed units are ([0-9.]+) GB")
+    rows = re.search(r"plus ([0-9.]+) (kB|B) of embedding rows in all", line)  # 5 rows of 256 bytes: kB, not GB
+    assert rows and "e-" not in line, line
+    per_token = summary_figure(line, r"\(([0-9.]+) GB/token")
+    assert per_token == pytest.approx(units + head[0].src_bytes / GB, rel=2e-2), line
 
 
 def test_chat_text_equals_transformers_resident(dirs: dict[str, Path], facts: dict) -> None:
@@ -557,6 +586,20 @@ def _wait_idle(m: torch.nn.Module, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
+def test_brief_counts_embeddings_read_by_rows_apart_and_says_whose_peak_rss(ckpts: Checkpoints, facts: dict) -> None:
+    """``Stats.brief()``: the units streamed are the placement's streamed ones (an embedding read by rows is counted
+    apart, not among them: before, "N of N units streamed" with one of them never streamed), and the peak RSS is
+    said to be the process's (VmHWM), not tiered's alone."""
+    with tiered.load(ckpts["llama"], device="cpu", ring_gb=facts["ring_gb"]) as m, torch.no_grad():
+        m(torch.tensor([[5, 17, 42, 99]]))
+        p = tiered.stats(m).placement
+        line = tiered.stats(m).brief()
+    n = len(p.streamed) + len(p.host)
+    assert p.rows and not p.resident and n == facts["units"] - len(p.rows), p
+    assert f"{n} of {facts['units']} units streamed ({len(p.rows)} embedding read by rows)" in line, line
+    assert "process peak RSS" in line and "VmHWM" in line, line
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints, facts: dict) -> None:
     """One pass counts exactly its units' bytes (from the plan), however much the idle lookahead read ahead.
@@ -591,7 +634,7 @@ def test_bytes_of_a_pass_are_the_units_it_used(prefetch: int, ckpts: Checkpoints
             assert s["read_bytes"] > n * per_pass  # what the old per-read count would have charged to n passes
             last = s
         text = str(tiered.stats(m))
-        assert f"{gb(3 * per_pass)} used by passes ({3 * len(ring_units)} units loaded, {gb(3 * rows)} of embedding rows)" \
+        assert f"{gb(3 * per_pass)} used by passes ({3 * len(ring_units)} units loaded, {size(3 * rows)} of embedding rows)" \
             in text, text
         assert f"{gb(ahead)} read ahead and not used (yet)" in text, text
 
@@ -700,6 +743,10 @@ def test_inspect_says_the_default_ring_here(dirs: dict[str, Path]) -> None:
     assert r.returncode == 0 and f"default ring here (ring_gb not given): {ring / 2**30:.3g} GiB" in r.stdout, r.stdout
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("default ring here"))
     assert "((" not in line and "))" not in line, line  # one level of parentheses: readable
+    r = cli("inspect", d, "--units", "--ring-gb", 0.01)  # a ring given: the default's line says it is not the one used
+    assert r.returncode == 0 and "default ring here (ring_gb not given; not used: --ring-gb given)" in r.stdout, r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("placement ("))
+    assert "((" not in line and "))" not in line and "host_gb=0 (none: ring_gb given" in line, line
     assert dr["host_why"].startswith("none: the whole model stays loaded") and dr["io"] == "mmap"
     assert "default host tier here: 0 GiB (none: the whole model stays loaded); io=auto reads with mmap" in r.stdout
     with tiered.load(d, device="cpu") as m:
@@ -739,11 +786,21 @@ def test_inspect_ring_needed_names_a_unit_that_goes_through_the_ring(case: str, 
     assert said, r.stdout
     name = said[2]
     assert name not in by_rows, r.stdout
-    assert size[name] == max(b for n, b in size.items() if n not in by_rows) == need, (name, size, need)
-    assert info["largest_ring_unit"] == {"name": name, "bytes": need}
+    # a linear head larger than the ring computes in pieces of rows on the mapping: the least ring is the largest
+    # other unit's, and the head is named beside it
+    heads = {u["name"] for u in info["linear_pieces_units"]}
+    assert name not in heads and size[name] == max(b for n, b in size.items() if n not in by_rows | heads)
+    assert info["largest_ring_unit"] == {"name": name, "bytes": size[name]}
+    assert (need == size[name]) if not heads else (need == max(size[n] for n in heads) > size[name]), (need, heads)
+    assert all(f"({n}, up to" in r.stdout for n in heads), r.stdout
     ring = float(said[1])
-    assert ring * GiB >= page_up(need)
+    assert ring * GiB >= page_up(size[name])
     tiered.load(d, device="cpu", ring_gb=ring, prefetch=0).close()  # the ring said is one that runs
+    least = page_up(size[name]) / GiB  # (the figure said is rounded up to 0.001 GiB)
+    with tiered.load(d, device="cpu", ring_gb=least, prefetch=0) as m:  # the least: the heads in pieces of rows
+        assert {m._tiered.plan.units[i].name for i in m._tiered.placement.linear_pieces} == heads
+    with pytest.raises(tiered.RingTooSmallError):  # and a ring below it does not run
+        tiered.load(d, device="cpu", ring_gb=(page_up(size[name]) - 4096) / GiB, prefetch=0)
 
 
 def test_inspect_io_says_when_load_refuses_the_ring(dirs: dict[str, Path]) -> None:

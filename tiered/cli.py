@@ -45,7 +45,7 @@ from .inspection import (  # noqa: F401 - re-exported
     print_headers,
     print_inspect,
 )
-from .stats import gb, gbps, gib, plural, proc_status, sig3
+from .stats import gb, gbps, gib, plural, proc_status, sig3, size
 
 __all__ = ["main", "inspect_dir", "build_parser"]
 
@@ -204,13 +204,18 @@ def _summary(d: Path, model: Any, before: dict, after: dict, *, n_new: int, load
             who = ("it computes" if n_ring == 1 else f"all {n_ring} compute" if on_map == n_ring else
                    f"{on_map} of the {n_ring} {'computes' if on_map == 1 else 'compute'}")
             part += f"; {who} on the file mapping (zero copy)"
+        lp = model._tiered.placement.linear_pieces  # larger than the ring: computed in pieces of rows on the mapping
+        if lp:
+            lp_bytes = sum(plan.units[i].src_bytes for i in lp)
+            part += (f"; plus {plural(len(lp), 'linear unit')} larger than the ring ({gb(lp_bytes)}) computed in "
+                     "pieces of rows on the file mapping")
         if after["page_cache_units"]:
             part += (f", {after['page_cache_units']} of those ({gb(after['page_cache_bytes'])}) "
                      f"kept in the page cache between tokens (io=auto: the room the memory limit leaves; the rest "
                      "read O_DIRECT)")
         if after["row_units"]:
             rows = after["embedding_bytes"] - before["embedding_bytes"]
-            part += (f"; plus {gb(rows)} of embedding rows in all ({plural(after['row_units'], 'embedding')} "
+            part += (f"; plus {size(rows)} of embedding rows in all ({plural(after['row_units'], 'embedding')} "
                      "read by row)")
         if after["expert_modules"]:
             ex = after["expert_bytes"] - before["expert_bytes"]

@@ -84,8 +84,15 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     # CPU zero copy computes on the file mapping, but the pages of the unit running count against the ring as a copy
     # does (the bound load() promises): only embedding rows need no ring
     in_ring = [u for u in plan.units if not row_eligible(u)]
+    # CPU: a linear unit on the mapping (a head) larger than the ring computes in pieces of rows (tiered/linear_pieces.py),
+    # so it never sets the least ring that runs: the defaults' ring need hold only the largest of the others
+    from .linear_pieces import linear_piece_eligible
+
+    in_pieces = [u for u in in_ring if not device.startswith("cuda") and linear_piece_eligible(u)]
+    whole = [u for u in in_ring if u not in in_pieces]
     # the largest of those: what the defaults' ring must hold (a row-read embedding as large or larger never enters it)
-    big_in_ring = max(in_ring, key=lambda u: u.nbytes, default=None)
+    big_in_ring = max(whole, key=lambda u: u.nbytes, default=None)
+    pieces_above = [u for u in in_pieces if big_in_ring is None or u.nbytes > big_in_ring.nbytes]
     return {
         "placement": placed,
         "experts": _experts_info(config, plan),
@@ -113,6 +120,8 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "ring_min_default_gb": page_up(big_in_ring.nbytes) / GiB if big_in_ring else 0.0,
         "largest_ring_unit": {"name": big_in_ring.name, "bytes": big_in_ring.nbytes} if big_in_ring else None,
         "ring_free_units": len(plan.units) - len(in_ring),
+        # CPU: linear units larger than that ring, computed in pieces of rows on the file mapping below their size
+        "linear_pieces_units": [{"name": u.name, "bytes": u.nbytes} for u in pieces_above],
         # what ring_gb=None picks on this machine, and why (beside the host tier asked for)
         "default_ring": _default_ring(model_dir, dtype, device, trust_remote_code,
                                       {k: v for k, v in (placement or {}).items()
@@ -316,17 +325,24 @@ def _print_checkpoint(info: dict, a: Any) -> None:
     for u in show:
         print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors"
               + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
-    if info["ring_free_units"] and info["ring_min_default_gb"] < info["ring_min_gb"]:
+    lin = info["linear_pieces_units"]
+    if (info["ring_free_units"] or lin) and info["ring_min_default_gb"] < info["ring_min_gb"]:
         cpu = a.device == "cpu"
         why = "read embedding rows"
         need = (f">= {gib_up(info['ring_min_default_gb'] * GiB)} GiB" if info["ring_min_default_gb"]
                 else "any size (a small one bounds RSS best)")
         if info["largest_ring_unit"]:
             need += f" (largest unit through the ring {info['largest_ring_unit']['name']})"
-        print(f"ring needed with the defaults: {need}: {info['ring_free_units']} of {len(units)} units {why} and "
-              f"need no ring slot" + ("; the rest compute on views of the file mapping (zero copy), and the ring "
-                                      "bounds the pages of the unit running" if cpu else
-                                      "; units larger than the ring are read in pieces when they can be cut"))
+        free = (f"{info['ring_free_units']} of {len(units)} units {why} and need no ring slot; "
+                if info["ring_free_units"] else "")
+        if lin:
+            names = ", ".join(u["name"] for u in lin[:3]) + (", ..." if len(lin) > 3 else "")
+            free += (f"{len(lin)} linear {'unit' if len(lin) == 1 else 'units'} ({names}, up to "
+                     f"{gib_up(max(u['bytes'] for u in lin))} GiB) {'computes' if len(lin) == 1 else 'compute'} in "
+                     "pieces of rows on the file mapping when larger than the ring; ")
+        print(f"ring needed with the defaults: {need}: {free}" + (
+            "the rest compute on views of the file mapping (zero copy), and the ring bounds the pages of the unit "
+            "running" if cpu else "units larger than the ring are read in pieces when they can be cut"))
         print(f"ring to copy every unit into it ({'zero_copy=False, ' if cpu else ''}embedding_rows=False): "
               f">= {gib_up(info['ring_min_gb'] * GiB)} GiB (largest unit {info['largest_unit']['name']}); "
               f"{gib_up(info['ring_recommended_gb'] * GiB)} GiB to prefetch 2 units; "
@@ -341,8 +357,10 @@ def _print_checkpoint(info: dict, a: Any) -> None:
               f"{gib_up(info['ring_resident_gb'] * GiB)} GiB holds the whole model"
               + (" (loaded once)" if a.device == "cpu" else ""))
     dr = info["default_ring"]
-    print(f"default ring here (ring_gb not given): {dr['gb']:.3g} GiB ({dr['why']})" if dr["gb"] else
-          f"default ring here (ring_gb not given): none, too little memory: {dr['why']}")
+    given = getattr(a, "ring_gb", None) is not None  # what the defaults would pick; the placement below uses --ring-gb
+    head = f"default ring here (ring_gb not given{'; not used: --ring-gb given' if given else ''})"
+    print(f"{head}: {dr['gb']:.3g} GiB ({dr['why']})" if dr["gb"] else
+          f"{head}: none, too little memory: {dr['why']}")
     if "host_gb" in dr:
         print(f"default host tier here: {dr['host_gb']:.3g} GiB ({dr['host_why']}); io=auto reads with "
               f"{dr['io']} here, {dr['threads']} reader threads ({dr['threads_why']})"

@@ -237,7 +237,7 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
         route_out(plan.units[i], ss, plan.align, stored=plan.stored)
     if no_gpu and experts:  # route_out laid those units out again, stored where it could
         reader_decoded.update(dict.fromkeys(_unstore_exp3(plan, lambda u: u.index in experts), no_gpu))
-    host_why = "given (host_gb)" if opts.host_gb is not None else "none (ring_gb given, or distributed)"
+    host_why = "given (host_gb)" if opts.host_gb is not None else "none: ring_gb given, or distributed"
     if split and machine.host_available is not None and (experts or not policy.fits_whole(plan, opts.ring_bytes, cpu,
                                                                                           local)):
         opts, ring_why, host_why = _split(plan, opts, machine, cpu, local, call if experts else 0, experts, readers)

@@ -29,7 +29,8 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "gib", "gbps", "sig3", "plural", "compression_ratios"]
+__all__ = ["Stats", "proc_status", "page_cache_room", "GB", "GiB", "gb", "size", "gib", "gbps", "sig3", "plural",
+           "compression_ratios"]
 
 GB = 10**9  #: bytes moved and rates
 GiB = 1 << 30  #: memory sizes
@@ -64,6 +65,15 @@ def compression_ratios(stored: int, plain: int, coded_stored: int, coded_plain: 
 def gb(nbytes: float) -> str:
     """Bytes moved, in decimal GB: ``"17.7 GB"``."""
     return f"{sig3(nbytes / GB)} GB"
+
+
+def size(nbytes: float) -> str:
+    """A count of bytes moved that may be small, in the largest decimal unit it reaches: ``"17.7 GB"``, ``"56.6 MB"``,
+    ``"9.22 kB"``, ``"512 B"`` (where :func:`gb` would print ``"0.00000922 GB"``)."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{sig3(nbytes / scale)} {unit}"
+    return f"{sig3(nbytes)} B"
 
 
 def gib(nbytes: float) -> str:
@@ -375,15 +385,18 @@ class Stats:
         return d
 
     def brief(self) -> str:
-        """A short line for people: the model's size, what stays and what streams, bytes used per forward pass and
-        peak RSS (``str(stats)`` has every figure). Bytes in GB (1e9), memory in GiB (2**30)."""
+        """A short line for people: the model's size, what stays and what streams (embeddings read by rows counted
+        apart), bytes used per forward pass and the process's peak RSS (``VmHWM``: everything since the process
+        started, not only tiered's; ``str(stats)`` has every figure). Bytes in GB (1e9), memory in GiB (2**30)."""
         s = self.snapshot()
         passes = max(1, s["passes"])
+        rows = s["row_units"]  # embeddings that read their rows: neither resident nor streamed whole
         where = (f"all {s['units']} units resident" if s["units"] and s["resident_units"] == s["units"]
-                 else f"{s['units'] - s['resident_units']} of {s['units']} units streamed, "
-                      f"{gb(s['streamed_bytes'] / passes)} per forward pass")
+                 else f"{s['units'] - s['resident_units'] - rows} of {s['units']} units streamed"
+                      + (f" ({plural(rows, 'embedding')} read by rows)" if rows else "")
+                      + f", {gb(s['streamed_bytes'] / passes)} per forward pass")
         return (f"tiered: model {gib(s['model_bytes'])}, {where}; ring {gib(s['ring_bytes'])}; "
-                f"peak RSS {gib(s['peak_rss'])}")
+                f"process peak RSS {gib(s['peak_rss'])} (VmHWM, since the process started)")
 
     def __str__(self) -> str:
         """One line; bytes moved in GB and GB/s, memory sizes in GiB (see the module docstring)."""
@@ -411,7 +424,7 @@ class Stats:
             read += ": " + (f"{gb(s['load_bytes'])} at load, " if s["load_bytes"] else "")
             # units loaded, summed over the passes (a unit each pass streams counts once a pass): not distinct units
             read += f"{gb(s['streamed_bytes'])} used by passes ({plural(s['units_streamed'], 'unit')} loaded"
-            read += f", {gb(s['embedding_bytes'])} of embedding rows" if s["row_units"] else ""
+            read += f", {size(s['embedding_bytes'])} of embedding rows" if s["row_units"] else ""
             if s["expert_modules"]:
                 per = s["experts_read"] / s["expert_calls"] if s["expert_calls"] else 0.0
                 read += (f", {gb(s['expert_bytes'])} of routed experts: {s['experts_read']} read in "
