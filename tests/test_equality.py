@@ -175,6 +175,7 @@ def test_tied_head_stays_tied_to_its_embedding_when_the_model_stays_whole(ckpts:
         s = tiered.stats(m)
         assert s.resident_units == s.units and m.lm_head.weight is m.model.embed_tokens.weight
         assert s.read_bytes == s.model_bytes  # the tied table read once
+        assert s.resident_bytes <= s.ring_bytes  # and counted once among the resident bytes
         assert s.ring_high_water <= sum(-(-u.nbytes // 4096) * 4096 for u in m._tiered.plan.units
                                         if u.name != "lm_head")
         assert torch.equal(m(**_inputs(True)).logits, refs.output("llama_tied_single").logits)
@@ -184,6 +185,76 @@ def test_tied_head_stays_tied_to_its_embedding_when_the_model_stays_whole(ckpts:
         head = next(u for u in m._tiered.plan.units if u.name == "lm_head")
         assert tiered.stats(m).resident_units == tiered.stats(m).units
         assert m._tiered.ring.size <= whole - (-(-head.nbytes // 4096) * 4096), (m._tiered.ring.size, whole)
+
+
+def _sgd_step(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """One SGD step on ``m``'s language-model loss, then its logits (no grad): a tie sums the two uses' gradients
+    into one Parameter, two Parameters each take their own, so the logits after the step tell them apart."""
+    params = list(dict.fromkeys(p for p in m.parameters() if p.requires_grad))
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.sub_(0.5 * p.grad)
+        return m(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_a_tied_head_stored_beside_its_embedding_is_tied_as_stock_ties_it(equal: bool, tmp_path: Path) -> None:
+    """A tied model whose checkpoint also holds ``lm_head.weight`` (as a converted ``.bin`` does): from_pretrained ties
+    the two when both are ``torch.equal`` and keeps two Parameters when they differ. Loaded whole on the CPU, tiered
+    does the same: the same Parameter objects, the same logits, and the same logits after one SGD step (which a tie
+    and two copies give differently). Before: two Parameters either way (the attack of 2026-12-06)."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    models.randomize_(model, seed=31)
+    d = tmp_path / "tied_both"
+    model.save_pretrained(d)
+    st = load_file(d / "model.safetensors")
+    emb = st["model.embed_tokens.weight"]
+    st["lm_head.weight"] = emb.clone() if equal else emb + 0.25
+    save_file(st, d / "model.safetensors", metadata={"format": "pt"})
+    ids = make_ids(3, (1, 6))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    assert (ref.lm_head.weight is ref.model.embed_tokens.weight) == equal  # stock's rule
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    with tiered.load(d, device="cpu", ring_gb=RESIDENT_GB) as m:
+        m.eval()
+        assert tiered.stats(m).resident_units == tiered.stats(m).units
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == equal
+        assert len(list(m.parameters())) == len(list(ref.parameters()))
+        with torch.no_grad():
+            assert torch.equal(m(input_ids=ids).logits, want)
+        assert torch.equal(_sgd_step(m, ids), _sgd_step(ref, ids))
+
+
+def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Path) -> None:
+    """BertForMaskedLM ties ``cls.predictions.decoder.weight`` to the word embeddings (another unit, not a whole twin)
+    and ``cls.predictions.bias`` to ``decoder.bias`` (inside one unit): loaded whole on the CPU, both are stock's one
+    Parameter each, and one SGD step gives stock's logits bit for bit. Before: 44 Parameters against stock's 42."""
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg)
+    models.randomize_(model, seed=32)
+    model.save_pretrained(tmp_path / "mlm")
+    ref = transformers.BertForMaskedLM.from_pretrained(tmp_path / "mlm").eval()
+    ids = make_ids(4, (1, 7)) % 128
+    with tiered.load(tmp_path / "mlm", device="cpu", ring_gb=RESIDENT_GB,
+                     model_class=transformers.BertForMaskedLM) as m:
+        m.eval()
+        head = m.cls.predictions
+        assert head.decoder.weight is m.bert.embeddings.word_embeddings.weight
+        assert head.bias is head.decoder.bias
+        assert len(list(m.parameters())) == len(list(ref.parameters()))
+        with torch.no_grad():
+            assert torch.equal(m(input_ids=ids).logits, ref(input_ids=ids).logits)
+        assert torch.equal(_sgd_step(m, ids), _sgd_step(ref, ids))
 
 
 def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:

@@ -895,6 +895,39 @@ def test_cli_usage_errors_come_before_torch(ckpts, tmp_path: Path) -> None:
     assert (tmp_path / "dst" / "keep").read_text() == "mine" and not (tmp_path / "z").exists()
 
 
+def test_a_dst_through_links_that_would_modify_src_is_refused(ckpts, tmp_path: Path) -> None:
+    """SRC is never modified, also through symbolic links: a DST that is a (dangling) link inside SRC (--force would
+    install the output there, inside SRC), and a SRC whose files are links into DST (a Hugging Face cache snapshot
+    and its blobs: replacing DST would leave SRC's files dangling) are usage errors (exit 2), from the CLI and from
+    tiered.reshard (ReshardError), and SRC is unchanged. Before: both exited 0 (the attack of 2026-12-06)."""
+    import tiered
+    from tiered.reshard.errors import ReshardError
+
+    src = Path(shutil.copytree(ckpts["llama"], tmp_path / "S"))
+    (src / "out").symlink_to(tmp_path / "elsewhere" / "t")  # dangling: resolves outside SRC
+    blobs = tmp_path / "hf" / "blobs"
+    blobs.mkdir(parents=True)
+    snap = tmp_path / "hf" / "snap"
+    snap.mkdir()
+    for f in ckpts["llama"].iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snap / f.name).symlink_to(Path("..") / "blobs" / f.name)
+
+    def state(d: Path) -> list:
+        return sorted((p.name, p.is_symlink(), p.stat().st_size if p.exists() else None) for p in d.iterdir())
+
+    before, snap_before = state(src), state(snap)
+    for s_, d_ in ((src, src / "out"), (snap, blobs)):
+        r = subprocess.run([sys.executable, "-m", "tiered.cli", "reshard", str(s_), str(d_), "--force", "-q"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "SRC is never modified" in r.stderr, (s_, d_, r.stderr)
+        with pytest.raises(ReshardError, match="SRC is never modified"):
+            tiered.reshard(s_, d_, force=True, quiet=True)
+    assert "symbolic link into DST" in r.stderr, r.stderr
+    assert state(src) == before and state(snap) == snap_before and not (tmp_path / "elsewhere").exists()
+    assert sorted(p.name for p in blobs.iterdir()) == sorted(p.name for p in ckpts["llama"].iterdir())
+
+
 def test_add_parser_registers_subcommand() -> None:
     import argparse
 

@@ -46,7 +46,7 @@ from .hostmem import PAGE_SIZE, page_up
 from .linear_pieces import linear_piece_eligible, piece_rows_for
 from .machine import Machine
 from .options import Options
-from .plan import Plan, lay_out
+from .plan import Plan, lay_out, same_bytes
 from .reader import zero_copy_eligible
 from .ring import GiB, gib_up
 from .rows import row_eligible
@@ -116,7 +116,11 @@ class Placement:
     reader_decoded: dict[str, str] = field(default_factory=dict)
 
     def resident_bytes_of(self, plan: Plan) -> int:
-        return sum(plan.units[i].dev_bytes for i in self.resident)
+        """Bytes the resident units hold: on the CPU a unit bound to an earlier one's tensors (a tied head,
+        :func:`tiered.plan.same_bytes`) counts once, as the ring holds it (:func:`tiered.policy.resident_ring_bytes`);
+        on CUDA each has a device copy."""
+        twins = same_bytes([plan.units[i] for i in sorted(self.resident)]) if _is_cpu(self.device) else {}
+        return sum(plan.units[i].dev_bytes for i in self.resident if i not in twins)
 
     @property
     def specs(self) -> list[ExpertSpec]:

@@ -262,6 +262,9 @@ class Plan:
     unused_index_missing: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # read and dropped by stock too (FP8 activation scales)
     stored: bool = False  # units with decoded copies laid out stored (CUDA: decoded after the H2D copy; lay_out)
+    # (target key, source key): tensors stock makes one Parameter (transformers' all_tied_weights_keys, then tensors
+    # the model's modules share, e.g. a BERT MLM head's decoder bias); :func:`tie_pairs`
+    ties: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -501,6 +504,22 @@ def _shared_keys(sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {k: sorted(o for o in ks if o != k) for ks in groups.values() if len(ks) > 1 for k in ks}
 
 
+def tie_pairs(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """``(target, source)`` model keys that stock holds as one Parameter: ``transformers``' ``all_tied_weights_keys``
+    (a head tied to its embedding: from_pretrained ties them when the checkpoint has only one of the two, or both
+    ``torch.equal``), then each other key of a tensor the modules share (``sd`` on ``meta``: the object's identity,
+    :func:`_shared_keys`) to the first of its group. Keys only: whether a pair is tied at load is
+    :meth:`tiered.streamer.Streamer.load_resident`'s check of the bound values."""
+    out = [(t, s) for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items() if t in sd and s in sd]
+    seen = {t for t, _ in out}
+    for key, others in _shared_keys(sd).items():
+        first = min([key, *others])
+        if key != first and key not in seen:
+            out.append((key, first))
+            seen.add(key)
+    return out
+
+
 def _source_key(key: str, tied: dict[str, str], shared: dict[str, list[str]], direct: dict[str, TensorInfo],
                 conv: _Conv) -> str | None:
     """The model key whose checkpoint tensor fills ``key``: ``key`` itself; else its tied twin
@@ -704,5 +723,5 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     units = _group_units(model, targets, converts, align, stored)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,
-                dropped=dropped, stored=stored)
+                dropped=dropped, stored=stored, ties=tie_pairs(model, sd))
 

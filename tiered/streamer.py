@@ -299,6 +299,29 @@ class Streamer:
                 bar.close()
         if isinstance(self.stage, CudaStage) and futs:
             torch.cuda.synchronize(self.device)
+        self._tie_resident()
+
+    def _tie_resident(self) -> None:
+        """CPU, every unit resident: make each of the plan's tied pairs (:attr:`Plan.ties`) whose tensors were read
+        apart one Parameter, the source's, as ``from_pretrained`` does — when their bound values are ``torch.equal``
+        (stock's test where a checkpoint holds both keys: a head stored beside its embedding; different values stay
+        two Parameters, as in stock). Covers ties inside units and across units that are not whole twins (a BERT MLM
+        head's decoder weight and bias). The target's slot bytes stay in the ring (read, then unused). Not yet on
+        CUDA, as the whole-unit twins."""
+        if not isinstance(self.stage, CpuStage) or not self.plan.ties or not self.resident:
+            return
+        where = {t.key: t for i in self.resident_ids for t in self.units[i].targets}
+        for tk, sk in self.plan.ties:
+            t, s = where.get(tk), where.get(sk)
+            if t is None or s is None:
+                continue
+            store_t = t.module._parameters if t.is_param else t.module._buffers
+            store_s = s.module._parameters if s.is_param else s.module._buffers
+            a, b = store_t.get(t.attr), store_s.get(s.attr)
+            if a is None or b is None or a is b or t.is_param != s.is_param:
+                continue
+            if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):
+                store_t[t.attr] = b  # unbind() at close restores the placeholder, as for every target
 
     def load_host(self) -> None:
         """Read every host-tier unit (this rank's chunk of it, distributed) once into its slot of the pinned

@@ -139,14 +139,16 @@ def _check_dst(parser: argparse.ArgumentParser, dst: str, force: bool) -> None:
 
 
 def _check_not_src(parser: argparse.ArgumentParser, src: str, dst: str) -> None:
-    """A DST that is SRC, lies inside it or contains it is a usage error (exit 2), checked before DST's existence
-    (the converter's own check, :func:`tiered.reshard.convert._check_paths`, raises the same with exit 1)."""
+    """A DST that could modify SRC (:func:`tiered.reshard.install.overlap`: SRC itself, inside it or containing it,
+    or where SRC's links point) is a usage error (exit 2), checked before DST's existence (the converter's own check,
+    :func:`tiered.reshard.convert._check_paths`, raises the same with exit 1)."""
     from pathlib import Path
 
-    s, d = Path(src), Path(dst)
-    rs, rd = s.resolve(), d.resolve()
-    if rd == rs or rd in rs.parents or (s.is_dir() and rs in rd.parents):
-        parser.error(f"DST {dst} is SRC, inside it or contains it; SRC is never modified: choose another DST")
+    from .install import overlap
+
+    why = overlap(Path(src), Path(dst))
+    if why:
+        parser.error(f"{why}; SRC is never modified: choose another DST")
 
 
 def _cmd_reshard(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:

@@ -79,9 +79,11 @@ def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _check_paths(src: Path, dst: Path) -> None:
     if not src.exists():
         raise ShardNotFoundError(f"{src}: no such file or directory; pass a model directory or a weight file")
-    rs, rd = src.resolve(), dst.resolve()
-    if rd == rs or rd in rs.parents or (src.is_dir() and rs in rd.parents):
-        raise ReshardError(f"DST {dst} is SRC, inside it or contains it; SRC is never modified: choose another DST")
+    from .install import overlap
+
+    why = overlap(src, dst)
+    if why:
+        raise ReshardError(f"{why}; SRC is never modified: choose another DST")
 
 
 def reshard(

@@ -54,6 +54,32 @@ _RENAME_EXCHANGE = 2
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276}  # for a libc without the wrapper (glibc < 2.28)
 
 
+def _within(a: Path, b: Path) -> bool:
+    """``a`` is ``b`` or lies inside it (both resolved)."""
+    return a == b or b in a.parents
+
+
+def overlap(src: Path, dst: Path) -> str | None:
+    """Why writing ``dst`` (and with ``force`` replacing it) could modify ``src``, or None: ``dst`` is ``src``, lies
+    inside it or contains it — where it resolves to, and where its own entry lies (a symbolic link inside ``src`` named
+    as ``dst`` is replaced by the output there) — or a file of ``src`` is a symbolic link into ``dst`` (a Hugging Face
+    cache snapshot's files point into its ``blobs``: replacing ``dst`` would leave them dangling). Torch-free: the CLI
+    checks it before its heavy imports."""
+    rs = src.resolve()
+    spots = {dst.resolve(), dst.parent.resolve() / dst.name}
+    for d in spots:
+        if _within(d, rs) or (src.is_dir() and _within(rs, d)):
+            return f"DST {dst} is SRC, inside it or contains it"
+    links = [src] if src.is_symlink() else []
+    if src.is_dir():
+        links += [p for p in src.rglob("*") if p.is_symlink()]
+    for link in links:
+        target = link.resolve()
+        if any(_within(target, d) for d in spots):
+            return f"SRC's {link} is a symbolic link into DST {dst} (replacing DST would leave it dangling)"
+    return None
+
+
 def _renameat2(old: Path, new: Path, flags: int) -> bool:
     """``renameat2(old, new, flags)``: True once done, False where the kernel, the filesystem or libc lacks it.
 
