@@ -246,6 +246,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     import tiered
     from tiered.errors import ConfigError
 
+    if "merge_staged_reads" in spec.extra:  # twins.py --merge-reads: how routed experts read their staging batches
+        import tiered.experts
+
+        tiered.experts.MERGE_STAGED_READS = bool(spec.extra["merge_staged_reads"])
     if "auto_ring_in_pieces" in spec.extra:  # run.py --scaling-whole-ring: the automatic ring's rule (an A/B switch)
         import tiered.policy
 

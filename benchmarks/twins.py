@@ -105,10 +105,10 @@ def _run(args: argparse.Namespace, work: Path, spec: dict, limit: int | None) ->
     return res
 
 
-def _variants(prefetch: str, threads: str) -> list[dict[str, Any]]:
-    """Every combination of the comma-separated ``--prefetch`` and ``--threads`` values, each with its label (empty
-    when there is one combination, so that a plain invocation's report is as before). Raises ValueError: a value that
-    is not a positive integer (or ``auto`` for threads)."""
+def _variants(prefetch: str, threads: str, merge: str = "off") -> list[dict[str, Any]]:
+    """Every combination of the comma-separated ``--prefetch``, ``--threads`` and ``--merge-reads`` values, each with
+    its label (empty when there is one combination, so that a plain invocation's report is as before). Raises
+    ValueError: a value that is not a positive integer (or ``auto`` for threads; ``on``/``off`` for merge)."""
     def ints(text: str, name: str, auto: bool) -> list[int | None]:
         out: list[int | None] = []
         for x in (t.strip() for t in text.split(",")):
@@ -123,11 +123,16 @@ def _variants(prefetch: str, threads: str) -> list[dict[str, Any]]:
         return out
 
     pfs, ths = ints(prefetch, "prefetch", False), ints(threads, "threads", True)
+    mgs = [x.strip() for x in merge.split(",") if x.strip()]
+    if not mgs or any(x not in ("on", "off") for x in mgs):
+        raise ValueError(f"--merge-reads: {merge!r}: a comma-separated list of on, off")
     out = []
     for pf in pfs:
         for th in ths:
-            label = " ".join(([f"pf{pf}"] if len(pfs) > 1 else []) + ([f"t{th or 'auto'}"] if len(ths) > 1 else []))
-            out.append({"prefetch": pf, "threads": th, "label": label})
+            for mg in mgs:
+                label = " ".join(([f"pf{pf}"] if len(pfs) > 1 else []) + ([f"t{th or 'auto'}"] if len(ths) > 1 else [])
+                                 + ([f"merge-{mg}"] if len(mgs) > 1 else []))
+                out.append({"prefetch": pf, "threads": th, "merge": mg == "on", "label": label})
     return out
 
 
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="auto", help="reader threads ('auto': tiered's), or a comma-separated list "
                    "(variants)")
     p.add_argument("--io", default="auto")
+    p.add_argument("--merge-reads", default="off",
+                   help="CUDA routed experts: read each staging batch in file order, adjacent ranges as one request "
+                        "(tiered.experts.MERGE_STAGED_READS): on, off, or 'off,on' (variants, for an A/B)")
     p.add_argument("--stock", action="store_true", help="also run stock transformers on the quantized checkpoint")
     p.add_argument("--accelerate", action="store_true",
                    help="cold mode: also run accelerate's disk offload of the quantized checkpoint each round (stock's "
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= {"cold", "warm"}:
         p.error(f"--modes: cold and/or warm, got {args.modes!r}")
     try:
-        variants = _variants(args.prefetch, args.threads)
+        variants = _variants(args.prefetch, args.threads, args.merge_reads)
     except ValueError as e:
         p.error(str(e))
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"system": "tiered", "model_dir": str(twins[which]), "prompt_ids": ids,
                         "new_tokens": args.new_tokens, "device": args.device, "cold": mode == "cold",
                         "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": var["threads"], "io": args.io,
-                        "prefetch": var["prefetch"], "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb}}
+                        "prefetch": var["prefetch"], "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb,
+                                                               "merge_staged_reads": var["merge"]}}
                 res = _run(args, work, spec, limit)
                 res.update(round=r, mode=mode, which=which, variant=var["label"])
                 report["runs"].append(res)

@@ -583,6 +583,38 @@ def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: P
         twins.main(["--prefetch", "0", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
 
 
+def test_twins_merge_reads_is_a_variant_that_reaches_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``twins.py --merge-reads off,on``: both run in every round, each tiered spec carries its
+    ``merge_staged_reads`` (which systems.py sets as tiered.experts.MERGE_STAGED_READS), the rows are labelled by it;
+    a value other than on/off is refused."""
+    import twins
+
+    ck = {}
+    for name in ("twin", "q"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"vocab_size": 97}))
+        ck[name] = d
+    monkeypatch.setattr(twins, "_make", lambda args, quant: ck["q" if quant else "twin"])
+    seen: list[tuple] = []
+
+    def fake_run(args, work, spec, limit):
+        seen.append((spec["model_dir"], spec["extra"]["merge_staged_reads"]))
+        return {"status": "ok", "decode_s_per_token_median": 1.0 + spec["extra"]["merge_staged_reads"]}
+
+    monkeypatch.setattr(twins, "_run", fake_run)
+    out = tmp_path / "out"
+    assert twins.main(["--device", "cpu", "--modes", "cold", "--rounds", "2", "--merge-reads", "off,on",
+                       "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)]) == 0
+    first = [(str(ck[w]), m) for m in (False, True) for w in ("twin", "q")]
+    assert seen == first + first[::-1]
+    (js,) = out.glob("*-twins-*.json")
+    assert set(json.loads(js.read_text())["summary"]) == {"cold merge-off", "cold merge-on"}
+    assert "merge_staged_reads" in (BENCH / "systems.py").read_text()
+    with pytest.raises(SystemExit):
+        twins.main(["--merge-reads", "maybe", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
+
+
 def _exp3_pair(tmp: Path) -> tuple[Path, Path]:
     """A small bf16 checkpoint and its ``reshard --compress --codec exp3`` (tensors small enough to code in chunks)."""
     import tiered

@@ -856,3 +856,55 @@ def test_routed_experts_call_memory_counts_against_the_host(ckpts, monkeypatch):
     with tiered.load(path, device="cpu") as m:
         p = tiered.stats(m).placement
         assert p.ring_gb * 2**30 <= 32 << 20 and "routed experts" in p.ring_why
+
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_staged_reads_in_file_order_merge_an_experts_adjacent_projections(io: str, tmp_path) -> None:
+    """CUDA routed experts pack each staging batch from a list of chunks (``ExpertGather._read_cuda``); with
+    ``tiered.experts.MERGE_STAGED_READS`` they are packed in file order (``staged_reads``), so an FP8 expert's three
+    projections, adjacent in a safetensors file, land adjacent in the staging and are read as one request
+    (``read_pairs``) instead of three: here two experts' six float8 tensors become one read, and the staging holds the
+    same bytes as six reads put it there. (The device path itself runs under ``pytest -m cuda``.)"""
+    import types
+
+    from safetensors.torch import save_file
+
+    from tiered.experts import read_pairs, staged_reads
+    from tiered.format import open_checkpoint
+    from tiered.reader import Reader
+
+    g = torch.Generator().manual_seed(7)
+    names = [f"experts.{j}.{p}_proj.weight" for j in range(2) for p in ("gate", "up", "down")]
+    save_file({n: (torch.randn(16, 64, generator=g) * 8).to(torch.float8_e4m3fn) for n in names},
+              str(tmp_path / "model.safetensors"))
+    ck = open_checkpoint(tmp_path)
+    infos = {n: ck.tensors[n] for n in names}
+    loop_order = [infos[f"experts.{j}.{p}_proj.weight"] for p in ("gate", "up") for j in range(2)] + \
+        [infos[f"experts.{j}.down_proj.weight"] for j in range(2)]  # as _read_cuda builds them: by part, then expert
+    by_file = sorted(infos.values(), key=lambda i: i.offset)
+    assert all(b.offset == a.offset + a.nbytes for a, b in zip(by_file[:-1], by_file[1:], strict=True))  # adjacent in file
+    unit = types.SimpleNamespace(name="experts")
+    reader = Reader(ck, threads=2, io=io)
+    try:
+        got = {}
+        for merge in (False, True):
+            chunks = staged_reads([([i], None, None) for i in loop_order], merge)
+            staging = torch.full((sum(i.nbytes for i in infos.values()) + 4096,), 0xEE, dtype=torch.uint8)
+            pairs, used = [], 0
+            for srcs, _, _ in chunks:  # packed one after the other, as the staging batch is
+                pairs.append((srcs[0], staging[used:used + srcs[0].nbytes].view(srcs[0].dtype)))
+                used += srcs[0].nbytes
+            reads = read_pairs(pairs, merge)
+            assert len(reads) == (1 if merge else 6), [r[0].name for r in reads]
+            reader.copy_all(unit, reads, chunk=8 << 20)
+            got[merge] = {srcs[0].name: p[1].view(torch.uint8).clone() for (srcs, _, _), p in zip(chunks, pairs, strict=True)}
+    finally:
+        reader.close()
+    from safetensors.torch import load_file
+
+    stock = load_file(str(tmp_path / "model.safetensors"))
+    for n in infos:
+        want = stock[n].reshape(-1).view(torch.uint8)
+        assert torch.equal(got[True][n], want) and torch.equal(got[False][n], want), n
+        assert want.float().abs().sum() > 0  # not all-zero data
+    assert staged_reads([([by_file[2]], None, None), ([by_file[0]], None, None)], False)[0][0][0] is by_file[2]

@@ -87,13 +87,37 @@ from .lossless import LosslessInfo, window
 from .quant import DEVICE_BAND, Fp8Block, Mxfp4Block, decode_mxfp4, decode_rows, rows_of, scale_f32
 from .ring import Ring
 
-__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent"]
+__all__ = ["ExpertSpec", "find_experts", "route_out", "ExpertGather", "HostExperts", "STAGING_BYTES", "merge_adjacent",
+           "MERGE_STAGED_READS", "staged_reads", "read_pairs"]
 
 #: Pinned host staging per model on CUDA (bytes, at most; and at most half the ring): two halves, one read
 #: into while the other is copied to the GPU.
 STAGING_BYTES = 256 << 20
 #: Bytes per reader task when reading experts: small enough that one expert keeps every reader thread busy.
 READ_CHUNK = 8 << 20
+#: CUDA: read each staging batch in file order, ranges adjacent in a file and in the staging as one request
+#: (:func:`staged_reads`). An FP8 expert's three projections lie adjacent in a safetensors file (tensors sorted by
+#: name within a dtype) and were read as three requests of 1.5 MB each (Qwen3-30B-A3B shape), where the bf16 twin's
+#: read as two of 6 and 3 MB: the suspect of the FP8 twin's cold speed-up falling short of its bytes (1.21-1.63x for
+#: 0.50x the bytes; benchmarks/NOTES.md, issue 24). **Off** until measured on the GPU with ``pytest -m cuda`` beside
+#: it (the 2026-12-06 session had no device time): ``benchmarks/twins.py`` sets it for an A/B.
+MERGE_STAGED_READS = False
+
+
+def staged_reads(chunks: list, merge: bool) -> list:
+    """The chunks of :meth:`ExpertGather._read_cuda` (``(sources, device destination, decode)``) in the order to pack
+    them into the staging: file order of their first source when ``merge`` (so that ranges adjacent in a file land
+    adjacent in the staging, and :func:`merge_adjacent` can read them as one request), else as given. Pure: a new list.
+    """
+    if not merge:
+        return list(chunks)
+    return sorted(chunks, key=lambda c: (str(c[0][0].file), c[0][0].offset))
+
+
+def read_pairs(pairs: list[tuple[TensorInfo, torch.Tensor]], merge: bool) -> list[tuple[TensorInfo, torch.Tensor]]:
+    """``(source, staging view)`` pairs of one staging batch as the reader gets them: with ``merge``, runs adjacent in
+    one file and in the staging as one pair (:func:`merge_adjacent`: the same bytes to the same places)."""
+    return merge_adjacent(pairs) if merge else pairs
 
 
 def _files_of(info: TensorInfo) -> tuple:
@@ -457,6 +481,7 @@ class ExpertGather:
                 sub = TensorInfo(info.name, info.dtype, (hi - lo,), info.file, info.offset + lo * info.dtype.itemsize,
                                  (hi - lo) * info.dtype.itemsize)
                 chunks.append(([sub], flat[lo:hi], None))
+        chunks = staged_reads(chunks, MERGE_STAGED_READS)
         stream = torch.cuda.current_stream(self.device)
 
         def room(c: tuple) -> int:
@@ -483,8 +508,9 @@ class ExpertGather:
                 ev = events[h]
                 if ev is not None:
                     ev.synchronize()  # the H2D that last read this half (any experts module's) is done
-                self.reader.copy_all(self.spec.unit, [(s, host) for srcs, hosts, _, _ in batch
-                                                      for s, host in zip(srcs, hosts, strict=True)], chunk=READ_CHUNK)
+                self.reader.copy_all(self.spec.unit, read_pairs([(s, host) for srcs, hosts, _, _ in batch
+                                                                 for s, host in zip(srcs, hosts, strict=True)],
+                                                                MERGE_STAGED_READS), chunk=READ_CHUNK)
                 decoded = 0
                 for _srcs, hosts, d, dec in batch:
                     if dec is None:
