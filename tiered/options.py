@@ -44,8 +44,8 @@ OPTION_DOCS = """\
             and ``host_gb`` (:func:`tiered.policy.auto_ring_bytes`; ``tiered.stats(model).placement.ring_why`` says
             which). With ``host_gb`` not given either and a model that does not stay whole, the ring takes
             ``prefetch + 1`` of the largest unit and the host tier the rest of that memory
-            (:func:`tiered.policy.auto_split`). A number given is a hard limit: more than the host can give is a
-            ``HostMemoryError``.
+            (:func:`tiered.policy.auto_split`). A number given is a hard limit, in whole pages (rounded up to 4 KiB):
+            more than the host can give is a ``HostMemoryError``.
         device: ``"cuda[:N]"`` or ``"cpu"``; default CUDA when available.
         dtype: run in this dtype (``torch.bfloat16`` or ``"bf16"``...), cast while copying into the ring;
             default: ``from_pretrained``'s (``"auto"``: ``config.json``'s dtype, else the checkpoint's).
