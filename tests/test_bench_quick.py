@@ -539,10 +539,9 @@ def test_fp8_checkpoints_run_against_stocks_dequantized_model(tmp_path: Path) ->
     assert "fp8 (stock: dequantized at load)" in next(out.glob("*-quick-fp8.md")).read_text()
 
 
-def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """``twins.py --prefetch 2,5 --threads auto,4``: every combination runs in every round (reversed on odd rounds)
-    and gets its own summary row, whose speed-up is that variant's twin median over its quantized median."""
+def _fake_twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """Two stand-in checkpoint directories (a config.json each) that ``twins._make`` returns instead of writing
+    checkpoints: ``{"twin": ..., "q": ...}``."""
     import twins
 
     ck = {}
@@ -552,6 +551,16 @@ def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: P
         (d / "config.json").write_text(json.dumps({"vocab_size": 97}))
         ck[name] = d
     monkeypatch.setattr(twins, "_make", lambda args, quant: ck["q" if quant else "twin"])
+    return ck
+
+
+def test_twins_variants_run_in_every_round_and_report_their_own_rows(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``twins.py --prefetch 2,5 --threads auto,4``: every combination runs in every round (reversed on odd rounds)
+    and gets its own summary row, whose speed-up is that variant's twin median over its quantized median."""
+    import twins
+
+    ck = _fake_twins(tmp_path, monkeypatch)
     ran: list[tuple] = []
 
     def fake_s(spec: dict, r: int) -> float:  # a figure that differs per twin, variant and round
@@ -589,13 +598,7 @@ def test_twins_merge_reads_is_a_variant_that_reaches_the_child(tmp_path: Path, m
     a value other than on/off is refused."""
     import twins
 
-    ck = {}
-    for name in ("twin", "q"):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"vocab_size": 97}))
-        ck[name] = d
-    monkeypatch.setattr(twins, "_make", lambda args, quant: ck["q" if quant else "twin"])
+    ck = _fake_twins(tmp_path, monkeypatch)
     seen: list[tuple] = []
 
     def fake_run(args, work, spec, limit):
