@@ -405,9 +405,7 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
         # bf16, gpu_gb=3, 4 GiB cgroup, benchmarks/NOTES.md issue 23): sized by the resident 0.98 GiB lm_head, the
         # ring took all 2.5 GiB the limit left (1.38 GiB high water) and the host tier got none
         largest = max((page_up(need[u.index]) for u in plan.units if u.index not in resident | rows), default=0)
-        ask = policy.auto_ring_want(largest, opts.prefetch)
-        room = policy.piece_room(min(min(ask, policy.PIECE_RING_BYTES) if in_pieces else ask,
-                                     total // PAGE_SIZE * PAGE_SIZE))
+        room = policy.piece_room(min(policy.ring_ask(largest, opts.prefetch, in_pieces), total // PAGE_SIZE * PAGE_SIZE))
         floor = max((page_up(need[i]) for i in resident
                      if _pieces.count(plan.units[i], room, plan.align) is None), default=0)
     ring, host = policy.auto_split(total, largest, opts.prefetch, streamed, at_least=floor, pieces=in_pieces)
@@ -418,8 +416,7 @@ def _split(plan: Plan, opts: Options, machine: Machine, cpu: bool, budget: int, 
     if staging:
         left += f" and {staging / GiB:.3g} GiB of pinned staging for routed experts"
     n = opts.prefetch + 1
-    ask = policy.auto_ring_want(largest, opts.prefetch)
-    want = max(min(ask, policy.PIECE_RING_BYTES) if in_pieces else ask, page_up(floor))
+    want = max(policy.ring_ask(largest, opts.prefetch, in_pieces), page_up(floor))
     units = (f"at least {floor / GiB:.3f} GiB: a resident unit that cannot be read in pieces passes through it whole"
              if floor and want == page_up(floor) else
              f"three pieces of {policy.PIECE_RING_BYTES // 3 >> 20} MiB: every unit it streams larger than that is "

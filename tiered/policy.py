@@ -19,8 +19,8 @@ __all__ = ["MIN_PIECE_BYTES", "PAGE_CACHE_MARGIN_BYTES", "GPU_HEADROOM_BYTES", "
            "CUDA_HOST_HEADROOM_BYTES", "gpu_budget", "fits_whole", "buffers_counted", "choose_resident", "choose_host",
            "host_slot_bytes", "piece_slot", "piece_room", "cut_pieces", "choose_host_pieces", "page_cache_reserve",
            "choose_page_cache_tier", "choose_host_experts", "headroom", "auto_ring_bytes", "MIN_AUTO_RING_BYTES",
-           "auto_split", "auto_ring_want", "PIECE_RING_BYTES", "AUTO_RING_IN_PIECES", "pieces_ring_ok", "DEVICE_ALIGN",
-           "device_slot_bytes"]
+           "auto_split", "auto_ring_want", "PIECE_RING_BYTES", "AUTO_RING_IN_PIECES", "pieces_ring_ok", "ring_ask",
+           "DEVICE_ALIGN", "device_slot_bytes"]
 
 #: CUDA device pool: each buffer's offset (bytes) is a multiple of this, so every dtype's view and the vectorised copy
 #: kernels are aligned (``tiered.stage.DeviceArena``).
@@ -113,6 +113,13 @@ PIECE_RING_BYTES = 192 << 20
 AUTO_RING_IN_PIECES = False
 
 
+def ring_ask(largest: int, prefetch: int, pieces: bool = False) -> int:
+    """The ring :func:`auto_split` asks for (bytes): :func:`auto_ring_want`, and with ``pieces`` (:func:`pieces_ring_ok`)
+    at most :data:`PIECE_RING_BYTES`."""
+    want = auto_ring_want(largest, prefetch)
+    return min(want, PIECE_RING_BYTES) if pieces else want
+
+
 def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least: int = 0,
                pieces: bool = False) -> tuple[int, int]:
     """``ring_gb`` and ``host_gb`` both left to tiered, and the model does not stay whole: how ``total`` bytes (what
@@ -130,10 +137,7 @@ def auto_split(total: int, largest: int, prefetch: int, streamed: int, at_least:
     through the ring once, at load, in pieces where it is larger (:mod:`tiered.pieces`); ``at_least``: bytes the ring
     must hold whole all the same (a resident unit that cannot be cut). ``pieces`` (CUDA, :func:`pieces_ring_ok`): the
     ring asks for no more than :data:`PIECE_RING_BYTES`, units larger than it stream in pieces."""
-    want = auto_ring_want(largest, prefetch)
-    if pieces:
-        want = min(want, PIECE_RING_BYTES)
-    ring = min(max(want, page_up(at_least)), total // PAGE_SIZE * PAGE_SIZE)
+    ring = min(max(ring_ask(largest, prefetch, pieces), page_up(at_least)), total // PAGE_SIZE * PAGE_SIZE)
     host = max(0, min(total - ring, page_up(streamed))) // PAGE_SIZE * PAGE_SIZE
     return ring, host
 
