@@ -897,9 +897,10 @@ def test_cli_usage_errors_come_before_torch(ckpts, tmp_path: Path) -> None:
 
 def test_a_dst_through_links_that_would_modify_src_is_refused(ckpts, tmp_path: Path) -> None:
     """SRC is never modified, also through symbolic links: a DST that is a (dangling) link inside SRC (--force would
-    install the output there, inside SRC), and a SRC whose files are links into DST (a Hugging Face cache snapshot
-    and its blobs: replacing DST would leave SRC's files dangling) are usage errors (exit 2), from the CLI and from
-    tiered.reshard (ReshardError), and SRC is unchanged. Before: both exited 0 (the attack of 2026-12-06)."""
+    install the output there, inside SRC), a SRC whose files are links into DST at any hop (a Hugging Face cache
+    snapshot and its blobs: replacing DST would leave SRC's files dangling), and a weight file whose own folder is DST
+    are usage errors (exit 2), from the CLI and from tiered.reshard (ReshardError), and SRC is unchanged. Before: the
+    first two exited 0 (the attack of 2026-12-06); a link loop in SRC does not stop a reshard."""
     import tiered
     from tiered.reshard.errors import ReshardError
 
@@ -926,6 +927,26 @@ def test_a_dst_through_links_that_would_modify_src_is_refused(ckpts, tmp_path: P
     assert "symbolic link into DST" in r.stderr, r.stderr
     assert state(src) == before and state(snap) == snap_before and not (tmp_path / "elsewhere").exists()
     assert sorted(p.name for p in blobs.iterdir()) == sorted(p.name for p in ckpts["llama"].iterdir())
+    # one weight file as SRC and its own folder as DST (--force would replace the folder, the file with it); and a
+    # folder whose links reach DST at their first hop only (links to a snapshot's links into blobs, DST the snapshot)
+    weights = next(src.glob("*.safetensors"))
+    two = tmp_path / "two"
+    two.mkdir()
+    for f in snap.iterdir():
+        (two / f.name).symlink_to(f)
+    two_before = state(two)
+    for s_, d_ in ((weights, src), (two, snap)):
+        r = subprocess.run([sys.executable, "-m", "tiered.cli", "reshard", str(s_), str(d_), "--force", "-q"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "SRC is never modified" in r.stderr, (s_, d_, r.stderr)
+        with pytest.raises(ReshardError, match="SRC is never modified"):
+            tiered.reshard(s_, d_, force=True, quiet=True)
+    assert state(src) == before and state(two) == two_before and state(snap) == snap_before
+    # a link loop inside SRC is no reason to refuse (nor to crash): the folder reshards
+    (src / "out").unlink()
+    (src / "loop").symlink_to(src / "loop")
+    tiered.reshard(src, tmp_path / "fresh", quiet=True)
+    assert (tmp_path / "fresh" / "config.json").is_file()
 
 
 def test_add_parser_registers_subcommand() -> None:

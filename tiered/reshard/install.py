@@ -59,23 +59,57 @@ def _within(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
+def _place(p: Path) -> Path:
+    """Where the entry ``p`` itself lies: its directory resolved, its own name kept (a link is not followed); ``.``
+    and ``..`` resolved whole. Raises RuntimeError / OSError on a loop."""
+    if p.name in ("", ".", ".."):
+        return p.resolve()
+    return p.parent.resolve() / p.name
+
+
+def _link_chain(link: Path, limit: int = 40) -> list[Path]:
+    """Every place a symbolic link's chain passes through, hop by hop (:func:`_place` of each target), up to the first
+    entry that is not a link; a loop, a dangling hop or more than ``limit`` hops ends it (what was found is kept)."""
+    out: list[Path] = []
+    p = link
+    for _ in range(limit):
+        try:
+            t = os.readlink(p)
+            nxt = _place(Path(t) if os.path.isabs(t) else p.parent / t)
+        except (OSError, RuntimeError):
+            break
+        out.append(nxt)
+        if not nxt.is_symlink():
+            break
+        p = nxt
+    return out
+
+
 def overlap(src: Path, dst: Path) -> str | None:
     """Why writing ``dst`` (and with ``force`` replacing it) could modify ``src``, or None: ``dst`` is ``src``, lies
     inside it or contains it — where it resolves to, and where its own entry lies (a symbolic link inside ``src`` named
-    as ``dst`` is replaced by the output there) — or a file of ``src`` is a symbolic link into ``dst`` (a Hugging Face
-    cache snapshot's files point into its ``blobs``: replacing ``dst`` would leave them dangling). Torch-free: the CLI
-    checks it before its heavy imports."""
-    rs = src.resolve()
-    spots = {dst.resolve(), dst.parent.resolve() / dst.name}
+    as ``dst`` is replaced by the output there) — whether ``src`` is a directory or one weight file; or a link of
+    ``src`` (itself, or any entry below it) passes through ``dst`` at any hop (a Hugging Face cache snapshot's files
+    point into its ``blobs``: replacing ``dst`` would leave them dangling). Links that loop are not followed further.
+    Torch-free: the CLI checks it before its heavy imports."""
+    try:
+        rs = src.resolve()
+    except RuntimeError:  # a link loop: nothing to read (the caller's existence check says so)
+        return None
+    spots = set()
+    for place in (dst.resolve, lambda: _place(dst)):
+        try:
+            spots.add(place())
+        except RuntimeError:
+            return f"DST {dst} is a loop of symbolic links"
     for d in spots:
-        if _within(d, rs) or (src.is_dir() and _within(rs, d)):
+        if _within(d, rs) or _within(rs, d):
             return f"DST {dst} is SRC, inside it or contains it"
     links = [src] if src.is_symlink() else []
     if src.is_dir():
         links += [p for p in src.rglob("*") if p.is_symlink()]
     for link in links:
-        target = link.resolve()
-        if any(_within(target, d) for d in spots):
+        if any(_within(hop, d) for hop in _link_chain(link) for d in spots):
             return f"SRC's {link} is a symbolic link into DST {dst} (replacing DST would leave it dangling)"
     return None
 
