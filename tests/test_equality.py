@@ -226,6 +226,7 @@ def test_a_tied_head_stored_beside_its_embedding_is_tied_as_stock_ties_it(equal:
         m.eval()
         assert tiered.stats(m).resident_units == tiered.stats(m).units
         assert (m.lm_head.weight is m.model.embed_tokens.weight) == equal
+        assert dict(m.all_tied_weights_keys) == dict(ref.all_tied_weights_keys)  # stock drops an unequal pair
         assert len(list(m.parameters())) == len(list(ref.parameters()))
         with torch.no_grad():
             assert torch.equal(m(input_ids=ids).logits, want)
@@ -255,6 +256,61 @@ def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Pat
         with torch.no_grad():
             assert torch.equal(m(input_ids=ids).logits, ref(input_ids=ids).logits)
         assert torch.equal(_sgd_step(m, ids), _sgd_step(ref, ids))
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, tmp_path: Path) -> None:
+    """A T5 checkpoint that stores ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight`` but not
+    ``shared.weight`` (tied by the config; ``lm_head`` too): stock's ``tie_weights`` fills ``shared`` and the head from
+    the encoder's tensor (the first stored target of ``shared`` in ``all_tied_weights_keys``' order, after the head's
+    own pair), ties the decoder's only if equal, and drops an unequal pair from ``all_tied_weights_keys``. tiered,
+    streamed and whole: the same logits, the same tie map, whole on the CPU the same Parameters and the same logits
+    after one SGD step. Before: the head read the decoder's tensor (first sorted of the shared group): wrong logits."""
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                tie_word_embeddings=True, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    models.randomize_(model, seed=33)
+    d = tmp_path / "t5"
+    model.save_pretrained(d)
+    st = load_file(d / "model.safetensors")
+    emb = st.pop("shared.weight")
+    assert "lm_head.weight" not in st and "encoder.embed_tokens.weight" not in st
+    st["encoder.embed_tokens.weight"] = emb
+    st["decoder.embed_tokens.weight"] = emb.clone() if equal else emb + 0.25
+    save_file(st, d / "model.safetensors", metadata={"format": "pt"})
+    ids, dec = make_ids(5, (1, 7)) % 64, make_ids(6, (1, 5)) % 64
+    ref = transformers.T5ForConditionalGeneration.from_pretrained(d).eval()
+    assert torch.equal(ref.lm_head.weight, emb) and (ref.decoder.embed_tokens.weight is ref.shared.weight) == equal
+    with torch.no_grad():
+        want = ref(input_ids=ids, decoder_input_ids=dec).logits
+
+    def step(m: nn.Module) -> torch.Tensor:
+        m(input_ids=ids, labels=dec).loss.backward()
+        with torch.no_grad():
+            for p in dict.fromkeys(m.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.5 * p.grad)
+            return m(input_ids=ids, decoder_input_ids=dec).logits
+
+    rings = [RESIDENT_GB]
+    for ring_gb in rings:
+        with pytest.warns(UserWarning, match="not tied") if not equal else nullcontext():
+            m = tiered.load(d, device="cpu", ring_gb=ring_gb)
+        with m:
+            m.eval()
+            assert dict(m.all_tied_weights_keys) == dict(ref.all_tied_weights_keys)
+            with torch.no_grad():
+                assert torch.equal(m(input_ids=ids, decoder_input_ids=dec).logits, want)
+            if ring_gb == RESIDENT_GB:
+                assert tiered.stats(m).resident_units == tiered.stats(m).units
+                names = [k for k, _ in ref.named_parameters(remove_duplicate=False)]
+                same = {(a, b) for a in names for b in names if ref.get_parameter(a) is ref.get_parameter(b)}
+                assert {(a, b) for a in names for b in names if m.get_parameter(a) is m.get_parameter(b)} == same
+                rings.append(streaming_ring_gb(m))
+                assert torch.equal(step(m), step(ref))
+            else:
+                assert tiered.stats(m).resident_units < tiered.stats(m).units
 
 
 def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:

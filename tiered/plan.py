@@ -18,6 +18,8 @@ copied straight into its slice of the fused tensor inside the ring slot; any oth
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from torch import nn
 
 from . import quant
 from .chunks import chunk_sources
-from .errors import MissingTensorError, QuantizationError, ShapeMismatchError, UnsupportedDtypeError
+from .errors import MissingTensorError, QuantizationError, ShapeMismatchError, TruncatedShardError, UnsupportedDtypeError
 from .format import Checkpoint, TensorInfo
 from .meta import regenerate_param
 from .units import find_unit_roots, layer_index, weight_readers
@@ -520,16 +522,115 @@ def tie_pairs(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[tuple[str, 
     return out
 
 
-def _source_key(key: str, tied: dict[str, str], shared: dict[str, list[str]], direct: dict[str, TensorInfo],
+def stock_tie_sources(tied: dict[str, str], present: set[str]) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """Stock's tie rule at load, on keys: ``PreTrainedModel.tie_weights(missing_keys=...)`` (transformers 5) walks
+    ``all_tied_weights_keys`` (``target -> source``) in order; a missing target takes its source; a missing source
+    takes its target (the swap); where both are missing, the target takes the first later target of the same source
+    that is present; each key so filled counts as present for the pairs after it; where both are present, stock ties
+    them only if their values are ``torch.equal`` and otherwise drops the pair from ``all_tied_weights_keys``.
+    So a T5 checkpoint holding ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight`` (different values)
+    but not ``shared.weight`` gives ``shared`` and ``lm_head`` the encoder's tensor and keeps the decoder's apart.
+
+    Args:
+        tied: ``all_tied_weights_keys``, in its order.
+        present: keys the checkpoint fills (direct or converted).
+
+    Returns:
+        ``(bound, both)``: each tied key the checkpoint lacks -> the present key whose tensor fills it (a key no rule
+        reaches is left out: stock leaves it missing); and each pair stock compares, as ``(target, key whose tensor
+        fills the target, key whose tensor fills the source)``.
+    """
+    have = set(present)
+    bound: dict[str, str] = {}
+    both: list[tuple[str, str, str]] = []
+    pairs = list(tied.items())
+    for i, (t, s) in enumerate(pairs):
+        if t in have and s in have:
+            both.append((t, bound.get(t, t), bound.get(s, s)))
+        elif t in have:
+            bound[s] = bound.get(t, t)
+            have.add(s)
+        elif s in have:
+            bound[t] = bound.get(s, s)
+            have.add(t)
+        else:
+            tb = next((tb for tb, sb in pairs[i + 1:] if sb == s and tb in have), None)
+            if tb is not None:
+                bound[t] = bound.get(tb, tb)
+                have.add(t)
+    return bound, both
+
+
+_COMPARE_CHUNK = 8 << 20  # bytes of each tensor read at a time by _equal_on_disk: bounds its host memory
+
+
+def _equal_on_disk(a: TensorInfo, b: TensorInfo, dtype: torch.dtype) -> bool:
+    """``torch.equal`` of two stored tensors once cast to ``dtype`` (the model's: what stock compares after loading
+    both), read in pieces of at most :data:`_COMPARE_CHUNK` bytes each with ``os.pread`` (host memory stays bounded
+    for an embedding of any size). Same tensor (file and offset) -> True; shapes differ -> False."""
+    if (a.file, a.offset) == (b.file, b.offset) and a.dtype == b.dtype:
+        return True
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    n = a.numel
+    step = max(1, _COMPARE_CHUNK // max(a.dtype.itemsize, b.dtype.itemsize, 1))
+    fa, fb = os.open(a.file, os.O_RDONLY), os.open(b.file, os.O_RDONLY)
+    try:
+        for lo in range(0, n, step):
+            k = min(step, n - lo)
+            xs = []
+            for fd, t in ((fa, a), (fb, b)):
+                size = k * t.dtype.itemsize
+                raw = os.pread(fd, size, t.offset + lo * t.dtype.itemsize)
+                if len(raw) != size:
+                    raise TruncatedShardError(f"{t.file}: tensor {t.name!r} at offset {t.offset} ends past the end of the "
+                                      "file; the file is truncated: download or write it again")
+                xs.append(torch.frombuffer(bytearray(raw), dtype=t.dtype).to(dtype))
+            if not torch.equal(xs[0], xs[1]):
+                return False
+    finally:
+        os.close(fa)
+        os.close(fb)
+    return True
+
+
+def declined_ties(model: nn.Module, sd: dict[str, torch.Tensor], both: list[tuple[str, str, str]],
+                  direct: dict[str, TensorInfo]) -> list[str]:
+    """Targets of tied pairs whose two stored tensors differ (:func:`stock_tie_sources`' ``both``): stock keeps them
+    two Parameters, warns and drops the target from ``all_tied_weights_keys`` (so ``save_pretrained`` writes both),
+    and so does this (the caller drops them). A pair filled by a conversion is not compared (kept)."""
+    out = []
+    for t, vt, vs in both:
+        if vt == vs or vt not in direct or vs not in direct:
+            continue
+        if not _equal_on_disk(direct[vt], direct[vs], sd[t].dtype):
+            out.append(t)
+    return out
+
+
+def _decline_ties(model: nn.Module, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo], conv: _Conv) -> None:
+    """Drop from ``model.all_tied_weights_keys`` each tied target whose stored tensor differs from its source's
+    (:func:`declined_ties`), with stock's warning, as ``from_pretrained`` does."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return
+    _, both = stock_tie_sources(dict(tied), set(direct) | set(conv))
+    for t in declined_ties(model, sd, both, direct):
+        warnings.warn(f"the checkpoint holds {t!r} and {tied[t]!r}, tied by the config, with different values: they "
+                      "are not tied (as transformers' tie_weights does); set tie_word_embeddings=False in config.json "
+                      "to silence this", stacklevel=3)
+        tied.pop(t)
+
+
+def _source_key(key: str, stock_ties: dict[str, str], shared: dict[str, list[str]], direct: dict[str, TensorInfo],
                 conv: _Conv) -> str | None:
-    """The model key whose checkpoint tensor fills ``key``: ``key`` itself; else its tied twin
-    (``transformers``' ``all_tied_weights_keys``: a tied head reads the embedding); else the first key, sorted, that
-    shares its tensor object and the checkpoint holds (as ``safetensors.torch.load_model``); None if none."""
+    """The model key whose checkpoint tensor fills ``key``: ``key`` itself; else the key stock's tie rule gives it
+    (:func:`stock_tie_sources`: a tied head reads the embedding); else the first key, sorted, that shares its tensor
+    object and the checkpoint holds (as ``safetensors.torch.load_model``); None if none."""
     if key in direct or key in conv:
         return key
-    other = tied.get(key) or next((t for t, s in tied.items() if s == key), None)
-    if other is not None and (other in direct or other in conv):
-        return other
+    if key in stock_ties:
+        return stock_ties[key]
     return next((o for o in shared.get(key, ()) if o in direct or o in conv), None)
 
 
@@ -580,13 +681,14 @@ def _make_targets(model: nn.Module, ckpt: Checkpoint, sd: dict[str, torch.Tensor
         MissingTensorError: parameters with no source, all of them named (with the files for a plain module).
     """
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    stock_ties, _ = stock_tie_sources(tied, set(direct) | set(conv))
     shared = _shared_keys(sd)
     targets: dict[str, Target] = {}
     converts: list[tuple[Convert, str]] = []
     missing: list[str] = []
     for key, ref in sd.items():
         mod, attr, is_param = _owner(model, key)
-        src_key = _source_key(key, tied, shared, direct, conv)
+        src_key = _source_key(key, stock_ties, shared, direct, conv)
         if not is_param and src_key is None:
             continue  # buffer not in the checkpoint: keep its initialised value
         if key in unavailable and key not in direct:
@@ -721,6 +823,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     _refuse_coded_codes(targets)
     units = _group_units(model, targets, converts, align, stored)
+    _decline_ties(model, sd, direct, conv)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,
                 dropped=dropped, stored=stored, ties=tie_pairs(model, sd))
