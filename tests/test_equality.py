@@ -6,6 +6,7 @@ directory loaded as stock loads it (default dtype, generation config, custom cod
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -311,6 +312,59 @@ def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, t
                 assert torch.equal(step(m), step(ref))
             else:
                 assert tiered.stats(m).resident_units < tiered.stats(m).units
+
+
+def test_two_declined_ties_with_equal_values_stay_two_parameters_as_in_stock(tmp_path: Path) -> None:
+    """A T5 checkpoint with ``shared.weight`` = X and both ``encoder.embed_tokens.weight`` and
+    ``decoder.embed_tokens.weight`` = X + 0.25 (stored twice), no ``lm_head.weight``: stock declines both embedding
+    pairs (two warnings), ties the head to ``shared`` and keeps the encoder's and decoder's embeddings two Parameters,
+    though equal. Loaded whole on the CPU, tiered gives the same Parameter identities, the same count, the same tie
+    map, and the same logits after one SGD step (one shared embedding would take both gradients). Before: the two
+    declined keys came back through the meta model's identity groups and were tied (48 Parameters against 49; the
+    attack of 2026-12-06). The warning names this file (the caller's frame), not tiered's."""
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                tie_word_embeddings=True, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    models.randomize_(model, seed=34)
+    d = tmp_path / "t5_declined"
+    model.save_pretrained(d)
+    st = load_file(d / "model.safetensors")
+    x = st["shared.weight"]
+    assert "lm_head.weight" not in st
+    st["encoder.embed_tokens.weight"] = x + 0.25
+    st["decoder.embed_tokens.weight"] = x + 0.25
+    save_file(st, d / "model.safetensors", metadata={"format": "pt"})
+    ids, dec = make_ids(7, (1, 7)) % 64, make_ids(8, (1, 5)) % 64
+    ref = transformers.T5ForConditionalGeneration.from_pretrained(d).eval()
+    assert ref.encoder.embed_tokens.weight is not ref.decoder.embed_tokens.weight  # stock's rule, checked here
+    assert ref.lm_head.weight is ref.shared.weight
+
+    def step(m: nn.Module) -> torch.Tensor:
+        m(input_ids=ids, labels=dec).loss.backward()
+        with torch.no_grad():
+            for p in dict.fromkeys(m.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.5 * p.grad)
+            return m(input_ids=ids, decoder_input_ids=dec).logits
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = tiered.load(d, device="cpu", ring_gb=RESIDENT_GB)
+    declined = [w for w in caught if "not tied" in str(w.message)]
+    assert len(declined) == 2 and all(w.filename == __file__ for w in declined)
+    with m:
+        m.eval()
+        assert tiered.stats(m).resident_units == tiered.stats(m).units
+        assert dict(m.all_tied_weights_keys) == dict(ref.all_tied_weights_keys)
+        names = [k for k, _ in ref.named_parameters(remove_duplicate=False)]
+        same = {(a, b) for a in names for b in names if ref.get_parameter(a) is ref.get_parameter(b)}
+        assert {(a, b) for a in names for b in names if m.get_parameter(a) is m.get_parameter(b)} == same
+        assert len(list(m.parameters())) == len(list(ref.parameters()))
+        with torch.no_grad():
+            assert torch.equal(m(input_ids=ids, decoder_input_ids=dec).logits,
+                               ref(input_ids=ids, decoder_input_ids=dec).logits)
+        assert torch.equal(step(m), step(ref))
 
 
 def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:

@@ -24,6 +24,7 @@ from . import expert_cache as _expert_cache_mod
 from . import experts as _experts_mod
 from . import policy as _policy
 from .errors import ConfigError, RingTooSmallError
+from .errors import caller_stacklevel as _caller_stacklevel
 from .expert_cache import ExpertCache
 from .experts import ExpertGather, HostExperts
 from .format import Checkpoint, open_checkpoint
@@ -289,16 +290,6 @@ class OversubscribedWarning(UserWarning):
 
 
 _warned_oversubscribed = [False]
-
-
-def _caller_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel that names the first frame outside the ``tiered`` package (the user's call of
-    :func:`load`, however deep inside tiered the warning is raised), counted from the caller of this function."""
-    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    f, level = sys._getframe(2), 2  # the function that calls warnings.warn is level 1
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg):
-        f, level = f.f_back, level + 1
-    return level
 
 
 def _set_compute_threads(p: Placement, opts: Options) -> None:

@@ -6,6 +6,9 @@ says how to fix the problem. Catch ``TieredError`` to catch them all.
 
 from __future__ import annotations
 
+import os
+import sys
+
 __all__ = [
     "TieredError",
     "CodecError",
@@ -98,3 +101,13 @@ class StreamedTensorError(TieredError, RuntimeError):
     """Model code read or changed the values of a streamed tensor outside the forward that binds it, or asked for what
     a streamed model cannot do as stock does (``.half()``, ``.to(another device)``, ``save_pretrained``): raised
     before anything changes (:mod:`tiered.placeholder`)."""
+
+
+def caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel that names the first frame outside the ``tiered`` package (the user's call of
+    :func:`tiered.load`, however deep inside tiered the warning is raised), counted from the caller of this function."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    f, level = sys._getframe(2), 2  # the function that calls warnings.warn is level 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg):
+        f, level = f.f_back, level + 1
+    return level

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from torch import nn
 from . import quant
 from .chunks import chunk_sources
 from .errors import MissingTensorError, QuantizationError, ShapeMismatchError, TruncatedShardError, UnsupportedDtypeError
+from .errors import caller_stacklevel as _caller_stacklevel
 from .format import Checkpoint, TensorInfo
 from .meta import regenerate_param
 from .units import find_unit_roots, layer_index, weight_readers
@@ -506,16 +507,26 @@ def _shared_keys(sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {k: sorted(o for o in ks if o != k) for ks in groups.values() if len(ks) > 1 for k in ks}
 
 
-def tie_pairs(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+def tie_pairs(model: nn.Module, sd: dict[str, torch.Tensor], declined: Iterable[str] = ()) -> list[tuple[str, str]]:
     """``(target, source)`` model keys that stock holds as one Parameter: ``transformers``' ``all_tied_weights_keys``
     (a head tied to its embedding: from_pretrained ties them when the checkpoint has only one of the two, or both
     ``torch.equal``), then each other key of a tensor the modules share (``sd`` on ``meta``: the object's identity,
     :func:`_shared_keys`) to the first of its group. Keys only: whether a pair is tied at load is
-    :meth:`tiered.streamer.Streamer.load_resident`'s check of the bound values."""
-    out = [(t, s) for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items() if t in sd and s in sd]
+    :meth:`tiered.streamer.Streamer.load_resident`'s check of the bound values.
+
+    A key of ``all_tied_weights_keys`` (either side) or of ``declined`` (targets :func:`_decline_ties` dropped from
+    it) takes no part in the identity groups: on ``meta`` those Parameters are one object only because the model
+    tied them at init, and stock's loading sets each key's own Parameter and then ties the map's pairs alone. So two
+    declined targets stored with equal values (a T5 checkpoint whose encoder and decoder embeddings both differ from
+    ``shared.weight``) stay two Parameters, as in stock."""
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    out = [(t, s) for t, s in tied.items() if t in sd and s in sd]
+    skip = set(tied) | set(tied.values()) | set(declined)
     seen = {t for t, _ in out}
     for key, others in _shared_keys(sd).items():
-        first = min([key, *others])
+        if key in skip:
+            continue
+        first = min(k for k in [key, *others] if k not in skip)
         if key != first and key not in seen:
             out.append((key, first))
             seen.add(key)
@@ -608,18 +619,20 @@ def declined_ties(model: nn.Module, sd: dict[str, torch.Tensor], both: list[tupl
     return out
 
 
-def _decline_ties(model: nn.Module, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo], conv: _Conv) -> None:
+def _decline_ties(model: nn.Module, sd: dict[str, torch.Tensor], direct: dict[str, TensorInfo], conv: _Conv) -> list[str]:
     """Drop from ``model.all_tied_weights_keys`` each tied target whose stored tensor differs from its source's
-    (:func:`declined_ties`), with stock's warning, as ``from_pretrained`` does."""
+    (:func:`declined_ties`), with stock's warning, as ``from_pretrained`` does. Returns the dropped targets."""
     tied = getattr(model, "all_tied_weights_keys", None)
     if not tied:
-        return
+        return []
     _, both = stock_tie_sources(dict(tied), set(direct) | set(conv))
-    for t in declined_ties(model, sd, both, direct):
+    out = declined_ties(model, sd, both, direct)
+    for t in out:
         warnings.warn(f"the checkpoint holds {t!r} and {tied[t]!r}, tied by the config, with different values: they "
                       "are not tied (as transformers' tie_weights does); set tie_word_embeddings=False in config.json "
-                      "to silence this", stacklevel=3)
+                      "to silence this", stacklevel=_caller_stacklevel())
         tied.pop(t)
+    return out
 
 
 def _source_key(key: str, stock_ties: dict[str, str], shared: dict[str, list[str]], direct: dict[str, TensorInfo],
@@ -823,8 +836,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, align: int = 64, stored: b
     dropped = quant.attach_decodes(targets, converts, unused, ckpt.tensors, qc, where)
     _refuse_coded_codes(targets)
     units = _group_units(model, targets, converts, align, stored)
-    _decline_ties(model, sd, direct, conv)
+    declined = _decline_ties(model, sd, direct, conv)
     weight_readers(model, units)  # modules that read a unit's weights outside its call: bound for theirs too
     return Plan(units=units, unused=unused, align=align, unused_skipped=unused_skipped, unused_index_missing=unused_missing,
-                dropped=dropped, stored=stored, ties=tie_pairs(model, sd))
+                dropped=dropped, stored=stored, ties=tie_pairs(model, sd, declined))
 
