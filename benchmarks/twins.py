@@ -14,7 +14,11 @@ then quantized first), so a drift of the machine hits both alike. Modes:
 
 * ``cold`` — the page cache dropped before the load, no host tier (``host_gb=0``): every pass reads the disk;
 * ``warm`` — the host tier given (``--host-gb``): what it holds is read once at load and copied from pinned memory
-  every pass.
+  every pass;
+* ``cold-auto`` — the page cache dropped before the load, ``host_gb`` left to tiered (what a user's
+  ``tiered.load(dir, gpu_gb=...)`` does): the memory ``--mem-limit-gb`` leaves beside the ring becomes a host tier
+  (``tiered.policy.auto_split``), read once at load; a quantized checkpoint's stored experts fit about twice as many
+  in it as the twin's.
 
 ``--quant lossless`` (issue 25): the other checkpoint is the twin itself through ``tiered reshard --compress``
 (losslessly compressed shards, decoded after the read); ``--stock`` then runs stock on the twin.
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", default="2", help="tiered.load(prefetch=), or a comma-separated list (variants): on "
                    "CUDA the device pool is prefetch + 1 slots of the largest streamed unit")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="cgroup memory.max of every tiered run")
-    p.add_argument("--modes", default="cold,warm")
+    p.add_argument("--modes", default="cold,warm", help="comma-separated: cold, warm, cold-auto (see above)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
@@ -186,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= {"cold", "warm"}:
-        p.error(f"--modes: cold and/or warm, got {args.modes!r}")
+    if not set(modes) <= {"cold", "warm", "cold-auto"}:
+        p.error(f"--modes: cold, warm and/or cold-auto, got {args.modes!r}")
     try:
         variants = _variants(args.prefetch, args.threads, args.merge_reads)
     except ValueError as e:
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             order = [(v, w) for v in variants for w in ("twin", "fp8")]
             order = order if r % 2 == 0 else order[::-1]
-            if mode == "cold" and args.accelerate:
+            if mode.startswith("cold") and args.accelerate:
                 order = order + [(None, "accelerate")] if r % 2 == 0 else [(None, "accelerate")] + order
             for var, which in order:
                 if which == "accelerate":
@@ -233,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                     save()
                     continue
                 spec = {"system": "tiered", "model_dir": str(twins[which]), "prompt_ids": ids,
-                        "new_tokens": args.new_tokens, "device": args.device, "cold": mode == "cold",
+                        "new_tokens": args.new_tokens, "device": args.device, "cold": mode.startswith("cold"),
                         "ring_gb": args.ring_gb, "gpu_gb": args.gpu_gb, "threads": var["threads"], "io": args.io,
-                        "prefetch": var["prefetch"], "extra": {"host_gb": 0.0 if mode == "cold" else args.host_gb,
-                                                               "merge_staged_reads": var["merge"]}}
+                        "prefetch": var["prefetch"],
+                        "extra": {"host_gb": {"cold": 0.0, "cold-auto": None}.get(mode, args.host_gb),
+                                  "merge_staged_reads": var["merge"]}}
                 res = _run(args, work, spec, limit)
                 res.update(round=r, mode=mode, which=which, variant=var["label"])
                 report["runs"].append(res)
