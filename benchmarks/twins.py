@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(tiered.experts.MERGE_STAGED_READS): on, off, or 'off,on' (variants, for an A/B)")
     p.add_argument("--stock", action="store_true", help="also run stock transformers on the quantized checkpoint")
     p.add_argument("--accelerate", action="store_true",
-                   help="cold mode: also run accelerate's disk offload of the quantized checkpoint each round (stock's "
+                   help="cold mode (else cold-auto): also run accelerate's disk offload of the quantized checkpoint each "
+                        "round (stock's "
                         "dequantize at load, then device_map='auto' with max_memory {0: --gpu-gb, 'cpu': "
                         "--accelerate-cpu-gb} and an offload folder), in the same memory.max")
     p.add_argument("--accelerate-cpu-gb", type=float, default=0.8)
@@ -218,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         report["stock"] = _run(args, work, spec, None)
         print(f"stock: {report['stock'].get('status')} tokens {report['stock'].get('tokens_out')}", flush=True)
         save()
+    accel_mode = "cold" if "cold" in modes else "cold-auto"
     for r in range(args.rounds):
         for mode in modes:
             order = [(v, w) for v in variants for w in ("twin", "fp8")]
             order = order if r % 2 == 0 else order[::-1]
-            if mode.startswith("cold") and args.accelerate:
+            if mode == accel_mode and args.accelerate:  # once a round: accelerate has no host tier to vary
                 order = order + [(None, "accelerate")] if r % 2 == 0 else [(None, "accelerate")] + order
             for var, which in order:
                 if which == "accelerate":
