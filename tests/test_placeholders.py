@@ -66,6 +66,49 @@ def test_parameters_and_submodules_look_like_stock(llama_bf16):
                 assert (mine.device, mine.dtype) == (sub.device, sub.dtype), name
 
 
+def test_a_parameter_the_model_builds_in_real_memory_requires_grad_as_stock(tmp_path):
+    """DiffLlama's ``lambda_q1``..``lambda_k2`` are ``nn.Parameter(torch.normal(0, std, size=...))``: that factory
+    escapes the meta device context, so the model is built with them in real memory. Stock loads them with
+    ``requires_grad=True``; tiered bound them without a placeholder (``requires_grad=False``, and a streamed one kept
+    its ring view between passes), so one SGD step gave other logits (found by an attack, 2026-12-06). Now: the same
+    flags, streamed and whole; whole on the CPU, the same logits after one SGD step; streamed, a placeholder between
+    passes (reading it is an error, not old ring bytes)."""
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m0 = transformers.DiffLlamaForCausalLM(cfg)
+    models.randomize_(m0, seed=23)
+    d = tmp_path / "diffllama"
+    m0.save_pretrained(d)
+    ids = make_ids(9, (1, 6)) % 96
+    ref = _stock(d)
+    key = "model.layers.0.self_attn.lambda_q1"
+    assert ref.get_parameter(key).requires_grad and ref.get_parameter(key).abs().sum() > 0
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        m(input_ids=ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            for p in dict.fromkeys(m.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.5 * p.grad)
+            return m(input_ids=ids).logits
+
+    with tiered.load(d, device="cpu", ring_gb=1.0) as m:
+        assert tiered.stats(m).resident_units == tiered.stats(m).units
+        assert [(n, p.requires_grad) for n, p in m.named_parameters()] == \
+            [(n, p.requires_grad) for n, p in ref.named_parameters()]
+        assert _equal_logits(m, ref, ids)
+        assert torch.equal(step(m), step(_stock(d)))
+    ref = _stock(d)
+    with stream(d) as m:
+        assert [(n, p.requires_grad) for n, p in m.named_parameters()] == \
+            [(n, p.requires_grad) for n, p in ref.named_parameters()]
+        assert _equal_logits(m, ref, ids)
+        assert isinstance(m.get_parameter(key), Placeholder)
+        with pytest.raises(StreamedTensorError):
+            m.get_parameter(key).tolist()
+
+
 @pytest.mark.parametrize("rows", [True, False], ids=["rows", "table"])
 def test_model_code_reading_a_weights_device_equals_stock(llama4, rows):
     """Llama-4's text model moves its ids to ``embed_tokens.weight.device``: with ``meta`` placeholders that crashed

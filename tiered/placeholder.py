@@ -148,9 +148,10 @@ def make_placeholder(ref: torch.Tensor, device: torch.device, key: str, unit: st
 
 def install_placeholders(module: nn.Module, units: list, specs: list, device: torch.device, *,
                          loaded_flags: bool = False) -> int:
-    """Replace every ``meta`` tensor that ``units`` (:class:`~tiered.plan.Unit`) and ``specs`` (routed experts,
-    :class:`~tiered.expert_spec.ExpertSpec`) bind with a :class:`Placeholder` on ``device``, wherever in ``module`` it
-    is referenced (a tied parameter stays one object). Run before the streamer records its placeholders. Returns
+    """Replace every tensor that ``units`` (:class:`~tiered.plan.Unit`) and ``specs`` (routed experts,
+    :class:`~tiered.expert_spec.ExpertSpec`) bind — on ``meta``, or real where the model's own code allocated it
+    outside the meta device context — with a :class:`Placeholder` on ``device``, wherever in ``module`` it is
+    referenced (a tied parameter stays one object). Run before the streamer records its placeholders. Returns
     how many tensors were replaced. ``loaded_flags``: a ``transformers`` model's (:func:`make_placeholder`)."""
     owner: dict[int, tuple[str, str]] = {}
     for u in units:
@@ -163,7 +164,9 @@ def install_placeholders(module: nn.Module, units: list, specs: list, device: to
     for _, m in module.named_modules(remove_duplicate=True):
         for store, param in ((m._parameters, True), (m._buffers, False)):
             for attr, cur in list(store.items()):
-                if cur is None or cur.device.type != "meta" or id(cur) not in owner:
+                # a target the model built with real memory (DiffLlama's lambda_q1..k2: torch.normal(size=...) is
+                # not a factory the meta device context catches) takes a placeholder too: the checkpoint fills it
+                if cur is None or id(cur) not in owner or isinstance(cur, Placeholder):
                     continue
                 if id(cur) not in done:
                     key, unit = owner[id(cur)]
