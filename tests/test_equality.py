@@ -367,6 +367,42 @@ def test_two_declined_ties_with_equal_values_stay_two_parameters_as_in_stock(tmp
         assert torch.equal(step(m), step(ref))
 
 
+def test_weights_sit_where_stocks_mmap_puts_them_so_alignment_sensitive_kernels_agree(tmp_path: Path) -> None:
+    """Stock (transformers 5 on the CPU) keeps a same-dtype tensor in the safetensors file's mmap, so its address
+    modulo 64 is its file offset's; some CPU kernels round differently at other alignments. JetMoe's experts'
+    ``F.linear`` gave logits up to 1.5e-7 off stock's when tiered placed every target 64-aligned in its ring (the
+    attack of 2026-12-06). Now a whole same-dtype target sits at its file offset's residue modulo 64: logits bitwise
+    equal, whole and streamed; and stock's own model with its weights cloned into fresh (64-aligned) memory differs,
+    so this test can fail."""
+    cfg = transformers.JetMoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, kv_channels=8,
+                                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                    num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+                                    tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(cfg)
+    models.randomize_(model, seed=35)
+    d = tmp_path / "jetmoe"
+    model.save_pretrained(d)
+    ids = make_ids(10, (1, 6)) % 96
+    ref = transformers.JetMoeForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        moved = transformers.JetMoeForCausalLM.from_pretrained(d).eval()
+        for p in moved.parameters():
+            p.data = p.data.clone()
+        assert not torch.equal(moved(input_ids=ids).logits, want), "no alignment-sensitive kernel here: vacuous"
+    for ring_gb in (RESIDENT_GB, None):
+        m = tiered.load(d, device="cpu", ring_gb=ring_gb or RESIDENT_GB)
+        if ring_gb is None:
+            ring = streaming_ring_gb(m)
+            m.close()
+            m = tiered.load(d, device="cpu", ring_gb=ring)
+        with m, torch.no_grad():
+            st = tiered.stats(m)
+            assert (st.resident_units == st.units) == (ring_gb is not None)
+            assert torch.equal(m(input_ids=ids).logits, want), ring_gb
+
+
 def test_checkpoint_really_differs_between_models(ckpts: Checkpoints, refs: References) -> None:
     """Guard against a vacuous pass: different seeds give different logits, so equality above means something."""
     a = refs.output("llama").logits

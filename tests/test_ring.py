@@ -348,7 +348,7 @@ def test_default_ring_loads_a_model_larger_than_the_host_leaves(tmp_path: Path, 
     n, rows = 8, 8192  # 8 blocks of 8192 x 8192 fp32 = 256 MiB each, in a sparse file
     block = rows * 8192 * 4
     head = encode_header([(f"blocks.{i}.weight", torch.float32, (rows, 8192), block) for i in range(n)],
-                         {"format": "pt"})
+                         {"format": "pt"}, align=4096)
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.write(head)
         f.truncate(len(head) + n * block)
@@ -552,7 +552,7 @@ def test_default_split_sizes_the_cuda_ring_by_what_streams(tmp_path: Path, monke
     head_rows = 4 * rows  # a 256 MiB head
     tensors = [(f"blocks.{i}.weight", torch.float32, (rows, cols), rows * cols * 4) for i in range(n)]
     tensors.append(("head.weight", torch.float32, (head_rows, cols), head_rows * cols * 4))
-    head = encode_header(tensors, {"format": "pt"})
+    head = encode_header(tensors, {"format": "pt"}, align=4096)  # page-aligned data: units are their bytes
     with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
         f.write(head)
         f.truncate(len(head) + sum(t[3] for t in tensors))
@@ -608,7 +608,7 @@ def test_default_split_on_cuda_streams_in_pieces_and_gives_the_rest_to_the_host_
     n, rows, cols = 8, 8192, 8192  # layers of 256 MiB (fp32)
     block = rows * cols * 4
     tensors = [(f"blocks.{i}.weight", torch.float32, (rows, cols), block) for i in range(n)]
-    head = encode_header(tensors, {"format": "pt"})
+    head = encode_header(tensors, {"format": "pt"}, align=4096)  # page-aligned data: units are their bytes
     with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file: costs no disk
         f.write(head)
         f.truncate(len(head) + n * block)

@@ -43,6 +43,26 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+#: the CPU plan's alignment (bytes): targets there sit at their file offset's residue modulo it (:func:`lay_out`)
+CPU_ALIGN = 64
+
+
+def _file_residue(t: Target, align: int) -> int | None:
+    """Where stock's tensor for ``t`` sits modulo ``align`` on the CPU, when ``t`` is one whole stored tensor of its
+    own dtype: stock (transformers 5 on the CPU, safetensors) keeps such a tensor in the file's page-aligned memory
+    mapping, at its offset in the file. None for a cast, a slice, a decode or several copies (stock allocates those:
+    aligned), and for an offset the target's dtype cannot be viewed at (not a multiple of its item size)."""
+    if len(t.copies) != 1:
+        return None
+    c = t.copies[0]
+    src = c.src
+    if (c.place is not None or c.decode is not None or getattr(src, "coded", None) is not None
+            or getattr(src, "stored", 0) or src.dtype != t.dtype or src.nbytes != t.nbytes
+            or src.offset % max(1, t.dtype.itemsize)):
+        return None
+    return src.offset % align
+
+
 @dataclass
 class Copy:
     """Copy checkpoint tensor ``src`` into ``place(target_view)`` (cast to the target dtype), or, with ``decode`` (a
@@ -171,7 +191,9 @@ def device_coded(t: Target) -> bool:
 
 
 def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
-    """Give ``u``'s targets their offsets (``align``-byte aligned, in order) and set ``nbytes`` and ``src_bytes``.
+    """Give ``u``'s targets their offsets (``align``-byte aligned, in order; on the CPU, :data:`CPU_ALIGN`, a whole
+    stored tensor of the target's dtype at its file offset's residue: :func:`_file_residue`) and set ``nbytes`` and
+    ``src_bytes``.
 
     ``stored`` (a CUDA plan: :attr:`Plan.stored`): a unit whose every decoded target (a copy with ``decode``) has
     only decoded copies is laid out *stored* (:class:`Unit`): its slot carries the codes and scales as the
@@ -189,6 +211,12 @@ def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
     off = 0
     for t in plain:
         off = _align(off, align)
+        # CPU: at the residue modulo 64 its bytes have in the file, as stock's mmap'd tensor (slots are page-aligned).
+        # Some CPU kernels round differently at other alignments: JetMoe's experts' F.linear gave logits 1.5e-7 off
+        # stock's with 64-aligned weights (attack of 2026-12-06)
+        r = _file_residue(t, align) if align == CPU_ALIGN else None
+        if r is not None:
+            off += r
         t.offset = off
         off += t.nbytes
     for t in u.targets:
