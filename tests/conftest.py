@@ -271,6 +271,23 @@ def plan_ring_gb(path: Path, units: float = 3) -> float:
     return ring / GiB
 
 
+def sgd_step(m: torch.nn.Module, ids: torch.Tensor, dec: torch.Tensor | None = None) -> torch.Tensor:
+    """One SGD step (lr 0.5) on ``m``'s language-model loss, then its logits (no grad): a tie sums the two uses'
+    gradients into one Parameter and two Parameters each take their own, so the logits after the step tell them apart
+    (and a parameter that wrongly requires no grad stays put). ``dec``: an encoder-decoder's decoder ids (the labels;
+    the logits are then the decoder's); else the labels are ``ids``."""
+    params = list(dict.fromkeys(p for p in m.parameters() if p.requires_grad))
+    if dec is None:
+        m(input_ids=ids, labels=ids).loss.backward()
+    else:
+        m(input_ids=ids, labels=dec).loss.backward()
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.sub_(0.5 * p.grad)
+        return m(input_ids=ids).logits if dec is None else m(input_ids=ids, decoder_input_ids=dec).logits
+
+
 def stream(d: Path, **kw) -> torch.nn.Module:
     """``d`` loaded fully streamed on CPU (a ring of ~3 units)."""
     import tiered

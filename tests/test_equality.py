@@ -14,7 +14,7 @@ import models
 import pytest
 import torch
 import transformers
-from conftest import STOCK, Checkpoints, greedy, ids_for, logits_of, make_ids, plan_ring_gb, stream, streaming_ring_gb
+from conftest import STOCK, Checkpoints, greedy, ids_for, logits_of, make_ids, plan_ring_gb, sgd_step, stream, streaming_ring_gb
 from models import BUILDERS, MLPStack
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -188,19 +188,6 @@ def test_tied_head_stays_tied_to_its_embedding_when_the_model_stays_whole(ckpts:
         assert m._tiered.ring.size <= whole - (-(-head.nbytes // 4096) * 4096), (m._tiered.ring.size, whole)
 
 
-def _sgd_step(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """One SGD step on ``m``'s language-model loss, then its logits (no grad): a tie sums the two uses' gradients
-    into one Parameter, two Parameters each take their own, so the logits after the step tell them apart."""
-    params = list(dict.fromkeys(p for p in m.parameters() if p.requires_grad))
-    out = m(input_ids=ids, labels=ids)
-    out.loss.backward()
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.sub_(0.5 * p.grad)
-        return m(input_ids=ids).logits
-
-
 @pytest.mark.parametrize("equal", [True, False])
 def test_a_tied_head_stored_beside_its_embedding_is_tied_as_stock_ties_it(equal: bool, tmp_path: Path) -> None:
     """A tied model whose checkpoint also holds ``lm_head.weight`` (as a converted ``.bin`` does): from_pretrained ties
@@ -231,7 +218,7 @@ def test_a_tied_head_stored_beside_its_embedding_is_tied_as_stock_ties_it(equal:
         assert len(list(m.parameters())) == len(list(ref.parameters()))
         with torch.no_grad():
             assert torch.equal(m(input_ids=ids).logits, want)
-        assert torch.equal(_sgd_step(m, ids), _sgd_step(ref, ids))
+        assert torch.equal(sgd_step(m, ids), sgd_step(ref, ids))
 
 
 def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Path) -> None:
@@ -256,7 +243,7 @@ def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Pat
         assert len(list(m.parameters())) == len(list(ref.parameters()))
         with torch.no_grad():
             assert torch.equal(m(input_ids=ids).logits, ref(input_ids=ids).logits)
-        assert torch.equal(_sgd_step(m, ids), _sgd_step(ref, ids))
+        assert torch.equal(sgd_step(m, ids), sgd_step(ref, ids))
 
 
 @pytest.mark.parametrize("equal", [True, False])
@@ -286,14 +273,6 @@ def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, t
     with torch.no_grad():
         want = ref(input_ids=ids, decoder_input_ids=dec).logits
 
-    def step(m: nn.Module) -> torch.Tensor:
-        m(input_ids=ids, labels=dec).loss.backward()
-        with torch.no_grad():
-            for p in dict.fromkeys(m.parameters()):
-                if p.grad is not None:
-                    p.sub_(0.5 * p.grad)
-            return m(input_ids=ids, decoder_input_ids=dec).logits
-
     rings = [RESIDENT_GB]
     for ring_gb in rings:
         with pytest.warns(UserWarning, match="not tied") if not equal else nullcontext():
@@ -309,7 +288,7 @@ def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, t
                 same = {(a, b) for a in names for b in names if ref.get_parameter(a) is ref.get_parameter(b)}
                 assert {(a, b) for a in names for b in names if m.get_parameter(a) is m.get_parameter(b)} == same
                 rings.append(streaming_ring_gb(m))
-                assert torch.equal(step(m), step(ref))
+                assert torch.equal(sgd_step(m, ids, dec), sgd_step(ref, ids, dec))
             else:
                 assert tiered.stats(m).resident_units < tiered.stats(m).units
 
@@ -340,14 +319,6 @@ def test_two_declined_ties_with_equal_values_stay_two_parameters_as_in_stock(tmp
     assert ref.encoder.embed_tokens.weight is not ref.decoder.embed_tokens.weight  # stock's rule, checked here
     assert ref.lm_head.weight is ref.shared.weight
 
-    def step(m: nn.Module) -> torch.Tensor:
-        m(input_ids=ids, labels=dec).loss.backward()
-        with torch.no_grad():
-            for p in dict.fromkeys(m.parameters()):
-                if p.grad is not None:
-                    p.sub_(0.5 * p.grad)
-            return m(input_ids=ids, decoder_input_ids=dec).logits
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         m = tiered.load(d, device="cpu", ring_gb=RESIDENT_GB)
@@ -364,7 +335,7 @@ def test_two_declined_ties_with_equal_values_stay_two_parameters_as_in_stock(tmp
         with torch.no_grad():
             assert torch.equal(m(input_ids=ids, decoder_input_ids=dec).logits,
                                ref(input_ids=ids, decoder_input_ids=dec).logits)
-        assert torch.equal(step(m), step(ref))
+        assert torch.equal(sgd_step(m, ids, dec), sgd_step(ref, ids, dec))
 
 
 def test_weights_sit_where_stocks_mmap_puts_them_so_alignment_sensitive_kernels_agree(tmp_path: Path) -> None:
