@@ -246,6 +246,18 @@ def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Pat
         assert torch.equal(sgd_step(m, ids), sgd_step(ref, ids))
 
 
+def _tiny_t5(d: Path, *, seed: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny tied T5 (vocab 64, seeded random weights) saved to ``d``; returns ``d`` and its stored tensors, for the
+    test to edit and save back."""
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                tie_word_embeddings=True, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    models.randomize_(model, seed=seed)
+    model.save_pretrained(d)
+    return d, load_file(d / "model.safetensors")
+
+
 @pytest.mark.parametrize("equal", [True, False])
 def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, tmp_path: Path) -> None:
     """A T5 checkpoint that stores ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight`` but not
@@ -254,14 +266,7 @@ def test_t5_without_its_shared_embedding_takes_stocks_tie_sources(equal: bool, t
     own pair), ties the decoder's only if equal, and drops an unequal pair from ``all_tied_weights_keys``. tiered,
     streamed and whole: the same logits, the same tie map, whole on the CPU the same Parameters and the same logits
     after one SGD step. Before: the head read the decoder's tensor (first sorted of the shared group): wrong logits."""
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                tie_word_embeddings=True, decoder_start_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg)
-    models.randomize_(model, seed=33)
-    d = tmp_path / "t5"
-    model.save_pretrained(d)
-    st = load_file(d / "model.safetensors")
+    d, st = _tiny_t5(tmp_path / "t5", seed=33)
     emb = st.pop("shared.weight")
     assert "lm_head.weight" not in st and "encoder.embed_tokens.weight" not in st
     st["encoder.embed_tokens.weight"] = emb
@@ -301,14 +306,7 @@ def test_two_declined_ties_with_equal_values_stay_two_parameters_as_in_stock(tmp
     map, and the same logits after one SGD step (one shared embedding would take both gradients). Before: the two
     declined keys came back through the meta model's identity groups and were tied (48 Parameters against 49; the
     attack of 2026-12-06). The warning names this file (the caller's frame), not tiered's."""
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                tie_word_embeddings=True, decoder_start_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg)
-    models.randomize_(model, seed=34)
-    d = tmp_path / "t5_declined"
-    model.save_pretrained(d)
-    st = load_file(d / "model.safetensors")
+    d, st = _tiny_t5(tmp_path / "t5_declined", seed=34)
     x = st["shared.weight"]
     assert "lm_head.weight" not in st
     st["encoder.embed_tokens.weight"] = x + 0.25
