@@ -5,6 +5,7 @@ tests/test_reshard.py.)"""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -572,32 +573,110 @@ def _exp3_inputs() -> list[np.ndarray]:
     return out
 
 
-def test_exp3_round_trips_every_bit_pattern_on_the_cpu() -> None:
+#: the CPU decoders of exp3 chunks: numpy (the reference), and the C decoder's AVX2 and scalar paths (tiered.native)
+CPU_DECODERS = ("numpy", "c-simd", "c-scalar")
+
+
+def _cpu_decoder(name: str):
+    import functools
+
+    from tiered import expcode, native
+
+    if name == "numpy":
+        return expcode.decode_np
+    if native.exp3() is None:
+        pytest.skip(f"the C decoder could not be built here: {native.why_not}")
+    return functools.partial(expcode.decode_cpu, simd=name == "c-simd")
+
+
+@pytest.mark.parametrize("decoder", CPU_DECODERS)
+def test_exp3_round_trips_every_bit_pattern_on_the_cpu(decoder: str) -> None:
     """``exp3-bf16``: every bf16 bit pattern, and random-normal weights at lengths around the block and byte edges,
-    decode (numpy, the CPU path) to the input bit for bit; normal weights code smaller than plain."""
+    decode (numpy, and the C decoder's SIMD and scalar paths) to the input bit for bit; normal weights code smaller
+    than plain."""
     from tiered import expcode
 
-    for i, u in enumerate(_exp3_inputs()):
+    decode = _cpu_decoder(decoder)
+    inputs = _exp3_inputs()
+    given = len(inputs)
+    for n in (31, 32, 33, 63, 65, 4 * expcode.BLOCK + 40):  # around the SIMD path's 32-element step and its tail
+        w = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).to(torch.bfloat16)
+        w = w.view(torch.int16).numpy().view(np.uint16).copy()
+        w[::29] = inputs[1][: w[::29].size]  # escapes in the tail too
+        inputs.append(w)
+    for i, u in enumerate(inputs):
         body = expcode.encode_chunk(u)
-        assert (len(body) == u.nbytes) == (i == 1 or u.size < 64)  # raw: random bits, and chunks too short to shrink
+        if i < given:
+            assert (len(body) == u.nbytes) == (i == 1 or u.size < 64)  # raw: random bits, chunks too short to shrink
         out = np.full(u.size, 0xA5A5, dtype=np.uint16)
-        expcode.decode_np(body, u.size, out)
+        decode(body, u.size, out)
         assert np.array_equal(out, u), u.size
     assert expcode.encode_chunk(np.zeros(0, np.uint16)) == b""
 
 
-def test_exp3_truncated_or_padded_chunk_is_refused() -> None:
-    """A chunk whose escape section is short or long (truncated or corrupted) raises CodecError naming the place,
-    never decodes to other numbers."""
+def test_exp3_c_decoder_agrees_with_numpy_on_every_corrupted_chunk() -> None:
+    """One flipped bit anywhere in a coded chunk (table, block starts, code planes, sign-and-mantissa, escapes): the C
+    decoder (both paths) refuses it exactly when numpy does, and otherwise writes numpy's bits; it never reads past
+    the chunk (an escape section cut short is refused, not read beyond)."""
     from tiered import expcode
 
+    decoders = [_cpu_decoder(d) for d in CPU_DECODERS]
+    u = _exp3_inputs()[0][: 3 * expcode.BLOCK + 100]
+    body = expcode.encode_chunk(u)
+    rng = np.random.default_rng(5)
+    refused = 0
+    for _ in range(300):
+        bad = bytearray(body)
+        bad[int(rng.integers(len(bad)))] ^= 1 << int(rng.integers(8))
+        seen = []
+        for decode in decoders:
+            out = np.zeros(u.size, np.uint16)
+            try:
+                decode(bytes(bad), u.size, out)
+                seen.append(out.tobytes())
+            except CodecError:
+                seen.append(None)
+        assert seen[1] == seen[0] and seen[2] == seen[0]
+        refused += seen[0] is None
+    assert 0 < refused < 300  # both kinds of flip were drawn
+
+
+def test_exp3_without_a_compiler_decodes_with_numpy_and_says_so(tmp_path: Path) -> None:
+    """Where the C decoder cannot be built (no compiler), loading falls back to numpy with one UserWarning naming
+    the cause; ``TIERED_NATIVE=0`` turns it off without a warning; either way the bits are the input's."""
+    code = ("import warnings, numpy as np, torch\n"
+            "warnings.simplefilter('always')\n"
+            "from tiered import expcode, native\n"
+            "u = (torch.randn(9000, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)\n"
+            "u = u.view(torch.int16).numpy().view(np.uint16)\n"
+            "out = np.empty(u.size, np.uint16)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    expcode.decode_cpu(expcode.encode_chunk(u), u.size, out)\n"
+            "assert np.array_equal(out, u)\n"
+            "print('lib', native.exp3() is not None, '|', native.why_not, '|', [str(x.message) for x in w])\n")
+    env = {**os.environ, "TIERED_CACHE_DIR": str(tmp_path / "cache"), "CC": "no-such-cc"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "lib False" in r.stdout and "no C compiler 'no-such-cc'" in r.stdout and "decoding with numpy" in r.stdout
+    env = {**env, "TIERED_NATIVE": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "lib False | TIERED_NATIVE=0 | []" in r.stdout, (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("decoder", CPU_DECODERS)
+def test_exp3_truncated_or_padded_chunk_is_refused(decoder: str) -> None:
+    """A chunk whose escape section is short or long (truncated or corrupted) raises CodecError naming the place,
+    never decodes to other numbers (numpy, and the C decoder's two paths)."""
+    from tiered import expcode
+
+    decode = _cpu_decoder(decoder)
     u = _exp3_inputs()[0][:5000]
     body = expcode.encode_chunk(u)
     assert len(body) < u.nbytes
     out = np.empty(u.size, np.uint16)
     for bad in (body[:-1], body + b"\0", body[:100]):
         with pytest.raises(CodecError, match="shard.safetensors: tensor 'w'"):
-            expcode.decode_np(bad, u.size, out, where="shard.safetensors: tensor 'w'")
+            decode(bad, u.size, out, where="shard.safetensors: tensor 'w'")
     # block escape starts that disagree with the codes (what the GPU decoder indexes by): refused by both checks
     u = _exp3_inputs()[0][: 3 * expcode.BLOCK]
     body = bytearray(expcode.encode_chunk(u))
@@ -606,7 +685,7 @@ def test_exp3_truncated_or_padded_chunk_is_refused() -> None:
     assert good[0] == 0 and good[1] > 0
     body[blocks + 4: blocks + 8] = np.array([good[1] - 1], "<u4").tobytes()  # still non-decreasing: only decode sees it
     with pytest.raises(CodecError, match="disagree with its codes"):
-        expcode.decode_np(bytes(body), u.size, np.empty(u.size, np.uint16), where="f")
+        decode(bytes(body), u.size, np.empty(u.size, np.uint16), where="f")
     body[blocks + 4: blocks + 8] = np.array([good[2] + 1], "<u4").tobytes()  # decreasing after it
     with pytest.raises(CodecError, match="do not fit"):
         expcode.check_starts(np.frombuffer(bytes(body), np.uint8), u.size, where="f")

@@ -27,7 +27,8 @@ Code ``k < 7`` means exponent ``table[k]``; code 7 (an *escape*) means the next 
 bf16 weights (measured in `benchmarks/NOTES.md`). Exact by construction for every bit pattern (NaN payloads, Inf,
 subnormals, -0): the sign and mantissa bits are kept verbatim and every exponent is either in the table or escaped.
 
-Decoders: :func:`decode_np` (numpy, any thread; the reference and the CPU path) and :func:`decode_cuda` (a Triton
+Decoders: :func:`decode_np` (numpy, any thread; the reference), :func:`decode_cpu` (the CPU path: a C decoder built
+on first use, :mod:`tiered.native`, numpy where none can be built) and :func:`decode_cuda` (a Triton
 kernel, one program per block of :data:`BLOCK` elements: three bit-plane loads, a table gather, an exclusive prefix
 sum of the block's escapes, one 16-bit store per element). Both give the same bits; the tests compare them with the
 input on random, special-value and escape-heavy data.
@@ -41,7 +42,7 @@ import numpy as np
 
 from .errors import CodecError
 
-__all__ = ["CODEC", "BLOCK", "encode_chunk", "decode_np", "chunk_layout", "DeviceBatch", "decode_cuda"]
+__all__ = ["CODEC", "BLOCK", "encode_chunk", "decode_np", "decode_cpu", "chunk_layout", "DeviceBatch", "decode_cuda"]
 
 #: the codec's name in a lossless table (:class:`tiered.lossless.Coded`)
 CODEC = "exp3-bf16"
@@ -138,6 +139,37 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
     exp7 = src[:8].astype(np.uint16) << 7  # code -> exponent bits in place (code 7's entry is overwritten below)
     np.bitwise_or(exp7.take(code), _SIGN_MANT.take(sm), out=o)
     o[esc] = _SIGN_MANT[sm[esc]] | (src[esco:].astype(np.uint16) << 7)
+
+
+def decode_cpu(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *, where: str = "",
+               simd: bool = True) -> None:
+    """:func:`decode_np`'s contract and bits, with the C decoder (:mod:`tiered.native`) where it could be built
+    (numpy otherwise). Runs on the caller's thread with the GIL released; reads only ``body``, writes only ``out``.
+    ``simd=False`` forces the C decoder's scalar path (tests compare both). Raises CodecError as :func:`decode_np`."""
+    from . import native
+
+    lib = native.exp3()
+    src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
+    o = out.reshape(-1).view(np.uint16)
+    if lib is None or src.size == 2 * n or not n:
+        decode_np(src, n, out, where=where)
+        return
+    if o.size != n:
+        raise ValueError(f"decode_cpu: out holds {o.size} elements, the chunk {n}")
+    esco = chunk_layout(n)[3]
+    if src.size < esco:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size} bytes, fewer than its fixed "
+                         f"{esco} (truncated)")
+    src = np.ascontiguousarray(src)
+    if not o.flags.c_contiguous:
+        raise ValueError("decode_cpu: out must be contiguous")
+    k = lib.tiered_exp3_decode(src.ctypes.data, src.size, n, o.ctypes.data, 1 if simd else 0)
+    if k == -2:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements: its block escape starts disagree with its codes (a "
+                         "malformed chunk); re-run `tiered reshard --compress` on the source checkpoint")
+    if k < 0 or k != src.size - esco:
+        raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say "
+                         f"{'more' if k < 0 else k} (corrupted or truncated)")
 
 
 #: byte -> its 8 bits as 8 bytes (bit k in byte k), one little-endian uint64 per byte value

@@ -268,7 +268,7 @@ def decode_chunk(body: memoryview | bytes | np.ndarray, coded: Coded, c: int, ou
         raise CodecError(f"{where}: chunk {c} (coded bytes {at}..{at + length} of the file) fails its CRC-32: the file "
                          "is corrupted; re-copy it or re-run `tiered reshard --compress` on the source checkpoint")
     if coded.codec == EXP3:
-        expcode.decode_np(np.frombuffer(src, dtype=np.uint8), n, out, where=f"{where}: chunk {c} (file offset {at})")
+        expcode.decode_cpu(np.frombuffer(src, dtype=np.uint8), n, out, where=f"{where}: chunk {c} (file offset {at})")
         return
     import zstandard
 

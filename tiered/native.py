@@ -1,0 +1,107 @@
+"""The C decoder of ``exp3-bf16`` chunks (``tiered/exp3_decode.c``), built on first use with the system's C compiler.
+
+Why C: on the CPU the reader threads that decode share the cores with the model's compute, so the decoder must cost
+about what the copy it replaces costs. The numpy decoder (:func:`tiered.expcode.decode_np`) runs at 0.4-0.65 GB/s of
+plain bytes per thread, a numba loop at 1.7; this one at 4.2-4.4 on the 2-core CPU machine (AVX2; ``python
+benchmarks/gpu_decode.py --cpu-only``; `benchmarks/NOTES.md`, sixteenth session).
+
+How: :func:`exp3` compiles the source once per source and compiler into the cache directory
+(``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``; ``native/<hash>/``) with
+``$CC`` (default ``cc``) ``-O3 -shared -fPIC`` (no ``-march``: the AVX2 path is chosen at run time, so one build runs
+on any x86-64 CPU; other CPUs get the scalar path), writes it under a temporary name and renames it into place (two
+processes that build at once both succeed), then loads it with :mod:`ctypes` (a call releases the GIL, so reader
+threads decode in parallel). Where no compiler works, or ``TIERED_NATIVE=0``, it returns None and tiered decodes with
+numpy: the same bits, slower (a :class:`UserWarning` says so once per process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["exp3", "cache_dir", "SOURCE"]
+
+#: the decoder's C source, shipped in the package
+SOURCE = Path(__file__).with_name("exp3_decode.c")
+_lock = threading.Lock()
+_lib: Any = None
+_tried = False
+#: why the last build failed ("" when it did not), for messages and ``tiered inspect``
+why_not = ""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$TIERED_CACHE_DIR``, ``$XDG_CACHE_HOME/tiered`` or ``~/.cache/tiered``."""
+    if os.environ.get("TIERED_CACHE_DIR"):
+        return Path(os.environ["TIERED_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tiered"
+
+
+def _build(out_dir: Path, cc: str) -> Path:
+    """Compile :data:`SOURCE` into ``out_dir``; returns the library's path. Raises OSError or CalledProcessError."""
+    lib = out_dir / "libtiered_exp3.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, "-O3", "-shared", "-fPIC", "-std=gnu11", "-o", tmp, str(SOURCE)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def exp3() -> Any:
+    """The loaded library (``tiered_exp3_decode``, ``tiered_exp3_simd``), or None where it cannot be built or
+    ``TIERED_NATIVE=0``. Thread-safe; builds at most once per process."""
+    global _lib, _tried, why_not
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("TIERED_NATIVE", "1") == "0":
+            why_not = "TIERED_NATIVE=0"
+        else:
+            cc = os.environ.get("CC") or "cc"
+            try:
+                if shutil.which(cc) is None:
+                    raise FileNotFoundError(f"no C compiler {cc!r} on PATH (set CC)")
+                key = hashlib.sha256(SOURCE.read_bytes() + f"\0{shutil.which(cc)}\0{platform.machine()}".encode())
+                sub = Path("native") / key.hexdigest()[:16]
+                try:
+                    path = _build(cache_dir() / sub, cc)
+                except PermissionError:  # a read-only cache: a private directory for this process
+                    path = _build(Path(tempfile.mkdtemp(prefix="tiered-native-")) / sub, cc)
+                lib = ctypes.CDLL(str(path))
+                lib.tiered_exp3_init.restype = None
+                lib.tiered_exp3_init.argtypes = []
+                lib.tiered_exp3_decode.restype = ctypes.c_int64
+                lib.tiered_exp3_decode.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                   ctypes.c_int]
+                lib.tiered_exp3_simd.restype = ctypes.c_int
+                lib.tiered_exp3_init()
+                _lib = lib
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                why_not = f"{type(e).__name__}: {detail.strip()[:300]}"
+        _tried = True
+        if _lib is None and why_not != "TIERED_NATIVE=0":
+            warnings.warn(f"tiered: the C decoder of exp3 chunks could not be built ({why_not}); decoding with numpy "
+                          "instead (the same bits, ~7x slower). Install a C compiler (e.g. gcc) or set CC.",
+                          UserWarning, stacklevel=2)
+        return _lib
