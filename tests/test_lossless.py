@@ -1031,3 +1031,16 @@ def test_reshard_and_inspect_print_the_same_compression_ratios(tmp_path: Path) -
     want_coded = sum(stored[k][1] for k in coded) / sum(plain[k] for k in coded)
     assert said[0][0] == (f"{want_all:.3f}", f"{want_coded:.3f}"), (said, want_all, want_coded)
     assert want_coded < want_all < 1  # two different figures: the label matters
+
+
+def test_the_crc32_in_use_gives_zlibs_checksums() -> None:
+    """The chunk checksum (ISA-L's where ``isal`` is installed) is zlib's CRC-32 on every length and buffer kind the
+    reader passes (bytes, memoryview, numpy), so checkpoints written with either check with either."""
+    import zlib
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 15, 16, 17, 4095, 1 << 20, (3 << 20) + 5):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        want = zlib.crc32(b.tobytes())
+        assert lossless.crc32(b) == want and lossless.crc32(memoryview(b)) == want
+        assert lossless.crc32(b.tobytes()) == want

@@ -44,7 +44,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ from .errors import CodecError, ConfigError, TieredError, TruncatedShardError
 from .format import Checkpoint, TensorInfo
 from .hostmem import PAGE_SIZE as _PAGE
 from .hostmem import anon_mapping, map_tensor, try_unmap
-from .lossless import EXP3, LosslessInfo, decode_chunk
+from .lossless import EXP3, LosslessInfo, crc32, decode_chunk
 from .plan import Unit
 from .shard_map import ShardMap
 
@@ -574,7 +573,7 @@ class Reader:
         for c in run:
             at, n = src.coded.chunk_span(c)  # in the tensor's coded blob (file offset src.offset + at)
             body = dest[at - base : at - base + n].numpy()
-            if zlib.crc32(body) != src.coded.crc[c]:
+            if crc32(body) != src.coded.crc[c]:
                 raise CodecError(f"{src.file}: tensor {src.name!r}: chunk {c} (coded bytes {src.offset + at}.."
                                  f"{src.offset + at + n} of the file) fails its CRC-32: the file is corrupted; "
                                  "re-copy it or re-run `tiered reshard --compress` on the source checkpoint")

@@ -6,7 +6,7 @@ tensor marked for coding (at least :data:`~tiered.lossless.MIN_CODED_BYTES` of o
 through the copier's own path (:meth:`~tiered.reshard.writer._Copier.pieces`: the source's view, cast where the
 output is cast, hashed when verifying), cut into chunks (:func:`~tiered.lossless.chunk_geometry`: about
 :data:`~tiered.lossless.DEFAULT_CHUNK_BYTES`, whole rows, one expert per slice of a stacked tensor), coded on a small
-thread pool (:func:`~tiered.lossless.encode_chunk`; zstd and ``zlib.crc32`` release the GIL) and written in order.
+thread pool (:func:`~tiered.lossless.encode_chunk`; zstd and the CRC-32 release the GIL) and written in order.
 It stays coded only if that made it smaller: a tensor none of whose planes shrank (random bits) is written again,
 plain, over its own bytes (the same length). Other tensors are written as by the plain converter (kernel to kernel
 where the source allows). The real header, padded with spaces to the room reserved, is written last.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..lossless import CODEC, EXP3, Coded, chunk_geometry, encode_chunk
+from ..lossless import CODEC, EXP3, Coded, chunk_geometry, crc32, encode_chunk
 from . import writer
 from .layout import _coded_header, _Out, _Shard
 
@@ -39,7 +38,7 @@ __all__: list[str] = []
 def _code(part: np.ndarray, itemsize: int, codec: str) -> tuple[list[int], bytes, int]:
     """One chunk: (plane lengths, coded bytes, CRC-32 of them). Runs on a coder thread."""
     lens, body = encode_chunk(part, itemsize, codec=codec)
-    return lens, body, zlib.crc32(body)
+    return lens, body, crc32(body)
 
 
 class _Coder:
