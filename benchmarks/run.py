@@ -281,6 +281,12 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                   opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "auto_ring_in_pieces": True},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
+        # --scaling-direct-chunk-mib: the defaults with tiered.reader.DIRECT_CHUNK (the O_DIRECT request size) set
+        for mib in a.scaling_direct_chunk_mib:
+            r = R("scaling-io", "tiered", f"defaults-direct{mib:g}m", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "direct_chunk_mib": mib},
+                  new_tokens=slow)
+            runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
     if a.no_cold:
@@ -578,7 +584,8 @@ class Runner:
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
                 "extra": {k: v for k, v in opts.items()
-                          if k in ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces")}}
+                          if k in ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces",
+                                   "direct_chunk_mib")}}
         if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:
             row["adjacent_ceilings"] = self.disk_ceilings()  # the disk's rate now, beside this run (it drifts)
             left = self.left()
@@ -757,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --scaling: also run tiered's defaults with the automatic ring of three pieces on CUDA "
                         "(tiered.policy.AUTO_RING_IN_PIECES on; the rest of the memory to the host tier) at every "
                         "limit, in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-direct-chunk-mib", default="", metavar="MIB,...",
+                   help="with --scaling: also run tiered's defaults with each O_DIRECT request size "
+                        "(tiered.reader.DIRECT_CHUNK, MiB) at every limit, in the same rounds (group scaling-io)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -803,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     a.scaling_io = [x.strip() for x in a.scaling_io.split(",") if x.strip()]
     if bad_io := [x for x in a.scaling_io if x not in ("direct", "pread", "mmap")]:
         p.error(f"--scaling-io {bad_io}: choose from direct, pread, mmap")
+    a.scaling_direct_chunk_mib = [float(x) for x in a.scaling_direct_chunk_mib.split(",") if x.strip()]
     if a.scaling_io and not a.scaling:
         p.error("--scaling-io needs --scaling")
     if a.scaling_pieces_ring and not a.scaling:

@@ -250,6 +250,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         import tiered.experts
 
         tiered.experts.MERGE_STAGED_READS = bool(spec.extra["merge_staged_reads"])
+    if "direct_chunk_mib" in spec.extra:  # run.py --scaling-direct-chunk-mib: the O_DIRECT request size (an A/B)
+        import tiered.reader
+
+        tiered.reader.DIRECT_CHUNK = int(float(spec.extra["direct_chunk_mib"]) * (1 << 20)) // 4096 * 4096
     if "auto_ring_in_pieces" in spec.extra:  # run.py --scaling-whole-ring: the automatic ring's rule (an A/B switch)
         import tiered.policy
 

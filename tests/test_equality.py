@@ -965,7 +965,9 @@ class TestHostilePread:
         from torch import nn
 
         g = torch.Generator().manual_seed(3)
-        big_n = (1 << 21) + (1 << 20) + 3  # fp32: more elements than DIRECT_CHUNK / 4, not a multiple of it
+        from tiered.reader import DIRECT_CHUNK
+
+        big_n = DIRECT_CHUNK // 4 * 3 // 2 + 3  # fp32: more elements than DIRECT_CHUNK / 4, not a multiple of it
         src = {"a_pad": torch.tensor([5], dtype=torch.uint8), "big": torch.randn(big_n, generator=g),
                "empty": torch.empty(0, 4), "small": torch.randn(33, generator=g).to(torch.bfloat16),
                "z_empty16": torch.empty(4, 0, dtype=torch.bfloat16)}

@@ -199,7 +199,7 @@ def test_a_row_read_embedding_stays_plain_and_is_read_by_rows(ckpts, tmp_path_fa
     d = _compressed(ckpts, tmp_path_factory, "llama")
     coded = {t.name for t in _coded(d)}
     assert "model.embed_tokens.weight" not in coded and "lm_head.weight" in coded
-    with tiered.load(d, ring_gb=_ring(d)) as m:
+    with tiered.load(d, ring_gb=_ring(d), device="cpu") as m:
         assert [rg.unit.name for rg in m._tiered.rows] == ["model.embed_tokens"]
         assert torch.equal(logits_of(m, make_ids(4, (1, 5))), logits_of(STOCK(ckpts["llama"]), make_ids(4, (1, 5))))
 
@@ -304,7 +304,7 @@ def test_reader_threads_default_grows_for_a_coded_checkpoint(ckpts, tmp_path_fac
     real = policy.reader_threads
     monkeypatch.setattr(policy, "reader_threads", lambda *a: seen.append(a[:2]) or real(*a))
     for d, coded in ((_compressed(ckpts, tmp_path_factory, "llama"), True), (ckpts["llama"], False)):
-        with tiered.load(d, ring_gb=_ring(d)) as m:
+        with tiered.load(d, ring_gb=_ring(d), device="cpu") as m:
             pl = tiered.stats(m).placement
             assert seen[-1] == (None, coded) and pl.threads == m._tiered.reader.pool._max_workers
             assert ("losslessly coded" in pl.threads_why) == coded
@@ -424,7 +424,7 @@ def test_compressed_encoder_and_conversion_models_equal_stock(ckpts, tmp_path_fa
             assert torch.equal(m(ids).last_hidden_state, ref)
     d = _compressed(ckpts, tmp_path_factory, "qwen3_moe")
     ref = logits_of(STOCK(ckpts["qwen3_moe"]), ids)
-    with tiered.load(d, ring_gb=_ring(d)) as m:
+    with tiered.load(d, ring_gb=_ring(d), device="cpu") as m:
         assert torch.equal(logits_of(m, ids), ref)
 
 
@@ -438,7 +438,7 @@ def test_a_corrupted_chunk_is_an_error_naming_file_tensor_and_offset(ckpts, tmp_
         f.seek(t.offset + start + length // 2)
         f.write(bytes([b[0] ^ 0x10]))
     with pytest.raises(CodecError, match=rf"{t.file.name}: tensor '{t.name}'.*chunk 0 .*{t.offset + start}"):
-        with tiered.load(d, ring_gb=_ring(d)) as m:
+        with tiered.load(d, ring_gb=_ring(d), device="cpu") as m:
             logits_of(m, make_ids(0, (1, 4)))
 
 
@@ -765,7 +765,7 @@ def test_exp3_checkpoint_round_trips_and_loads_on_the_cpu(tmp_path: Path) -> Non
     ids = make_ids(6, (2, 9))
     want = logits_of(transformers.AutoModelForCausalLM.from_pretrained(src).eval(), ids)
     for kw in ({}, {"ring_gb": _ring(d)}):
-        with tiered.load(d, **kw) as m:
+        with tiered.load(d, device="cpu", **kw) as m:  # the CPU path also on a GPU machine
             assert torch.equal(logits_of(m, ids), want)
 
 
@@ -823,11 +823,11 @@ def test_exp3_checkpoint_needs_no_zstandard_and_refuses_other_dtypes(tmp_path: P
     src, d = _exp3_checkpoint(tmp_path)
     want = logits_of(transformers.AutoModelForCausalLM.from_pretrained(src).eval(), make_ids(6, (2, 9)))
     real = _no_zstandard(monkeypatch)
-    with tiered.load(d, ring_gb=_ring(d)) as m:
+    with tiered.load(d, ring_gb=_ring(d), device="cpu") as m:
         assert torch.equal(logits_of(m, make_ids(6, (2, 9))), want)
     tiered.reshard(d, tmp_path / "back", decompress=True, quiet=True)
     monkeypatch.setattr(builtins, "__import__", real)
-    with tiered.load(tmp_path / "back") as m:
+    with tiered.load(tmp_path / "back", device="cpu") as m:
         assert torch.equal(logits_of(m, make_ids(6, (2, 9))), want)
     for dt in ("fp16", "fp32"):
         with pytest.raises(ReshardError, match="compress='exp3' codes bf16"):

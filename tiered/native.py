@@ -1,9 +1,11 @@
 """The C decoder of ``exp3-bf16`` chunks (``tiered/exp3_decode.c``), built on first use with the system's C compiler.
 
 Why C: on the CPU the reader threads that decode share the cores with the model's compute, so the decoder must cost
-about what the copy it replaces costs. The numpy decoder (:func:`tiered.expcode.decode_np`) runs at 0.4-0.65 GB/s of
-plain bytes per thread, a numba loop at 1.7; this one at 4.2-4.4 on the 2-core CPU machine (AVX2; ``python
-benchmarks/gpu_decode.py --cpu-only``; `benchmarks/NOTES.md`, sixteenth session).
+about what the copy it replaces costs. On the 2-core CPU machine, one thread, the reader's whole per-chunk path (CRC-32,
+then decode) of random-normal bf16 in 4 MiB chunks runs at 0.57 GB/s of plain bytes with numpy, 0.93 with this file's
+scalar path and 3.31 with its AVX2 path (``python benchmarks/cpu_decode.py``,
+``benchmarks/results/2026-12-06-cpu-2c-decode-isal.json``; zstd: 1.47); the decode alone reached 4.2-4.4, a numba loop
+1.7 (`benchmarks/NOTES.md`, sixteenth session).
 
 How: :func:`exp3` compiles the source once per source and compiler into the cache directory
 (``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``; ``native/<hash>/``) with
@@ -11,7 +13,7 @@ How: :func:`exp3` compiles the source once per source and compiler into the cach
 on any x86-64 CPU; other CPUs get the scalar path), writes it under a temporary name and renames it into place (two
 processes that build at once both succeed), then loads it with :mod:`ctypes` (a call releases the GIL, so reader
 threads decode in parallel). Where no compiler works, or ``TIERED_NATIVE=0``, it returns None and tiered decodes with
-numpy: the same bits, slower (a :class:`UserWarning` says so once per process).
+numpy: the same bits, ~6x slower (a :class:`UserWarning` says so once per process).
 """
 
 from __future__ import annotations
@@ -102,6 +104,6 @@ def exp3() -> Any:
         _tried = True
         if _lib is None and why_not != "TIERED_NATIVE=0":
             warnings.warn(f"tiered: the C decoder of exp3 chunks could not be built ({why_not}); decoding with numpy "
-                          "instead (the same bits, ~7x slower). Install a C compiler (e.g. gcc) or set CC.",
+                          "instead (the same bits, ~6x slower). Install a C compiler (e.g. gcc) or set CC.",
                           UserWarning, stacklevel=2)
         return _lib

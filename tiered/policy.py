@@ -100,8 +100,8 @@ def auto_ring_want(largest: int, prefetch: int) -> int:
 
 #: CUDA, one process: the ring :func:`auto_split` asks for when every unit that streams can be read in pieces
 #: (:func:`pieces_ring_ok`): three pieces of 64 MiB, one whose H2D runs while the next two are read
-#: (:data:`tiered.sources.PIECES_IN_FLIGHT`); 64 MiB is 8 O_DIRECT requests of ``DIRECT_CHUNK``, two for each of the
-#: 4 default reader threads. A ring of ``prefetch + 1`` whole units holds nothing a pass needs more of: the device pool
+#: (:data:`tiered.sources.PIECES_IN_FLIGHT`); 64 MiB is 4 O_DIRECT requests of ``DIRECT_CHUNK`` (16 MiB), one for each
+#: of the 4 default reader threads. A ring of ``prefetch + 1`` whole units holds nothing a pass needs more of: the device pool
 #: holds the units loaded ahead, the ring only what is being read. So the memory a limit leaves would go to the host
 #: tier, which saves its bytes on every pass (GPT-J-6B at 2 GiB: 0.29 GiB more host tier, ~3% fewer bytes per token;
 #: Llama-3-8B at 4 GiB: ~1.0 GiB more, ~9% fewer: predictions, not measured).
@@ -441,8 +441,9 @@ def reader_threads(asked: int | None, coded: bool, cpu: bool, cores: int | None,
 
 #: host bytes one reader thread holds while it decodes coded chunks (tiered/reader.py: its O_DIRECT staging
 #: DIRECT_CHUNK, its coded and plain chunk buffers, the zstd planes' scratch; grown, never shrunk). Measured on the H200
-#: (issue 25, third session): VmHWM 2.34-2.38 GiB with 14 reader threads against 2.18 with 4, i.e. ~18 MiB a thread.
-DECODE_THREAD_BYTES = 20 << 20
+#: (issue 25, third session): VmHWM 2.34-2.38 GiB with 14 reader threads against 2.18 with 4, i.e. ~18 MiB a thread
+#: while DIRECT_CHUNK was 8 MiB; it is 16 MiB since the sixteenth session, so 8 MiB more.
+DECODE_THREAD_BYTES = 28 << 20
 
 
 def extra_reader_bytes(threads: int) -> int:

@@ -62,14 +62,19 @@ from .shard_map import ShardMap
 
 __all__ = ["ShardMap", "Reader"]
 _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough to spread over threads
-DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read: >= 1 MiB keeps NVMe queues busy; x threads = staging RSS
+#: bytes per O_DIRECT read (each reader thread's staging buffer holds one: x threads = staging RSS). 16 MiB: on the
+#: H100's virtual disk, four threads reading a GPT-J-6B unit sequence in 8 MiB requests through the staging buffer ran
+#: at 1.15-1.23 GB/s against 1.64-1.79 for 16 MiB requests (``benchmarks/read_ways.py``, 3 rounds), and in a 2 GiB
+#: cgroup tiered's defaults took 7.83 and 7.36 s/token with 8 MiB against 6.47 and 6.51 with 16 (6.13 and 6.74 with
+#: 32; accelerate 7.87 and 7.50) in one invocation (benchmarks/NOTES.md, issue 23, sixteenth session).
+DIRECT_CHUNK = 16 << 20
 #: coded bytes per read task of a losslessly coded tensor: consecutive chunks up to this many are read in one request,
 #: then decoded in turn (0: one chunk, ~2.8 MiB coded, per task). 0 because 8 MiB tasks made the 2-core CPU machine's
 #: compressed TinyLlama 1.3-1.8x slower per token (fewer, longer tasks per unit: the unit waits for its last one's
 #: decode; benchmarks/NOTES.md, issue 25, third session); on the H200 the 8 MiB figure was not measured.
 LOSSLESS_READ = 0
 #: Coded bytes per read task of a stored exp3 tensor (consecutive whole chunks, one request of up to this many bytes,
-#: then each chunk's CRC-32 and block starts checked; no CPU decode). 8 MiB, as :data:`DIRECT_CHUNK`: one ~2.8 MiB
+#: then each chunk's CRC-32 and block starts checked; no CPU decode). 8 MiB, as :data:`DIRECT_CHUNK` was then: one ~2.8 MiB
 #: chunk per request made the H200's cold exp3 twin read 1.16 GB/s against the plain twin's ~2.0 GB/s in 8 MiB
 #: requests (benchmarks/NOTES.md, issue 25, fifth session).
 RAW_READ = 8 << 20
@@ -193,6 +198,10 @@ class Reader:
             except ImportError:
                 raise TieredError(f"{coded.file}: a losslessly compressed checkpoint (`tiered reshard --compress`) "
                                   "needs the zstandard package: pip install 'tiered[compress]'") from None
+        if any(isinstance(t, LosslessInfo) and t.coded.codec == EXP3 for t in ckpt.tensors.values()):
+            from . import native
+
+            native.exp3()  # the CPU decoder of exp3 chunks built (or its absence said) here, not in a reader thread
         self.io = io
         # drop_pages=False is the naive loader (plain mmap, no advice at all): the counter-proof of the RSS bound
         self.maps = {s.path: ShardMap(s.path, sequential=drop_pages) for s in ckpt.shards}
