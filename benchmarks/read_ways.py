@@ -10,9 +10,11 @@ slower than both. Each *way* here reads ``--units`` consecutive units of ``--uni
 checkpoint's shard files in name order, as a streamed layer spans them) into one destination buffer, unit after
 unit, as a streaming pass does, so a way's rate includes its ramp-up and drain at every unit boundary:
 
-* ``direct-8m`` — tiered's ``io="direct"``: 4 threads, 8 MiB ``O_DIRECT`` requests into a per-thread staging buffer,
-  then a copy into the destination.
-* ``direct-16m-dest`` — 4 threads, 16 MiB ``O_DIRECT`` requests straight into the (page-aligned) destination.
+* ``direct-8m`` — tiered's ``io="direct"`` until the sixteenth session: 4 threads, 8 MiB ``O_DIRECT`` requests into a
+  per-thread staging buffer, then a copy into the destination.
+* ``direct-16m`` — the same with 16 MiB requests (tiered's since the sixteenth session).
+* ``direct-8m-dest``, ``direct-16m-dest`` — 4 threads, 8 or 16 MiB ``O_DIRECT`` requests straight into the
+  (page-aligned) destination: no staging copy.
 * ``pread-shared`` — tiered's ``io="pread"`` while probing: 4 threads, 32 MiB buffered ``preadv`` on one shared fd
   per file (one readahead state), ``POSIX_FADV_DONTNEED`` of what each read.
 * ``pread-ownfd`` — the same with an fd per thread and file, ``POSIX_FADV_SEQUENTIAL`` (each thread its own
@@ -45,7 +47,8 @@ from pathlib import Path
 
 MiB = 1 << 20
 PAGE = 4096
-WAYS = ("direct-8m", "direct-16m-dest", "pread-shared", "pread-ownfd", "pread-willneed", "pread-1t", "mmap-1t")
+WAYS = ("direct-8m", "direct-16m", "direct-8m-dest", "direct-16m-dest", "pread-shared", "pread-ownfd", "pread-willneed",
+        "pread-1t", "mmap-1t")
 
 
 def queue_settings(path: Path) -> dict:
@@ -196,6 +199,8 @@ def way(name: str, span: Span, start: int, unit: int, units: int, dest: mmap.mma
 
     plan = {
         "direct-8m": (8 * MiB, threads, direct_stage),
+        "direct-16m": (16 * MiB, threads, direct_stage),
+        "direct-8m-dest": (8 * MiB, threads, direct_dest),
         "direct-16m-dest": (16 * MiB, threads, direct_dest),
         "pread-shared": (32 * MiB, threads, pread(False, False)),
         "pread-ownfd": (32 * MiB, threads, pread(True, False)),
