@@ -1044,3 +1044,56 @@ def test_the_crc32_in_use_gives_zlibs_checksums() -> None:
         want = zlib.crc32(b.tobytes())
         assert lossless.crc32(b) == want and lossless.crc32(memoryview(b)) == want
         assert lossless.crc32(b.tobytes()) == want
+
+
+@pytest.mark.parametrize("decoder", CPU_DECODERS)
+def test_exp3_out_must_be_writable_contiguous_memory_and_may_sit_at_any_address(decoder: str) -> None:
+    """A read-only ``out`` or one ``reshape`` would copy (2-D, not C-contiguous) is a ValueError, never a write into
+    an immutable buffer nor a decode into a copy that is thrown away; an ``out`` at an odd address (a ``uint8`` view of
+    a slot) gets the input's bits; a chunk of 0 elements with coded bytes is refused."""
+    from tiered import expcode
+
+    decode = _cpu_decoder(decoder)
+    u = _exp3_inputs()[0][:4096]
+    body = expcode.encode_chunk(u)
+    frozen = bytes(u.nbytes)
+    with pytest.raises(ValueError, match="read-only"):
+        decode(body, u.size, np.frombuffer(frozen, np.uint16))
+    assert frozen == bytes(u.nbytes)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        decode(body, u.size, np.zeros((64, 128), np.uint16)[:, :64])
+    buf = np.zeros(u.nbytes + 1, np.uint8)
+    decode(body, u.size, buf[1:])
+    assert np.array_equal(buf[1:].view(np.uint16), u) and buf[0] == 0
+    with pytest.raises(CodecError, match="0 elements has 8 bytes"):
+        decode(bytes(8), 0, np.empty(0, np.uint16))
+
+
+def test_exp3_c_decoder_rebuilds_a_damaged_cache_and_leaves_a_library_others_can_load(tmp_path: Path) -> None:
+    """A file at the cache path that is not the decoder (garbage left by a crash or another version) is rebuilt, not
+    a reason to fall back to numpy for good; the library is readable by the cache's other users (0755 less the
+    umask, not mkstemp's 0600); ``CC`` may carry arguments."""
+    code = ("import os, stat, warnings, numpy as np, torch\n"
+            "warnings.simplefilter('error')\n"
+            "from tiered import expcode, native\n"
+            "u = (torch.randn(9000, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)\n"
+            "u = u.view(torch.int16).numpy().view(np.uint16)\n"
+            "out = np.empty(u.size, np.uint16)\n"
+            "expcode.decode_cpu(expcode.encode_chunk(u), u.size, out)\n"
+            "assert np.array_equal(out, u) and native.exp3() is not None, native.why_not\n"
+            "(lib,) = list((native.cache_dir() / 'native').glob('*/libtiered_exp3.so'))\n"
+            "print(oct(stat.S_IMODE(os.stat(lib).st_mode)), lib)\n")
+    env = {**os.environ, "TIERED_CACHE_DIR": str(tmp_path / "cache"), "CC": "cc -O2"}
+    env.pop("TIERED_NATIVE", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode != 0 and "no C compiler" in r.stderr:
+        pytest.skip("no C compiler here")
+    assert r.returncode == 0, r.stderr
+    mode, lib = r.stdout.split()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert int(mode, 8) == 0o755 & ~umask
+    Path(lib).write_bytes(b"not a library")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert Path(lib).read_bytes()[:4] == b"\x7fELF"

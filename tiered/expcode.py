@@ -107,19 +107,15 @@ def decode_np(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *,
     """Decode one chunk of ``n`` elements from ``body`` (exactly its bytes) into ``out`` (``n`` ``uint16``, or ``2n``
     ``uint8``). Runs on the caller's thread (a reader thread). Raises CodecError: a body whose length does not match
     its escape count (truncated or corrupted; the caller checks the chunk's CRC-32 first)."""
-    src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
-    o = out.reshape(-1).view(np.uint16)
-    if o.size != n:
-        raise ValueError(f"decode_np: out holds {o.size} elements, the chunk {n}")
+    src = _body_view(body)
+    o = _out_view(out, n, "decode_np")
     if src.size == 2 * n:  # raw
         o[:] = src.view(np.uint16)
         return
     blocks, codes, smo, esco = chunk_layout(n)
-    if src.size < esco:
+    if src.size < esco or not n:
         raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size} bytes, fewer than its fixed "
-                         f"{esco} (truncated)")
-    if not n:
-        return
+                         f"{esco} (truncated)" if n else f"{where}: exp3 chunk of 0 elements has {src.size} bytes, not 0")
     nb8 = -(-n // 8)
     # the codes, 8 at a time: each plane's byte expanded to 8 one-bit bytes (one uint64), shifted to its bit, or-ed
     c64 = _EXPAND[src[codes : codes + nb8]]
@@ -149,27 +145,44 @@ def decode_cpu(body: memoryview | bytes | np.ndarray, n: int, out: np.ndarray, *
     from . import native
 
     lib = native.exp3()
-    src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
-    o = out.reshape(-1).view(np.uint16)
+    src = _body_view(body)
+    o = _out_view(out, n, "decode_cpu")
     if lib is None or src.size == 2 * n or not n:
-        decode_np(src, n, out, where=where)
+        decode_np(src, n, o, where=where)
         return
-    if o.size != n:
-        raise ValueError(f"decode_cpu: out holds {o.size} elements, the chunk {n}")
     esco = chunk_layout(n)[3]
     if src.size < esco:
         raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size} bytes, fewer than its fixed "
                          f"{esco} (truncated)")
-    src = np.ascontiguousarray(src)
-    if not o.flags.c_contiguous:
-        raise ValueError("decode_cpu: out must be contiguous")
-    k = lib.tiered_exp3_decode(src.ctypes.data, src.size, n, o.ctypes.data, 1 if simd else 0)
+    dst = o if o.ctypes.data % 2 == 0 else np.empty(n, np.uint16)  # the C code stores whole, aligned uint16s
+    k = lib.tiered_exp3_decode(src.ctypes.data, src.size, n, dst.ctypes.data, 1 if simd else 0)
+    if dst is not o:
+        o[:] = dst
     if k == -2:
         raise CodecError(f"{where}: exp3 chunk of {n} elements: its block escape starts disagree with its codes (a "
                          "malformed chunk); re-run `tiered reshard --compress` on the source checkpoint")
     if k < 0 or k != src.size - esco:
         raise CodecError(f"{where}: exp3 chunk of {n} elements has {src.size - esco} escape bytes, its codes say "
                          f"{'more' if k < 0 else k} (corrupted or truncated)")
+
+
+def _body_view(body: memoryview | bytes | np.ndarray) -> np.ndarray:
+    """A chunk's coded bytes as one contiguous 1-D ``uint8`` array (a copy only for a strided view)."""
+    src = np.frombuffer(body, dtype=np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(src)
+
+
+def _out_view(out: np.ndarray, n: int, who: str) -> np.ndarray:
+    """``out`` as ``n`` ``uint16`` sharing its memory. Raises ValueError: read-only, not C-contiguous (``reshape`` would
+    copy it, and the decode would go to the copy) or of another size."""
+    if not out.flags.writeable:
+        raise ValueError(f"{who}: out is read-only")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{who}: out must be C-contiguous")
+    o = out.reshape(-1).view(np.uint16)
+    if o.size != n:
+        raise ValueError(f"{who}: out holds {o.size} elements, the chunk {n}")
+    return o
 
 
 #: byte -> its 8 bits as 8 bytes (bit k in byte k), one little-endian uint64 per byte value

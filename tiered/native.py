@@ -9,11 +9,14 @@ scalar path and 3.31 with its AVX2 path (``python benchmarks/cpu_decode.py``,
 
 How: :func:`exp3` compiles the source once per source and compiler into the cache directory
 (``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``; ``native/<hash>/``) with
-``$CC`` (default ``cc``) ``-O3 -shared -fPIC`` (no ``-march``: the AVX2 path is chosen at run time, so one build runs
-on any x86-64 CPU; other CPUs get the scalar path), writes it under a temporary name and renames it into place (two
-processes that build at once both succeed), then loads it with :mod:`ctypes` (a call releases the GIL, so reader
-threads decode in parallel). Where no compiler works, or ``TIERED_NATIVE=0``, it returns None and tiered decodes with
-numpy: the same bits, ~6x slower (a :class:`UserWarning` says so once per process).
+``$CC`` (default ``cc``; it may carry arguments) ``-O3 -shared -fPIC`` (no ``-march``: the AVX2 path is chosen at run
+time, so one build runs on any x86-64 CPU; other CPUs get the scalar path), writes it under a temporary name and
+renames it into place, mode 0755 less the umask (two processes that build at once both succeed; users who share the
+cache can load it), then loads it with :mod:`ctypes` (a call releases the GIL, so reader threads decode in parallel).
+A cache that cannot be written gets a private temporary directory, removed once the library is loaded; a file at the
+cache path that does not load as the decoder is rebuilt once. Where no compiler works, or ``TIERED_NATIVE=0``, it
+returns None and tiered decodes with numpy: the same bits, ~6x slower (a :class:`UserWarning` says so once per
+process).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -49,22 +53,58 @@ def cache_dir() -> Path:
     return Path(base) / "tiered"
 
 
-def _build(out_dir: Path, cc: str) -> Path:
-    """Compile :data:`SOURCE` into ``out_dir``; returns the library's path. Raises OSError or CalledProcessError."""
+def _build(out_dir: Path, cc: list[str], *, rebuild: bool = False) -> Path:
+    """Compile :data:`SOURCE` into ``out_dir`` (``rebuild``: even if a library is there); returns the library's path.
+    Raises OSError or SubprocessError."""
     lib = out_dir / "libtiered_exp3.so"
-    if lib.exists():
+    if lib.exists() and not rebuild:
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, "-O3", "-shared", "-fPIC", "-std=gnu11", "-o", tmp, str(SOURCE)], check=True,
+        subprocess.run([*cc, "-O3", "-shared", "-fPIC", "-std=gnu11", "-o", tmp, str(SOURCE)], check=True,
                        capture_output=True, text=True, timeout=120)
+        if os.path.getsize(tmp) == 0:
+            raise OSError(f"{cc[0]} wrote an empty library")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp's 0600 would keep the cache's other users out
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _load(path: Path) -> Any:
+    """Load a built library and declare its functions. Raises OSError (not a loadable library) or AttributeError (one
+    without the decoder's symbols: a stale or foreign file at the cache path)."""
+    lib = ctypes.CDLL(str(path))
+    lib.tiered_exp3_init.restype = None
+    lib.tiered_exp3_init.argtypes = []
+    lib.tiered_exp3_decode.restype = ctypes.c_int64
+    lib.tiered_exp3_decode.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.tiered_exp3_simd.restype = ctypes.c_int
+    lib.tiered_exp3_init()
+    return lib
+
+
+def _build_and_load(cc: list[str]) -> Any:
+    key = hashlib.sha256(SOURCE.read_bytes() + f"\0{shutil.which(cc[0])}\0{cc[1:]}\0{platform.machine()}".encode())
+    sub = Path("native") / key.hexdigest()[:16]
+    try:
+        path = _build(cache_dir() / sub, cc)
+    except OSError:  # a cache that cannot be written (EACCES, EROFS): a private directory, removed once loaded
+        private = Path(tempfile.mkdtemp(prefix="tiered-native-"))
+        try:
+            return _load(_build(private, cc))
+        finally:
+            shutil.rmtree(private, ignore_errors=True)  # the mapped library stays valid
+    try:
+        return _load(path)
+    except (OSError, AttributeError):  # a stale or damaged file at the cache path: build it again, once
+        return _load(_build(cache_dir() / sub, cc, rebuild=True))
 
 
 def exp3() -> Any:
@@ -79,31 +119,17 @@ def exp3() -> Any:
         if os.environ.get("TIERED_NATIVE", "1") == "0":
             why_not = "TIERED_NATIVE=0"
         else:
-            cc = os.environ.get("CC") or "cc"
+            cc = shlex.split(os.environ.get("CC") or "cc") or ["cc"]
             try:
-                if shutil.which(cc) is None:
-                    raise FileNotFoundError(f"no C compiler {cc!r} on PATH (set CC)")
-                key = hashlib.sha256(SOURCE.read_bytes() + f"\0{shutil.which(cc)}\0{platform.machine()}".encode())
-                sub = Path("native") / key.hexdigest()[:16]
-                try:
-                    path = _build(cache_dir() / sub, cc)
-                except PermissionError:  # a read-only cache: a private directory for this process
-                    path = _build(Path(tempfile.mkdtemp(prefix="tiered-native-")) / sub, cc)
-                lib = ctypes.CDLL(str(path))
-                lib.tiered_exp3_init.restype = None
-                lib.tiered_exp3_init.argtypes = []
-                lib.tiered_exp3_decode.restype = ctypes.c_int64
-                lib.tiered_exp3_decode.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                                   ctypes.c_int]
-                lib.tiered_exp3_simd.restype = ctypes.c_int
-                lib.tiered_exp3_init()
-                _lib = lib
-            except (OSError, subprocess.SubprocessError) as e:
+                if shutil.which(cc[0]) is None:
+                    raise FileNotFoundError(f"no C compiler {cc[0]!r} on PATH (set CC)")
+                _lib = _build_and_load(cc)
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
                 why_not = f"{type(e).__name__}: {detail.strip()[:300]}"
         _tried = True
         if _lib is None and why_not != "TIERED_NATIVE=0":
-            warnings.warn(f"tiered: the C decoder of exp3 chunks could not be built ({why_not}); decoding with numpy "
-                          "instead (the same bits, ~6x slower). Install a C compiler (e.g. gcc) or set CC.",
+            warnings.warn(f"tiered: the C decoder of exp3 chunks could not be built or loaded ({why_not}); decoding "
+                          "with numpy instead (the same bits, ~6x slower). Install a C compiler (e.g. gcc) or set CC.",
                           UserWarning, stacklevel=2)
         return _lib
