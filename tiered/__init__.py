@@ -18,6 +18,7 @@ from typing import Any as _Any
 # Torch-free at import (errors, stats, the reshard errors and summary), so `tiered --help` and usage
 # errors never import torch; load/attach/close/Options and reshard are imported on first use.
 from .errors import (
+    CodecError,
     ConfigError,
     DuplicateTensorError,
     HeaderError,
@@ -100,6 +101,7 @@ __all__ = [
     "UnsafePickleError",
     "UnsupportedCheckpointError",
     "VerifyError",
+    "CodecError",
     "Options",
     "Stats",
     "TieredError",

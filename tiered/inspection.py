@@ -425,7 +425,8 @@ def _print_placement(info: dict, placement: dict | None) -> None:
             by_why.setdefault(why, []).append(name)
         for why, names in by_why.items():
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            print(f"  exp3-coded, decoded on the reader threads (numpy, on the CPU) instead of the GPU: {shown}: {why}")
+            print(f"  exp3-coded, decoded on the reader threads (the C decoder, numpy where none builds) instead of "
+                  f"the GPU: {shown}: {why}")
         if pl["device"] == "cpu" and pl["streamed"]:
             n, k = len(pl["mapped"]), len(pl["streamed"])
             why = "" if pl["io"] == "mmap" or pl["page_cache"] else " (zero copy needs io=mmap)"

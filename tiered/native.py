@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .errors import caller_stacklevel
+
 __all__ = ["exp3", "cache_dir", "SOURCE"]
 
 #: the decoder's C source, shipped in the package
@@ -131,5 +133,5 @@ def exp3() -> Any:
         if _lib is None and why_not != "TIERED_NATIVE=0":
             warnings.warn(f"tiered: the C decoder of exp3 chunks could not be built or loaded ({why_not}); decoding "
                           "with numpy instead (the same bits, ~6x slower). Install a C compiler (e.g. gcc) or set CC.",
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=caller_stacklevel())
         return _lib

@@ -109,7 +109,7 @@ class Placement:
     threads: int = 4  # reader threads (policy.reader_threads: given, or chosen)
     threads_why: str = ""  # where threads came from
     compute_threads: int | None = None  # torch's CPU threads to set (None: left as they are; policy.compute_threads)
-    # CUDA, an exp3 checkpoint: units whose coded tensors the reader threads decode (numpy, on the CPU) instead of
+    # CUDA, an exp3 checkpoint: units whose coded tensors the reader threads decode (on the CPU) instead of
     # the GPU after the copy, by name, and why (larger than the ring; distributed; no Triton). A cold 2 GiB cgroup's
     # 0.44 GiB ring does this to Llama-3-8B's lm_head, and the disk idles while the readers decode it
     # (benchmarks/NOTES.md, issue 25, eighth session)

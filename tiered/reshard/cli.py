@@ -90,8 +90,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                        "reshard)")
     p.add_argument("--codec", choices=["zstd", "exp3"], default=None,
                    help="with --compress: zstd (the default: byte planes, zstd, decoded on the reader threads) or "
-                   "exp3 (bf16 tensors in a fixed-width exponent code that a CUDA load decodes on the GPU after the "
-                   "H2D copy, so the ring, host tier and PCIe carry ~0.70 of their bytes; other dtypes zstd)")
+                   "exp3 (bf16 tensors in a fixed-width exponent code, ~0.70 of their bytes: a CUDA load decodes it on the "
+                   "GPU after the H2D copy, a CPU load with a C decoder built on first use; the faster code on both, "
+                   "zstd the smaller; other dtypes zstd)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary; errors only")
 
 
