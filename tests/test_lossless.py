@@ -1097,3 +1097,15 @@ def test_exp3_c_decoder_rebuilds_a_damaged_cache_and_leaves_a_library_others_can
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     assert Path(lib).read_bytes()[:4] == b"\x7fELF"
+
+
+def test_exp3_on_a_checkpoint_without_bf16_says_every_tensor_went_zstd(minilm_dir: Path, tmp_path: Path) -> None:
+    """`--compress --codec exp3` on an fp32 checkpoint (no --dtype): nothing is exp3-coded, and the summary says so
+    and what to pass, instead of naming exp3 for an output that has none."""
+    import tiered
+
+    s = tiered.reshard(minilm_dir, tmp_path / "e", compress="exp3", quiet=True)
+    assert s.coded_tensors > 0
+    assert any("has none: every coded tensor is bytegroup-zstd1 (pass --dtype bf16" in n for n in s.notes), s.notes
+    s = tiered.reshard(minilm_dir, tmp_path / "b", compress="exp3", dtype="bf16", quiet=True)
+    assert not any("has none" in n for n in s.notes)

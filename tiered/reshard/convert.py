@@ -310,6 +310,10 @@ def _reshard(source: Source, src: Path, dst: Path, t0: float, max_bytes: int, dt
             else:
                 _write_shard(tmp / s.name, s, copier)
         where = index_name
+        if compress == "exp3" and not any(t.coded is not None and t.coded.codec == lossless.EXP3
+                                          for s in shards for t in s.tensors):
+            notes.append("--codec exp3 codes bf16 tensors and this output has none: every coded tensor is "
+                         "bytegroup-zstd1 (pass --dtype bf16 for exp3)")
         _write_file(tmp / index_name, _index_bytes(shards, compress))
         for p in files:
             rel = p.relative_to(source.root)
