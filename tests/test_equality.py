@@ -198,9 +198,7 @@ def test_a_tied_head_stored_beside_its_embedding_is_tied_as_stock_ties_it(equal:
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    models.randomize_(model, seed=31)
-    d = tmp_path / "tied_both"
-    model.save_pretrained(d)
+    d = models.save_model(model, tmp_path / "tied_both", seed=31, dtype=model.dtype, max_shard_size=None)
     st = load_file(d / "model.safetensors")
     emb = st["model.embed_tokens.weight"]
     st["lm_head.weight"] = emb.clone() if equal else emb + 0.25
@@ -230,8 +228,7 @@ def test_a_bert_mlm_head_keeps_stocks_ties_across_and_inside_units(tmp_path: Pat
                                   attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(cfg)
-    models.randomize_(model, seed=32)
-    model.save_pretrained(tmp_path / "mlm")
+    models.save_model(model, tmp_path / "mlm", seed=32, dtype=model.dtype, max_shard_size=None)
     ref = transformers.BertForMaskedLM.from_pretrained(tmp_path / "mlm").eval()
     ids = make_ids(4, (1, 7)) % 128
     with tiered.load(tmp_path / "mlm", device="cpu", ring_gb=RESIDENT_GB,
@@ -253,8 +250,7 @@ def _tiny_t5(d: Path, *, seed: int) -> tuple[Path, dict[str, torch.Tensor]]:
                                 tie_word_embeddings=True, decoder_start_token_id=0)
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(cfg)
-    models.randomize_(model, seed=seed)
-    model.save_pretrained(d)
+    models.save_model(model, d, seed=seed, dtype=model.dtype, max_shard_size=None)
     return d, load_file(d / "model.safetensors")
 
 
@@ -349,9 +345,7 @@ def test_weights_sit_where_stocks_mmap_puts_them_so_alignment_sensitive_kernels_
                                     tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.JetMoeForCausalLM(cfg)
-    models.randomize_(model, seed=35)
-    d = tmp_path / "jetmoe"
-    model.save_pretrained(d)
+    d = models.save_model(model, tmp_path / "jetmoe", seed=35, dtype=model.dtype, max_shard_size=None)
     ids = make_ids(10, (1, 6)) % 96
     ref = transformers.JetMoeForCausalLM.from_pretrained(d).eval()
     with torch.no_grad():

@@ -32,9 +32,7 @@ def llama4(tmp_path_factory) -> Path:
         interleave_moe_layer_step=1, max_position_embeddings=128, attention_chunk_size=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     m = transformers.Llama4ForCausalLM(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=22)
-    d = tmp_path_factory.mktemp("ph") / "llama4"
-    m.save_pretrained(d)
+    d = models.save_model(m, tmp_path_factory.mktemp("ph") / "llama4", seed=22, dtype=m.dtype, max_shard_size=None)
     return d
 
 
@@ -77,9 +75,7 @@ def test_a_parameter_the_model_builds_in_real_memory_requires_grad_as_stock(tmp_
                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     m0 = transformers.DiffLlamaForCausalLM(cfg)
-    models.randomize_(m0, seed=23)
-    d = tmp_path / "diffllama"
-    m0.save_pretrained(d)
+    d = models.save_model(m0, tmp_path / "diffllama", seed=23, dtype=m0.dtype, max_shard_size=None)
     ids = make_ids(9, (1, 6)) % 96
     ref = _stock(d)
     key = "model.layers.0.self_attn.lambda_q1"
@@ -256,8 +252,7 @@ def test_idefics3_text_only_forward_equals_stock(tmp_path):
     cfg = transformers.Idefics3Config(text_config=tc, vision_config=vc, image_token_id=255, scale_factor=2)
     torch.manual_seed(0)
     m = transformers.Idefics3ForConditionalGeneration(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=23)
-    m.save_pretrained(tmp_path / "idefics3")
+    models.save_model(m, tmp_path / "idefics3", seed=23, dtype=m.dtype, max_shard_size=None)
     ref = transformers.Idefics3ForConditionalGeneration.from_pretrained(tmp_path / "idefics3").eval()
     ids = make_ids(7, (1, 9))
     with stream(tmp_path / "idefics3") as t, torch.no_grad():
@@ -275,9 +270,7 @@ def test_rwkv_rescales_in_place_only_where_tiered_can(tmp_path, rescale_every):
                                   intermediate_size=128, context_length=64, rescale_every=rescale_every)
     torch.manual_seed(0)
     m = transformers.RwkvForCausalLM(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=24)
-    d = tmp_path / "rwkv"
-    m.save_pretrained(d)
+    d = models.save_model(m, tmp_path / "rwkv", seed=24, dtype=m.dtype, max_shard_size=None)
     ref = transformers.RwkvForCausalLM.from_pretrained(d).eval()
     ids = make_ids(9, (2, 7))
     if rescale_every == 1:
@@ -340,8 +333,7 @@ def test_prophetnet_causal_lm_equals_stock(tmp_path):
                                         is_encoder_decoder=False, add_cross_attention=False)
     torch.manual_seed(0)
     m = transformers.ProphetNetForCausalLM(cfg).to(torch.bfloat16)
-    models.randomize_(m, seed=25)
-    m.save_pretrained(tmp_path / "pn")
+    models.save_model(m, tmp_path / "pn", seed=25, dtype=m.dtype, max_shard_size=None)
     ref = transformers.ProphetNetForCausalLM.from_pretrained(tmp_path / "pn").eval()
     with stream(tmp_path / "pn") as t:
         assert any(u.readers for u in t._tiered.plan.units)
