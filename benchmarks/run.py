@@ -287,6 +287,13 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                   opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "direct_chunk_mib": mib},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
+        # --scaling-staged: the defaults with every O_DIRECT read through the staging buffer (tiered.reader.SLOT_DIRECT
+        # off, as before the seventeenth session): the A/B of reading straight into the ring slot, in the same rounds
+        if a.scaling_staged:
+            r = R("scaling-io", "tiered", "defaults-staged", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "slot_direct": False},
+                  new_tokens=slow)
+            runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
     if a.no_cold:
@@ -585,7 +592,7 @@ class Runner:
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
                 "extra": {k: v for k, v in opts.items()
                           if k in ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces",
-                                   "direct_chunk_mib")}}
+                                   "direct_chunk_mib", "slot_direct")}}
         if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:
             row["adjacent_ceilings"] = self.disk_ceilings()  # the disk's rate now, beside this run (it drifts)
             left = self.left()
@@ -767,6 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scaling-direct-chunk-mib", default="", metavar="MIB,...",
                    help="with --scaling: also run tiered's defaults with each O_DIRECT request size "
                         "(tiered.reader.DIRECT_CHUNK, MiB) at every limit, in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-staged", action="store_true",
+                   help="with --scaling: also run tiered's defaults with every O_DIRECT read through the staging "
+                        "buffer (tiered.reader.SLOT_DIRECT off) at every limit, in the same rounds (group scaling-io)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)

@@ -254,6 +254,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         import tiered.reader
 
         tiered.reader.DIRECT_CHUNK = int(float(spec.extra["direct_chunk_mib"]) * (1 << 20)) // 4096 * 4096
+    if "slot_direct" in spec.extra:  # run.py --scaling-staged: O_DIRECT straight into the slot, or staged (an A/B)
+        import tiered.reader
+
+        tiered.reader.SLOT_DIRECT = bool(spec.extra["slot_direct"])
     if "auto_ring_in_pieces" in spec.extra:  # run.py --scaling-whole-ring: the automatic ring's rule (an A/B switch)
         import tiered.policy
 
@@ -302,6 +306,8 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         "h2d_gb_per_token": h2d_b / 1e9 / n,
         "host_expert_gb_per_token": (s1.get("host_expert_bytes", 0) - s0.get("host_expert_bytes", 0)) / 1e9 / n,
         "decoded_gb_per_token": (s1.get("decoded_bytes", 0) - s0.get("decoded_bytes", 0)) / 1e9 / n,
+        # O_DIRECT bytes read straight into ring slots, no staging copy (issue 23, seventeenth session)
+        "slot_direct_gb_per_token": (s1.get("slot_direct_bytes", 0) - s0.get("slot_direct_bytes", 0)) / 1e9 / n,
         "stall_s": s1["stall_s"] - s0["stall_s"],
         "hits": s1["hits"] - s0["hits"],
         "misses": s1["misses"] - s0["misses"],

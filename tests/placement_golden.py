@@ -14,7 +14,9 @@ explicit ``gpu_gb``), both at commit 80d9cd1, before the redesign::
 
 ``tests/test_placement.py`` replays every case and compares. A case whose decisions changed on purpose says so in its
 ``"changed"`` field (why, and the decisions before): issue 22 item 11 (the CPU ring bounds mapped units) turned 32
-CPU cases with a ring below the largest mapped unit into RingTooSmallError; the CPU file was re-recorded then.
+CPU cases with a ring below the largest mapped unit into RingTooSmallError; the CPU file was re-recorded then. On
+2026-12-07 (issue 23: CPU targets in file order, packed at their file residue modulo 64) the recorded cases were
+replayed and their decisions updated in place, each changed one noting the fields before.
 """
 
 from __future__ import annotations

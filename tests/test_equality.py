@@ -1167,3 +1167,118 @@ def test_a_random_init_of_a_missing_parameter_is_still_refused() -> None:
     m = _Random()
     assert not regenerate_param(m, "table.weight", m.table, "weight")
     assert m.table.weight.device.type == "meta"
+
+
+class _Blocks(nn.Module):
+    """Blocks of two fp32 linears each (a streamed unit each): weights of 75, 128 and 25 pages, biases of 1200, 2048
+    and 400 bytes (not page multiples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, d), nn.Linear(d, 256)) for d in (300, 512, 100))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _write_shuffled(path: Path, sd: dict[str, torch.Tensor], seed: int, gaps: tuple[int, ...]) -> None:
+    """``sd`` in a shuffled order, with unused uint8 tensors of ``gaps`` bytes (one drawn per tensor) between them."""
+    g = torch.Generator().manual_seed(seed)
+    names = [list(sd)[i] for i in torch.randperm(len(sd), generator=g).tolist()]
+    items: list[tuple[str, torch.Tensor]] = []
+    for k, name in enumerate(names):
+        n = gaps[int(torch.randint(len(gaps), (1,), generator=g))]
+        if n:
+            items.append((f"pad{k}", torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)))
+        items.append((name, sd[name]))
+    with open(path, "wb") as f:  # in this order (save_file would sort and align them)
+        f.write(encode_header([(k, v.dtype, tuple(v.shape), v.numel() * v.element_size()) for k, v in items]))
+        for _, v in items:
+            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize(("seed", "gaps", "some_direct"),
+                         [(0, (0,), True), (1, (0, 3, 100), False), (2, (0, 4, 5000), True), (3, (8, 4096), True)])
+def test_direct_reads_straight_into_the_slot_are_exact(seed: int, gaps: tuple[int, ...], some_direct: bool,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """io="direct" reads the whole pages of a unit's tensors with O_DIRECT straight into the ring slot
+    (tiered.reader.SLOT_DIRECT, the slot shifted to the file's page offset): tensors in a shuffled file order, apart by
+    gaps of 0 to 5000 bytes, give stock's bits pass after pass, and the staged path gives the same bits. Where the
+    gaps keep the fp32 tensors 4-byte aligned in the file, some bytes do go straight into the slot; after a 3-byte gap
+    none may on the CPU (such a tensor sits 64-aligned in the slot, not at its file residue: tiered.plan.lay_out)."""
+    import tiered.reader
+
+    g = torch.Generator().manual_seed(100 + seed)
+    ref = _Blocks()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    _write_shuffled(tmp_path / "model.safetensors", ref.state_dict(), seed, gaps)
+    x = torch.randn(3, 256, generator=g)
+    with torch.no_grad():
+        want = ref(x)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(tiered.reader, "SLOT_DIRECT", on)
+        with torch.device("meta"):
+            mod = _Blocks()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the pads are not used
+            try:
+                m = tiered.attach(mod, tmp_path, ring_gb=1.5 * (1 << 20) / GiB, device="cpu", io="direct",
+                                  zero_copy=False)
+            except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+                pytest.skip(str(e))
+        with m, torch.no_grad():
+            outs = [m(x) for _ in range(2)]
+            assert all(torch.equal(o, want) for o in outs), [(o - want).abs().max() for o in outs]
+            got[on] = m._tiered.reader.slot_direct_bytes
+    assert (got[True] > 0) == some_direct and got[False] == 0, got
+
+
+def test_direct_reads_write_only_their_destinations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_DIRECT runs straight into memory: two tensors that follow each other in the file and in memory are one run (a
+    request crosses their boundary); a third, 200 bytes after them in the file and at the same distance in memory, is
+    a run of its own, and no request covers those 200 bytes, whose place in memory (someone else's: a sentinel here)
+    keeps its bytes; every tensor arrives exact."""
+    import types
+
+    from tiered.hostmem import anon_mapping, map_tensor
+    from tiered.reader import Reader
+
+    g = torch.Generator().manual_seed(7)
+    sizes = {"a": 3 * 4096 + 100, "b": 2 * 4096 + 50, "gap": 200, "c": 2 * 4096 + 8}
+    data = {k: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for k, n in sizes.items()}
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(encode_header([(k, torch.uint8, (n,), n) for k, n in sizes.items()]))
+        for v in data.values():
+            f.write(v.numpy().tobytes())
+    ck = open_checkpoint(tmp_path)
+    t = ck.tensors
+    slot = map_tensor(anon_mapping(10 * 4096))
+    base = t["a"].offset - t["a"].offset % 4096  # memory offset = file offset - base: each at its file page offset
+
+    def at(name: str) -> torch.Tensor:
+        return slot[t[name].offset - base : t[name].offset - base + t[name].nbytes]
+
+    spans: list[tuple[int, int]] = []
+    r = Reader(ck, threads=2, io="direct")
+    try:
+        orig = r._span_task
+        monkeypatch.setattr(r, "_span_task", lambda unit, run, x0, x1, be: (spans.append((x0, x1)),
+                                                                         orig(unit, run, x0, x1, be)))
+        sentinel = torch.full((sizes["gap"],), 0xA5, dtype=torch.uint8)
+        at("gap").copy_(sentinel)
+        r.copy_all(types.SimpleNamespace(name="u"), [(t[k], at(k)) for k in "abc"])
+        assert all(torch.equal(at(k), data[k]) for k in "abc")
+        assert torch.equal(at("gap"), sentinel)
+        b0, g0, g1 = t["b"].offset, t["gap"].offset, t["c"].offset
+        assert any(x0 < b0 < x1 for x0, x1 in spans), spans  # a and b: one run
+        assert not any(x0 < g1 and x1 > g0 for x0, x1 in spans), spans  # the gap: never read
+        assert r.slot_direct_bytes > 0
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    finally:
+        r.close()

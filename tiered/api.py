@@ -254,6 +254,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
                       io=p.io, adapt=p.io_probe)
     h.reader.on_choice = h.stats.set_io_choice
     h.reader.on_decoded = h.stats.add_decoded
+    h.reader.on_slot_direct = h.stats.add_slot_direct
     _check_linear_pieces(h, p)
     specs = p.specs
     if p.host_ring_bytes or p.host_experts:

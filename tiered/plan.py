@@ -190,10 +190,15 @@ def device_coded(t: Target) -> bool:
             and s.nbytes == s.coded.nbytes and c.place is None and c.decode is None and s.dtype == t.dtype)
 
 
+def _file_order(t: Target) -> tuple:
+    """A target's place in file order: its first source's file and offset (targets with no source last)."""
+    return (0, str(t.copies[0].src.file), t.copies[0].src.offset) if t.copies else (1, "", 0)
+
+
 def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
-    """Give ``u``'s targets their offsets (``align``-byte aligned, in order; on the CPU, :data:`CPU_ALIGN`, a whole
-    stored tensor of the target's dtype at its file offset's residue: :func:`_file_residue`) and set ``nbytes`` and
-    ``src_bytes``.
+    """Give ``u``'s targets their offsets (``align``-byte aligned, in the order of their sources in the checkpoint's
+    files; on the CPU, :data:`CPU_ALIGN`, a whole stored tensor of the target's dtype at its file offset's residue:
+    :func:`_file_residue`) and set ``nbytes`` and ``src_bytes``.
 
     ``stored`` (a CUDA plan: :attr:`Plan.stored`): a unit whose every decoded target (a copy with ``decode``) has
     only decoded copies is laid out *stored* (:class:`Unit`): its slot carries the codes and scales as the
@@ -208,15 +213,17 @@ def lay_out(u: Unit, align: int, *, stored: bool = False) -> None:
         c.decode is not None or device_coded(t) for t in coded for c in t.copies)
     coded_ids = {id(t) for t in coded}
     plain = [t for t in u.targets if id(t) not in coded_ids] if stored else u.targets
+    # in file order: tensors that follow each other in a shard then follow each other in the slot, at the same
+    # distances where their sizes are multiples of ``align`` — one residue modulo the page, so the reader's O_DIRECT
+    # requests land straight in the slot (tiered.reader.slot_shift; issue 23, seventeenth session)
+    plain = sorted(plain, key=_file_order)
     off = 0
     for t in plain:
-        off = _align(off, align)
         # CPU: at the residue modulo 64 its bytes have in the file, as stock's mmap'd tensor (slots are page-aligned).
         # Some CPU kernels round differently at other alignments: JetMoe's experts' F.linear gave logits 1.5e-7 off
         # stock's with 64-aligned weights (attack of 2026-12-06)
         r = _file_residue(t, align) if align == CPU_ALIGN else None
-        if r is not None:
-            off += r
+        off = off + (r - off) % align if r is not None else _align(off, align)
         t.offset = off
         off += t.nbytes
     for t in u.targets:

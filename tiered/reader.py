@@ -11,6 +11,11 @@ Backend ``"direct"``: ``O_DIRECT`` ``os.preadv`` of the page-aligned superset of
 a page-aligned per-thread staging buffer (``DIRECT_CHUNK`` bytes), then a copy into the slot
 keeping the offset. It bypasses the page cache entirely, which matters on low-RAM hosts and in
 cgroups that charge page cache; the staging buffers add ``threads * DIRECT_CHUNK`` bytes of RSS.
+Where a run of a unit's tensors lies in the slot at the file's offset modulo the page (:func:`slot_shift`: the ring
+source shifts the slot's start so that the unit's largest such run does), the run's whole pages are read with
+``O_DIRECT`` straight into the slot — no staging copy, which cost 15-30% of the disk's rate (issue 23,
+``benchmarks/read_ways.py``) — and only its first and last partial pages go through the staging buffer
+(:data:`SLOT_DIRECT`; :attr:`Reader.slot_direct_bytes` counts the bytes read so).
 
 Backend ``"pread"``: buffered ``os.preadv`` from the page cache straight into the ring slot (through
 the per-thread staging buffer when the copy casts). The kernel copies out of the page cache, so no
@@ -38,6 +43,8 @@ re-exported here).
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import errno
 import mmap
@@ -68,6 +75,10 @@ _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough
 #: cgroup tiered's defaults took 7.83 and 7.36 s/token with 8 MiB against 6.47 and 6.51 with 16 (6.13 and 6.74 with
 #: 32; accelerate 7.87 and 7.50) in one invocation (benchmarks/NOTES.md, issue 23, sixteenth session).
 DIRECT_CHUNK = 16 << 20
+#: O_DIRECT reads straight into the ring slot where a run of tensors lies there at its file offset modulo the page
+#: (module docstring); False: every O_DIRECT read through the staging buffer (the A/B of ``benchmarks/run.py
+#: --scaling-slot-direct``)
+SLOT_DIRECT = True
 #: coded bytes per read task of a losslessly coded tensor: consecutive chunks up to this many are read in one request,
 #: then decoded in turn (0: one chunk, ~2.8 MiB coded, per task). 0 because 8 MiB tasks made the 2-core CPU machine's
 #: compressed TinyLlama 1.3-1.8x slower per token (fewer, longer tasks per unit: the unit waits for its last one's
@@ -164,6 +175,49 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return max(tot, 1e-9)
 
 
+def _whole_copy(tgt: Any, c: Any) -> bool:
+    """``c`` copies a plain checkpoint tensor byte for byte into the whole of ``tgt`` (no cast, slice or decode)."""
+    return (len(tgt.copies) == 1 and c.place is None and c.decode is None and c.at is None
+            and not isinstance(c.src, LosslessInfo) and c.src.dtype == tgt.dtype and c.src.nbytes == tgt.nbytes)
+
+
+def slot_shift(unit: Unit, gran: int = 1) -> int:
+    """Bytes (``0 <= shift < PAGE_SIZE``, a multiple of ``gran``) to start ``unit``'s layout after the start of a
+    page-aligned slot so that most of its bytes lie at their file offset modulo the page: those tensors' whole pages
+    can then be read with ``O_DIRECT`` straight into the slot (:meth:`Reader._submit_slot_direct`). Chosen by bytes
+    (the largest sum of ``nbytes`` of whole-tensor copies sharing one residue); 0 when no residue gathers two pages.
+    ``gran``: the slot is used in place (CPU: :data:`tiered.plan.CPU_ALIGN`, which keeps every tensor's address
+    modulo 64 as the plan laid it out); 1 where the slot is only copied from (CUDA: the H2D copy)."""
+    weight: collections.Counter[int] = collections.Counter()
+    for tgt in unit.targets:
+        for c in tgt.copies:
+            if _whole_copy(tgt, c):
+                weight[(c.src.offset - tgt.offset) % _PAGE] += c.src.nbytes
+    best = max(((w, -r) for r, w in weight.items() if r % max(1, gran) == 0), default=(0, 0))
+    return -best[1] if best[0] >= 2 * _PAGE else 0
+
+
+@dataclasses.dataclass
+class _Run:
+    """Checkpoint bytes ``[a, b)`` of one file that lie in memory at ``address = file offset + delta`` (``delta`` a
+    multiple of the page): one or more whole tensors, each right after the one before."""
+
+    file: Path
+    delta: int
+    a: int
+    b: int
+    names: list[tuple[int, str]]  # (file offset, tensor name) of each tensor, in file order
+    flat: torch.Tensor  # the whole storage of the destinations, uint8
+    base: int  # flat.data_ptr()
+
+    def name_at(self, x: int) -> str:
+        return self.names[max(0, bisect.bisect_right([o for o, _ in self.names], x) - 1)][1]
+
+    def out(self, x0: int, x1: int) -> torch.Tensor:
+        """Where file bytes ``[x0, x1)`` go (uint8)."""
+        return self.flat[x0 + self.delta - self.base : x1 + self.delta - self.base]
+
+
 class Reader:
     """Copies units from a checkpoint into ring slots on ``threads`` reader threads.
 
@@ -237,6 +291,11 @@ class Reader:
         #: each band's bytes on the reader thread that decoded it (the loader passes ``Stats.add_decoded``)
         self.decoded_bytes = 0
         self.on_decoded: Any = None
+        #: bytes read with ``O_DIRECT`` straight into a slot, no staging copy (:data:`SLOT_DIRECT`); ``on_slot_direct(n)``
+        #: is called with each request's bytes on the reader thread that read them (the loader passes
+        #: ``Stats.add_slot_direct``)
+        self.slot_direct_bytes = 0
+        self.on_slot_direct: Any = None
 
     def _stage(self) -> tuple[mmap.mmap, torch.Tensor]:
         st = getattr(self._local, "stage", None)
@@ -254,12 +313,7 @@ class Reader:
         a, b = t.offset + lo * isz, t.offset + hi * isz
         A, B = a // _PAGE * _PAGE, (b + _PAGE - 1) // _PAGE * _PAGE
         mm, stage = self._stage()
-        try:
-            n = os.preadv(self.direct_fds[t.file], [memoryview(mm)[: B - A]], A)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise ConfigError(f"{t.file}: O_DIRECT read refused (EINVAL); use io='mmap'") from None
-            raise
+        n = self._pread_direct(t.file, memoryview(mm)[: B - A], A)
         if n < b - A:
             raise TruncatedShardError(
                 f"{t.file}: tensor {t.name!r} ends at offset {b} but only {A + n} bytes could be read; "
@@ -271,6 +325,98 @@ class Reader:
         else:
             typed = (src if (a - A) % isz == 0 else src.clone()).view(t.dtype)
             dest.reshape(-1)[lo:hi].copy_(typed)
+
+    def _pread_direct(self, file: Path, buf: memoryview, offset: int) -> int:
+        """One ``O_DIRECT`` ``preadv`` of ``len(buf)`` bytes at ``offset`` (both page multiples, ``buf``
+        page-aligned) into ``buf``; returns the bytes read (fewer only at the end of the file).
+
+        Raises:
+            ConfigError: the kernel refused the request (EINVAL: a file system without O_DIRECT)."""
+        try:
+            return os.preadv(self.direct_fds[file], [buf], offset)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise ConfigError(f"{file}: O_DIRECT read refused (EINVAL); use io='mmap'") from None
+            raise
+
+    def _submit_slot_direct(self, jobs: list[Future], unit: Unit, pairs: list, size: int, backend: str) -> list:
+        """Queue, as tasks of :meth:`_span_task`, the pairs that lie in memory at their file offset modulo the page
+        (whole tensors of the checkpoint's dtype into contiguous destinations), merged into runs of tensors that follow
+        each other with no gap both in one file and in memory: each run's whole pages in requests of at most ``size``
+        bytes read with ``O_DIRECT`` straight into place, its partial first and last pages through the staging buffer,
+        so that no byte outside the pairs' destinations is ever written. Returns the pairs left for the other paths (in
+        their order)."""
+        def direct(p: tuple) -> bool:
+            if len(p) > 2:
+                return False
+            src, dest = p
+            return (not isinstance(src, LosslessInfo) and getattr(src, "decode", None) is None and src.numel > 0
+                    and src.file in self.direct_fds and dest.device.type == "cpu" and dest.dtype == src.dtype
+                    and dest.is_contiguous() and dest.numel() == src.numel
+                    and (dest.data_ptr() - src.offset) % _PAGE == 0)
+
+        cand = [i for i, p in enumerate(pairs) if direct(p)]
+        if not cand:
+            return pairs
+        cand.sort(key=lambda i: (str(pairs[i][0].file), pairs[i][1].data_ptr() - pairs[i][0].offset, pairs[i][0].offset))
+        runs: list[tuple[_Run, list[int]]] = []
+        for i in cand:
+            src, dest = pairs[i]
+            d, a, b = dest.data_ptr() - src.offset, src.offset, src.offset + src.nbytes
+            if runs:
+                r, members = runs[-1]
+                if r.file == src.file and r.delta == d and r.b == a:  # the next tensor, right after it in both
+                    r.b = b
+                    r.names.append((a, src.name))
+                    members.append(i)
+                    continue
+            flat = torch.empty(0, dtype=torch.uint8).set_(dest.untyped_storage())
+            runs.append((_Run(src.file, d, a, b, [(a, src.name)], flat, flat.data_ptr()), [i]))
+        taken: set[int] = set()
+        step = max(_PAGE, size // _PAGE * _PAGE)
+        for r, members in runs:
+            A, B = -(-r.a // _PAGE) * _PAGE, r.b // _PAGE * _PAGE
+            if B - A < _PAGE:  # not one whole page: as any other tensor
+                continue
+            taken.update(members)
+            spans = ([(r.a, A)] if r.a < A else []) + [(x, min(B, x + step)) for x in range(A, B, step)] + (
+                [(B, r.b)] if B < r.b else [])
+            for x0, x1 in spans:
+                fut: Future = Future()
+                jobs.append(fut)
+                self.pool.submit(_run_job, fut, self._span_task, (unit, r, x0, x1, backend))
+        return [p for i, p in enumerate(pairs) if i not in taken] if taken else pairs
+
+    def _span_task(self, unit: Unit, r: _Run, x0: int, x1: int, backend: str) -> None:
+        """A reader thread: file bytes ``[x0, x1)`` of run ``r`` into place — with ``O_DIRECT`` straight into the
+        slot when both ends are on a page, else (a run's partial first or last page) through the staging buffer.
+
+        Raises:
+            TruncatedShardError: the file ends before ``x1`` (names the tensor and offset).
+            ConfigError: O_DIRECT refused (:meth:`_pread_direct`)."""
+        t0 = time.perf_counter()
+        name = r.name_at(x0)
+        faults.hit("read", unit=unit.name, tensor=name, offset=x0, io=backend)
+        out = r.out(x0, x1)
+        if x0 % _PAGE == 0 and x1 % _PAGE == 0:
+            A, n = x0, self._pread_direct(r.file, memoryview(out.numpy()), x0)
+        else:
+            A, B = x0 // _PAGE * _PAGE, -(-x1 // _PAGE) * _PAGE
+            mm, stage = self._stage()
+            n = self._pread_direct(r.file, memoryview(mm)[: B - A], A)
+        if A + n < x1:
+            raise TruncatedShardError(
+                f"{r.file}: tensor {r.name_at(x1 - 1)!r} ends at offset {x1} or later but only {A + n} bytes could be "
+                "read; the file is truncated: re-download or re-convert it")
+        if A != x0 or x1 % _PAGE:  # through the staging buffer
+            out.copy_(stage[x0 - A : x1 - A])
+        else:
+            with self._probe_lock:
+                self.slot_direct_bytes += x1 - x0
+            if self.on_slot_direct is not None:
+                self.on_slot_direct(x1 - x0)
+        if self.adapt and self.choice is None:
+            self._measured(backend, x1 - x0, time.perf_counter() - t0)
 
     @staticmethod
     def _pread_into(fd: int, out: torch.Tensor, offset: int, t: TensorInfo) -> None:
@@ -509,6 +655,8 @@ class Reader:
                       chunk: int | None) -> None:
         backend = self._backend((unit.name, chunk))  # one backend for all of a read's copies (one readahead stream)
         self._unit_started(backend)
+        if backend == "direct" and SLOT_DIRECT and self.direct_fds:
+            pairs = self._submit_slot_direct(jobs, unit, pairs, min(chunk or DIRECT_CHUNK, DIRECT_CHUNK), backend)
         for pair in pairs:
             src, dest = pair[0], pair[1]
             n = src.numel

@@ -109,8 +109,12 @@ class Ring:
         wait: bool = True,
         abort: Callable[[], BaseException | None] | None = None,
         reclaim: Callable[[], bool] | None = None,
+        extra: int = 0,
     ) -> Slot:
         """A slot of ``n`` bytes (rounded up to a page), blocking while the ring is full.
+
+        ``extra``: take ``n + extra`` bytes instead when that much is free at the moment room for ``n`` is found (never
+        waiting for it: a slot of ``n`` is taken as soon as one fits, as without ``extra``); ``Slot.size`` says which.
 
         While there is no room: ``reclaim()`` (if given) is called first and, when it freed
         something, the search is retried at once; else ``abort()`` is polled every 50 ms and the
@@ -130,13 +134,17 @@ class Ring:
             with self._cv:
                 if self._closed:
                     raise StreamerError("the ring was closed")
-                start = self._find(n)
+                big = page_up(n + extra) if extra > 0 else n
+                start = self._find(big) if big > n and big <= self.size else None
+                size = big if start is not None else n
+                if start is None:
+                    start = self._find(n)
                 if start is not None:
-                    slot = Slot(start, n, self.buf[start : start + n], owner)
+                    slot = Slot(start, size, self.buf[start : start + size], owner)
                     self._live.append(slot)
                     self._live.sort(key=lambda s: s.start)
-                    self._next = start + n if start + n < self.size else 0
-                    self._used += n
+                    self._next = start + size if start + size < self.size else 0
+                    self._used += size
                     self.high_water = max(self.high_water, self._used)
                     return slot
                 if not wait:

@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from . import faults
+from . import reader as reader_mod
 from .dist import read_args
 from .errors import RingTooSmallError
-from .plan import Unit
+from .hostmem import page_up
+from .plan import CPU_ALIGN, Unit
 from .stage import CudaStage, Loaded, views
 
 if TYPE_CHECKING:
@@ -51,7 +53,10 @@ class RingSource(Source):
     def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         io = ld.io.get(u.index)
         rd, size, at = read_args(u, io)
-        slot = ld.ring.alloc(size, u.name, abort=ld.abort, reclaim=lambda: ld.stage.retire(block=True))
+        shift = _shift(ld, u, size) if rd is u and not at and not resident else 0
+        slot = ld.ring.alloc(size, u.name, abort=ld.abort, reclaim=lambda: ld.stage.retire(block=True), extra=shift)
+        if shift and slot.size >= shift + size:  # the layout starts ``shift`` bytes in: at the file's page offsets
+            slot.view = slot.view[shift : shift + size]
         try:
             t0 = time.perf_counter()
             n = ld.reader.read_unit(rd, slot.view[at:] if at else slot.view)
@@ -61,6 +66,20 @@ class RingSource(Source):
         except BaseException:
             ld.ring.free(slot)
             raise
+
+
+def _shift(ld: Loader, u: Unit, size: int) -> int:
+    """Bytes to start streamed unit ``u``'s layout into its ring slot so that the reader's O_DIRECT requests land
+    straight in it (:func:`tiered.reader.slot_shift`; CPU: a multiple of :data:`tiered.plan.CPU_ALIGN`, as the slot is
+    the weights). 0 unless the reader reads O_DIRECT now, and 0 when the extra page would leave the ring room for
+    fewer slots of this size at once (the prefetch depth the ring was sized for). The ring gives the extra page only
+    when it is free at once (``Ring.alloc(extra=)``): a shift never makes the loader wait."""
+    if not reader_mod.SLOT_DIRECT or ld.reader.backend != "direct":
+        return 0
+    shift = reader_mod.slot_shift(u, 1 if ld.device.type == "cuda" else CPU_ALIGN)
+    if shift and ld.ring.size // page_up(size + shift) < ld.ring.size // page_up(size):
+        return 0
+    return shift
 
 
 class MappedSource(Source):

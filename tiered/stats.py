@@ -211,6 +211,9 @@ class Stats:
         it with buffered reads while streaming and ``io`` becomes the faster: ``io_choice`` has both rates).
     decoded_bytes: a quantized checkpoint (``tiered/quant.py``): bytes of the model dtype the reader threads decoded
         from stored codes (their stored bytes, codes and scales, are in ``read_bytes``).
+    slot_direct_bytes: ``io="direct"``: bytes read with ``O_DIRECT`` straight into ring slots, with no copy through
+        the reader's staging buffer (:data:`tiered.reader.SLOT_DIRECT`; the rest of ``read_bytes`` was staged: partial
+        pages, casts, decodes, tensors not at their file offset modulo the page).
     world_size, rank, gathered_bytes: distributed (``tiered/dist.py``): processes sharing the model, and bytes of
         units that came from the other ranks by all-gather. Each rank's ``read_bytes``, ``streamed_bytes``
         and ``h2d_bytes`` count only its own 1/N chunk of each unit.
@@ -218,6 +221,7 @@ class Stats:
 
     read_bytes: int = 0
     decoded_bytes: int = 0
+    slot_direct_bytes: int = 0
     read_s: float = 0.0
     load_read_s: float = 0.0
     pass_s: float = 0.0
@@ -291,6 +295,12 @@ class Stats:
         """A reader thread decoded ``nbytes`` of the model dtype from stored codes (tiered/quant.py)."""
         with self._lock:
             self.decoded_bytes += nbytes
+
+    def add_slot_direct(self, nbytes: int) -> None:
+        """A reader thread read ``nbytes`` with ``O_DIRECT`` straight into a ring slot (no staging copy; in
+        ``read_bytes`` too)."""
+        with self._lock:
+            self.slot_direct_bytes += nbytes
 
     def add_pass(self, seconds: float) -> None:
         """One outermost call of the model took ``seconds`` (the caller's thread)."""
@@ -411,6 +421,8 @@ class Stats:
             read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {plural(n, 'unit')} {'computes' if n == 1 else 'compute'} "
                     "on the file mapping, zero copy: no ring copy)")
         else:
+            if s["slot_direct_bytes"] and s["read_bytes"]:  # O_DIRECT requests that landed in the slot, no staging
+                via += f", {min(1.0, s['slot_direct_bytes'] / s['read_bytes']):.0%} straight into the ring"
             read = f"read {gb(s['read_bytes'])} at {gbps(s['read_bytes'], s['read_s'])} (disk->ring{via})"
         if s["world_size"] > 1:  # every rank prints one of these: say whose, and that it is a share
             read = f"rank {s['rank']}/{s['world_size']}, this rank's 1/{s['world_size']} of each unit: " + read
