@@ -1282,3 +1282,71 @@ def test_direct_reads_write_only_their_destinations(tmp_path: Path, monkeypatch:
         pytest.skip(str(e))
     finally:
         r.close()
+
+
+def test_direct_runs_stay_inside_one_storage(tmp_path: Path) -> None:
+    """Two destinations that touch in memory but belong to two storages (two buffers of one mapping), each at its
+    file page offset, are two runs: both arrive exact (one run over both raised a false TruncatedShardError)."""
+    import types
+
+    from tiered.hostmem import anon_mapping
+    from tiered.reader import Reader
+
+    g = torch.Generator().manual_seed(3)
+    data = {k: torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, generator=g) for k in "ab"}
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(encode_header([(k, torch.uint8, (v.numel(),), v.numel()) for k, v in data.items()], align=4096))
+        for v in data.values():
+            f.write(v.numpy().tobytes())
+    ck = open_checkpoint(tmp_path)
+    mv = memoryview(anon_mapping(8 * 4096))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer of a writable mapping
+        da = torch.frombuffer(mv[: 3 * 4096], dtype=torch.uint8)
+        db = torch.frombuffer(mv[3 * 4096 : 6 * 4096], dtype=torch.uint8)
+    assert db.data_ptr() == da.data_ptr() + 3 * 4096 and db.untyped_storage().data_ptr() != da.untyped_storage().data_ptr()
+    r = Reader(ck, threads=2, io="direct")
+    try:
+        r.copy_all(types.SimpleNamespace(name="u"), [(ck.tensors["a"], da), (ck.tensors["b"], db)])
+        assert torch.equal(da, data["a"]) and torch.equal(db, data["b"])
+        assert r.slot_direct_bytes == 6 * 4096
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("pad", [0, 2, 3])
+def test_slot_shift_keeps_every_view_at_its_item_size(pad: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot's start shift is a multiple of every item size its unit views (fp32 tensors 2 or 3 bytes off in the
+    file): with the CUDA rule (any residue; emulated on the CPU by ``tiered.sources.CPU_ALIGN = 1``) the load gives
+    stock's bits instead of failing to view the slot as float32."""
+    import tiered.sources
+
+    g = torch.Generator().manual_seed(11)
+    ref = _Blocks()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    sd = ref.state_dict()
+    items = ([("pad", torch.uint8, (pad,), pad)] if pad else []) + [
+        (k, v.dtype, tuple(v.shape), v.numel() * v.element_size()) for k, v in sd.items()]
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(encode_header(items))
+        f.write(bytes(pad))
+        for v in sd.values():
+            f.write(v.contiguous().numpy().tobytes())
+    x = torch.randn(3, 256, generator=g)
+    with torch.no_grad():
+        want = ref(x)
+    monkeypatch.setattr(tiered.sources, "CPU_ALIGN", 1)
+    with torch.device("meta"):
+        mod = _Blocks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pad is not used
+        try:
+            m = tiered.attach(mod, tmp_path, ring_gb=1.5 * (1 << 20) / GiB, device="cpu", io="direct", zero_copy=False)
+        except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+            pytest.skip(str(e))
+    with m, torch.no_grad():
+        assert torch.equal(m(x), want)

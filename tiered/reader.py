@@ -47,6 +47,7 @@ import bisect
 import collections
 import dataclasses
 import errno
+import math
 import mmap
 import os
 import threading
@@ -187,13 +188,22 @@ def slot_shift(unit: Unit, gran: int = 1) -> int:
     can then be read with ``O_DIRECT`` straight into the slot (:meth:`Reader._submit_slot_direct`). Chosen by bytes
     (the largest sum of ``nbytes`` of whole-tensor copies sharing one residue); 0 when no residue gathers two pages.
     ``gran``: the slot is used in place (CPU: :data:`tiered.plan.CPU_ALIGN`, which keeps every tensor's address
-    modulo 64 as the plan laid it out); 1 where the slot is only copied from (CUDA: the H2D copy)."""
+    modulo 64 as the plan laid it out); 1 where the slot is only copied from (CUDA: the H2D copy). The shift is also
+    a multiple of every item size the unit's slot is viewed as (targets, sources, scales): torch views a dtype only at
+    a multiple of its item size (attack of 2026-12-07: fp32 tensors 2 bytes off in the file)."""
     weight: collections.Counter[int] = collections.Counter()
+    sizes = [1]  # every dtype the slot is viewed as: a view's start must be a multiple of its item size
     for tgt in unit.targets:
+        sizes.append(tgt.dtype.itemsize)
         for c in tgt.copies:
+            sizes.append(c.src.dtype.itemsize)
+            scale = getattr(c.decode, "scale", None)
+            if scale is not None:
+                sizes.append(scale.dtype.itemsize)
             if _whole_copy(tgt, c):
                 weight[(c.src.offset - tgt.offset) % _PAGE] += c.src.nbytes
-    best = max(((w, -r) for r, w in weight.items() if r % max(1, gran) == 0), default=(0, 0))
+    step = math.lcm(max(1, gran), *sizes)
+    best = max(((w, -r) for r, w in weight.items() if r % step == 0), default=(0, 0))
     return -best[1] if best[0] >= 2 * _PAGE else 0
 
 
@@ -363,9 +373,11 @@ class Reader:
         for i in cand:
             src, dest = pairs[i]
             d, a, b = dest.data_ptr() - src.offset, src.offset, src.offset + src.nbytes
+            store = dest.untyped_storage().data_ptr()
             if runs:
                 r, members = runs[-1]
-                if r.file == src.file and r.delta == d and r.b == a:  # the next tensor, right after it in both
+                # the next tensor, right after it in both, in the same memory (two storages may touch: attack of 12-07)
+                if r.file == src.file and r.delta == d and r.b == a and r.base == store:
                     r.b = b
                     r.names.append((a, src.name))
                     members.append(i)
@@ -406,8 +418,8 @@ class Reader:
             n = self._pread_direct(r.file, memoryview(mm)[: B - A], A)
         if A + n < x1:
             raise TruncatedShardError(
-                f"{r.file}: tensor {r.name_at(x1 - 1)!r} ends at offset {x1} or later but only {A + n} bytes could be "
-                "read; the file is truncated: re-download or re-convert it")
+                f"{r.file}: tensor {r.name_at(max(x0, A + n))!r} needs bytes up to offset {x1} or later but the file "
+                f"ends at {A + n}; the file is truncated: re-download or re-convert it")
         if A != x0 or x1 % _PAGE:  # through the staging buffer
             out.copy_(stage[x0 - A : x1 - A])
         else:
