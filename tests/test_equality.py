@@ -1350,3 +1350,26 @@ def test_slot_shift_keeps_every_view_at_its_item_size(pad: int, tmp_path: Path, 
             pytest.skip(str(e))
     with m, torch.no_grad():
         assert torch.equal(m(x), want)
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread", "direct"])
+def test_one_element_strided_destination(io: str, tmp_path: Path) -> None:
+    """A one-element destination with a stride of 2 (torch counts it contiguous) receives its element with every
+    backend (it raised "stride(-1) must be 1" when viewed as bytes; attack of 2026-12-07)."""
+    import types
+
+    from tiered.reader import Reader
+
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(encode_header([("w", torch.float32, (1,), 4)]))
+        f.write(torch.tensor([1.5]).numpy().tobytes())
+    ck = open_checkpoint(tmp_path)
+    dest = torch.zeros(2)[::2]
+    r = Reader(ck, threads=1, io=io)
+    try:
+        r.copy_all(types.SimpleNamespace(name="u"), [(ck.tensors["w"], dest)])
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    finally:
+        r.close()
+    assert dest.tolist() == [1.5]

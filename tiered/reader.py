@@ -176,6 +176,12 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return max(tot, 1e-9)
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a 1-D uint8 view (also for one element with a stride other than 1, which torch
+    counts as contiguous but will not view as bytes through ``reshape(-1)``: a slice such as ``x[::2]`` of two)."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 def _whole_copy(tgt: Any, c: Any) -> bool:
     """``c`` copies a plain checkpoint tensor byte for byte into the whole of ``tgt`` (no cast, slice or decode)."""
     return (len(tgt.copies) == 1 and c.place is None and c.decode is None and c.at is None
@@ -331,7 +337,7 @@ class Reader:
             )
         src = stage[a - A : b - A]
         if dest.dtype == t.dtype and dest.is_contiguous():
-            dest.reshape(-1).view(torch.uint8)[lo * isz : hi * isz].copy_(src)
+            _bytes_of(dest)[lo * isz : hi * isz].copy_(src)
         else:
             typed = (src if (a - A) % isz == 0 else src.clone()).view(t.dtype)
             dest.reshape(-1)[lo:hi].copy_(typed)
@@ -450,7 +456,7 @@ class Reader:
         a, n = t.offset + lo * isz, (hi - lo) * isz
         fd = self.maps[t.file].fd
         if dest.dtype == t.dtype:
-            self._pread_into(fd, dest.reshape(-1).view(torch.uint8)[lo * isz : hi * isz], a, t)
+            self._pread_into(fd, _bytes_of(dest)[lo * isz : hi * isz], a, t)
         else:  # a cast: read this chunk (<= DIRECT_CHUNK bytes) into the staging buffer, cast from there
             _, stage = self._stage()
             self._pread_into(fd, stage[:n], a, t)
@@ -512,7 +518,7 @@ class Reader:
         m = self.maps[t.file]
         isz = t.dtype.itemsize
         if dest.dtype == t.dtype and dest.is_contiguous():
-            dest.reshape(-1).view(torch.uint8)[lo * isz : hi * isz].copy_(m.span(t.offset + lo * isz, (hi - lo) * isz))
+            _bytes_of(dest)[lo * isz : hi * isz].copy_(m.span(t.offset + lo * isz, (hi - lo) * isz))
         elif lo == 0 and hi == t.numel:
             dest.copy_(m.tensor(t))
         else:  # a chunk of a cast into a contiguous target: only this chunk's elements
@@ -790,7 +796,7 @@ class Reader:
             skip, at, n = src.overlap(c)  # a window's edge may cut the chunk: its part inside goes to dest[at:at + n]
             whole = n == hi - lo
             if dest.dtype == src.dtype and whole:
-                out = dest.reshape(-1).view(torch.uint8)[at * isz: (at + n) * isz]
+                out = _bytes_of(dest)[at * isz: (at + n) * isz]
             else:  # a cast or a cut chunk: the chunk's plain bytes first, then copy_ casts or copies the part
                 out = self._coded_buf((hi - lo) * isz, "plain")
             decode_chunk(body[start - base: start - base + length], src.coded, c, out.numpy(),
