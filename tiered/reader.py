@@ -78,7 +78,7 @@ _CHUNK = 32 << 20  # bytes per copy task: big enough for readahead, small enough
 DIRECT_CHUNK = 16 << 20
 #: O_DIRECT reads straight into the ring slot where a run of tensors lies there at its file offset modulo the page
 #: (module docstring); False: every O_DIRECT read through the staging buffer (the A/B of ``benchmarks/run.py
-#: --scaling-slot-direct``)
+#: --scaling-staged``)
 SLOT_DIRECT = True
 #: coded bytes per read task of a losslessly coded tensor: consecutive chunks up to this many are read in one request,
 #: then decoded in turn (0: one chunk, ~2.8 MiB coded, per task). 0 because 8 MiB tasks made the 2-core CPU machine's
