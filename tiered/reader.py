@@ -13,8 +13,9 @@ keeping the offset. It bypasses the page cache entirely, which matters on low-RA
 cgroups that charge page cache; the staging buffers add ``threads * DIRECT_CHUNK`` bytes of RSS.
 Where a run of a unit's tensors lies in the slot at the file's offset modulo the page (:func:`slot_shift`: the ring
 source shifts the slot's start so that the unit's largest such run does), the run's whole pages are read with
-``O_DIRECT`` straight into the slot — no staging copy, which cost 15-30% of the disk's rate (issue 23,
-``benchmarks/read_ways.py``) — and only its first and last partial pages go through the staging buffer
+``O_DIRECT`` straight into the slot — no staging copy, which cost ~20% of the 2-core CPU machine's disk rate (16 MiB
+requests: 1.00-1.10 GB/s through staging, 1.24-1.37 straight into the destination; ``benchmarks/read_ways.py``,
+benchmarks/NOTES.md, issue 23, sixteenth session) — and only its first and last partial pages go through the staging buffer
 (:data:`SLOT_DIRECT`; :attr:`Reader.slot_direct_bytes` counts the bytes read so).
 
 Backend ``"pread"``: buffered ``os.preadv`` from the page cache straight into the ring slot (through

@@ -76,7 +76,9 @@ def _shift(ld: Loader, u: Unit, size: int) -> int:
     when it is free at once (``Ring.alloc(extra=)``): a shift never makes the loader wait."""
     if not reader_mod.SLOT_DIRECT or ld.reader.backend != "direct":
         return 0
-    shift = reader_mod.slot_shift(u, 1 if ld.device.type == "cuda" else CPU_ALIGN)
+    shift = ld.shifts.get(u.index)
+    if shift is None:  # once per unit, not on every pass: the plan fixes it
+        shift = ld.shifts[u.index] = reader_mod.slot_shift(u, 1 if ld.device.type == "cuda" else CPU_ALIGN)
     if shift and ld.ring.size // page_up(size + shift) < ld.ring.size // page_up(size):
         return 0
     return shift
