@@ -299,16 +299,235 @@ def test_auto_probe_chooses_by_wall_time_not_by_the_sum_of_task_times(ckpts: Che
     clock = [0.0]
     monkeypatch.setattr(tiered.reader.time, "perf_counter", lambda: clock[0])
     try:
-        r._unit_started("direct")
-        r._unit_started("pread")
+        direct, pread = r._arms
+        assert direct[0] == "direct" and pread[0] == "pread"
+        r._unit_started(direct)
+        r._unit_started(pread)
         clock[0] = 1.0
+        r._local.arm = direct
         for _ in range(4):  # [0, 1] each, side by side
-            r._measured("direct", 100_000_000, 1.0)
+            r._measured(100_000_000, 1.0)
+        r._local.arm = pread
         for k in range(4):  # [1 + 0.5 k, 1.5 + 0.5 k], one after another
             clock[0] = 1.5 + 0.5 * k
-            r._measured("pread", 100_000_000, 0.5)
+            r._measured(100_000_000, 0.5)
         assert r.choice is not None and r.choice["chosen"] == "direct", r.choice
         assert r.choice["direct_gbps"] == pytest.approx(0.4) and r.choice["pread_gbps"] == pytest.approx(0.2)
     finally:
         r.close()
     assert tiered.reader._union([(0, 1), (0.5, 2), (3, 4), (3.2, 3.5)]) == pytest.approx(3.0)
+
+
+def _shape_probe_setup(monkeypatch: pytest.MonkeyPatch, *, units: int = 2) -> None:
+    """io="auto" resolves to O_DIRECT; each way is measured after ``units`` unit reads; the default request is one
+    page, so the test model's units split into several requests of each shape."""
+    import tiered.reader
+
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.reader, "PROBE_UNITS", units)
+    monkeypatch.setattr(tiered.reader, "PROBE_BYTES", 1)
+    monkeypatch.setattr(tiered.reader, "DIRECT_CHUNK", 4096)
+
+
+def _track_requests(monkeypatch: pytest.MonkeyPatch, r) -> tuple[dict, dict]:
+    """Wrap ``r._pread_direct``: per way of reading, the sizes of its O_DIRECT requests and the most O_DIRECT requests
+    in flight at once while one of its requests was."""
+    import collections
+    import threading
+
+    sizes: dict = collections.defaultdict(list)
+    peak: dict = collections.defaultdict(int)
+    lock, active = threading.Lock(), [0]
+    orig = r._pread_direct
+
+    def tracked(file, buf, offset):
+        arm = r._local.arm
+        with lock:
+            active[0] += 1
+            sizes[arm].append(len(buf))
+            peak[arm] = max(peak[arm], active[0])
+        try:
+            import time
+
+            time.sleep(0.005)  # long enough for requests of a deep way to overlap
+            return orig(file, buf, offset)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(r, "_pread_direct", tracked)
+    return sizes, peak
+
+
+def test_auto_measures_read_shapes_and_keeps_the_fastest(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once O_DIRECT is chosen, io="auto" measures its read shapes (request size, requests in flight) unit by unit and
+    keeps the fastest: here the second shape, since every read in any other way is made slow. Each shape's requests
+    are at most its request size (the largest shape's larger than the default's) and never more of them in flight
+    than its depth; after the choice every read uses it; outputs are stock's throughout; stats say what was
+    measured."""
+    import time
+
+    import transformers
+
+    import tiered.reader
+    from tiered import faults
+
+    d = ckpts["llama"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(ids).logits
+    _shape_probe_setup(monkeypatch)
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=0.0002, io="auto", zero_copy=False, threads=4)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    r = m._tiered.reader
+    shapes = tiered.reader.read_shapes(4)
+    assert shapes == [(4096, 4), (8192, 4), (4096, 2), (16384, 1)] and r.shape == shapes[0]
+    fast = ("direct", *shapes[1])
+
+    def slow(**info):
+        if r._local.arm != fast:  # buffered reads slowest: O_DIRECT is chosen, then its shapes measured
+            time.sleep(0.1 if info["io"] == "pread" else 0.01)
+
+    sizes, peak = _track_requests(monkeypatch, r)
+    with m, torch.no_grad(), faults.inject("read", slow):
+        passes = 0
+        while r.choice is None or "shapes" not in r.choice:
+            assert torch.equal(m(ids).logits, want)
+            passes += 1
+            assert passes < 40, (r._phase, r._probe)
+        assert r.choice["chosen"] == "direct" and r.shape == shapes[1]
+        assert (r.choice["request"], r.choice["depth"]) == shapes[1]
+        assert set(r.choice["shapes"]) == {tiered.reader.shape_name(*s) for s in shapes}
+        best = r.choice["shapes"][tiered.reader.shape_name(*shapes[1])]
+        assert all(best > g > 0 for k, g in r.choice["shapes"].items() if k != tiered.reader.shape_name(*shapes[1]))
+        assert tiered.stats(m).io_choice == r.choice
+        assert "8 KiB x4 chosen of 4 read shapes" in str(tiered.stats(m)), str(tiered.stats(m))
+        for arm, got in sizes.items():
+            if arm is None or arm[0] != "direct":
+                continue
+            # whole pages straight into the slot (<= the request), or a staged piece's page-aligned superset
+            assert max(got) <= arm[1] + 4096, (arm, max(got))
+            assert peak[arm] <= arm[2], (arm, peak[arm])
+        assert max(sizes[("direct", *shapes[3])]) > 8192 + 4096  # the 16 KiB shape's: larger than any other's
+        assert peak[("direct", *shapes[1])] >= 2  # the deep ways' requests did overlap: the bound above can fail
+        for _ in range(2):  # a pass that started before the choice may still finish in another way
+            m(ids)
+        sizes.clear()
+        assert torch.equal(m(ids).logits, want)
+        assert set(sizes) == {fast}, set(sizes)
+
+
+def test_auto_measures_again_when_the_chosen_way_slows(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the choice the reader watches the chosen way's rate; a window of REPROBE_BYTES read at under REPROBE_DROP
+    x the rate it was chosen at (the disk changed) starts the measurement again, which then chooses anew: here
+    buffered reads, once O_DIRECT became slow. Outputs stay stock's."""
+    import time
+
+    import transformers
+
+    import tiered.reader
+    from tiered import faults
+
+    d = ckpts["llama"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids).logits
+    _shape_probe_setup(monkeypatch)
+    monkeypatch.setattr(tiered.reader, "SHAPES", ((1, 1.0),))  # one shape: backend measured, nothing else
+    monkeypatch.setattr(tiered.reader, "REPROBE_BYTES", 1 << 40)  # no window ends before the disk changes below
+    slow_io = ["pread"]
+
+    def slow(**info):
+        if info["io"] == slow_io[0]:
+            time.sleep(0.01)
+
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=0.0002, io="auto", zero_copy=False)
+    except tiered.ConfigError as e:
+        pytest.skip(str(e))
+    with m, torch.no_grad(), faults.inject("read", slow):
+        r = m._tiered.reader
+        for _ in range(40):
+            assert torch.equal(m(ids).logits, want)
+            if r.choice is not None and r._phase is None:
+                break
+        assert r.choice["chosen"] == "direct" and r.reprobes == 0 and "shapes" not in r.choice
+        slow_io[0] = "direct"  # the disk changed: O_DIRECT now slow
+        monkeypatch.setattr(tiered.reader, "REPROBE_BYTES", 1 << 16)
+        for _ in range(60):
+            assert torch.equal(m(ids).logits, want)
+            if r.reprobes and r._phase is None:
+                break
+        assert r.reprobes >= 1 and r.choice["chosen"] == "pread" == tiered.stats(m).io, (r.reprobes, r.choice)
+        assert r.choice["reprobes"] == r.reprobes
+
+
+def test_a_shallow_read_never_runs_beside_more_than_its_depth() -> None:
+    """The gate: a task of depth d enters only while fewer than d and fewer than the smallest running depth are in
+    flight — so a depth-1 task waits for every running depth-4 task, and depth-4 tasks wait while it runs; depth-4
+    tasks run four at once, and a fifth waits."""
+    import threading
+
+    from tiered.reader import _Gate
+
+    g = _Gate()
+    inside: list[int] = []
+    lock = threading.Lock()
+
+    def start(depth: int) -> tuple[threading.Thread, threading.Event]:
+        release = threading.Event()
+
+        def task() -> None:
+            g.enter(depth)
+            with lock:
+                inside.append(depth)
+            release.wait(10)
+            with lock:
+                inside.remove(depth)
+            g.leave(depth)
+
+        t = threading.Thread(target=task)
+        t.start()
+        return t, release
+
+    def settle(n: int) -> list[int]:
+        import time
+
+        for _ in range(200):
+            with lock:
+                if len(inside) == n:
+                    break
+            time.sleep(0.005)
+        time.sleep(0.05)  # and nothing else gets in meanwhile
+        with lock:
+            return sorted(inside)
+
+    deep = [start(4) for _ in range(3)]
+    assert settle(3) == [4, 4, 4]
+    shallow = start(1)
+    assert settle(3) == [4, 4, 4]  # waits for the deep ones
+    late = start(4)
+    assert settle(4) == [4, 4, 4, 4]  # depth 4: four at once (the shallow one still waits)
+    fifth = start(4)
+    assert settle(4) == [4, 4, 4, 4]
+    for t, release in [*deep, late]:
+        release.set()
+        t.join(10)
+    assert settle(1) in ([1], [4])
+    if settle(1) == [4]:  # the fifth got in first: the shallow one waits for it too
+        fifth[1].set()
+        fifth[0].join(10)
+        assert settle(1) == [1]
+    blocked = start(4)
+    assert settle(1) == [1]  # nothing runs beside the shallow one
+    shallow[1].set()
+    shallow[0].join(10)
+    for t, release in (fifth, blocked):
+        release.set()
+        t.join(10)
+        assert not t.is_alive()
+    assert settle(0) == []

@@ -66,8 +66,11 @@ OPTION_DOCS = """\
             keeps a page-cache tier: the streamed units that fit the page cache the limit leaves beside the ring and
             the host tier compute on the file mapping and stay cached between passes (``Stats.page_cache_units``).
             When ``"auto"`` picks ``direct``, the reader also times it against buffered ``pread`` (each followed by
-            ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster (``Stats.io_choice``;
-            ``tiered/reader.py``).
+            ``POSIX_FADV_DONTNEED``) on the first units it streams and keeps the faster; once ``direct`` is kept, it
+            times O_DIRECT's read shapes (request size and requests in flight, :func:`tiered.reader.read_shapes`)
+            the same way and keeps the fastest; and it measures again when the chosen way slows
+            (``Stats.io_choice``; ``tiered/reader.py``). An explicit ``"direct"`` reads in 16 MiB requests on every
+            reader thread, as asked, and is never re-chosen.
         threads: reader threads. Default ``None``: :func:`tiered.policy.reader_threads` — 4 (one stream does not
             saturate NVMe), more for a losslessly compressed checkpoint, whose chunks the reader threads decode
             (``tiered.stats(model).placement.threads`` and ``threads_why`` say what was chosen).

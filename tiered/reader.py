@@ -28,7 +28,12 @@ streams — O_DIRECT, and buffered ``pread`` (kernel readahead) followed by ``po
 what it copied, so the page cache never holds more than what is in flight — alternating them unit by unit until
 each has read :data:`PROBE_UNITS` units and :data:`PROBE_BYTES` bytes, then keeps the one with the higher
 bytes per second of its reads' wall time (the union of the intervals its copy tasks ran; O_DIRECT unless buffered is
-:data:`PROBE_MARGIN` faster); :attr:`Reader.choice` says what was measured and chosen. Issue 9: on the H200's virtual
+:data:`PROBE_MARGIN` faster). Where O_DIRECT is kept, the same measurement then runs over its read shapes
+(:func:`read_shapes`: request size x requests in flight, from :data:`SHAPES`; the depth is held by a gate the O_DIRECT
+tasks pass, :class:`_Gate`) and keeps the fastest (the default unless another is :data:`SHAPE_MARGIN` faster). After
+the choice the chosen way's rate is checked over each :data:`REPROBE_BYTES`; a window under :data:`REPROBE_DROP` x the
+rate it was chosen at starts the whole measurement again (the disk changed). :attr:`Reader.choice` says what was
+measured and chosen. Issue 9: on the H200's virtual
 disk either could win from one day to the next. Wall time, not the sum of each task's copy time: with many threads
 and small requests, buffered reads that kernel readahead had already fetched looked fast per task while the disk
 delivered less (issue 25, fifth session: a 14-thread exp3 twin chose pread at "0.99 vs 0.21 GB/s" and then read 0.82
@@ -99,6 +104,20 @@ PROBE_BYTES = 256 << 20
 #: adapt=True: how much faster (bytes per second of wall time) buffered reads must be to replace O_DIRECT, which keeps the
 #: page cache out of the picture (a cgroup charges it) and measured as fast or faster on most runs of issue 9
 PROBE_MARGIN = 1.10
+#: adapt=True, once O_DIRECT is chosen: the read shapes measured against each other, as (request bytes, depth) — depth:
+#: O_DIRECT requests in flight at once, at most the reader threads — given as multiples of (:data:`DIRECT_CHUNK`, the
+#: reader threads); the first is the default and the incumbent. Issue 23 measured each way of reading win on some disk:
+#: one thread faster than four (1.65 vs 1.42 GB/s, eleventh session, call 3) and four faster than one (1.59 vs 1.48,
+#: call 1); 16 MiB requests faster than 8 MiB (1.64-1.79 vs 1.15-1.23 GB/s, sixteenth session) — so the shape is
+#: measured on the disk at hand, not fixed (benchmarks/NOTES.md).
+SHAPES = ((1, 1.0), (2, 1.0), (1, 0.5), (4, 0.0))
+#: how much faster (bytes per second of wall time) another read shape must be to replace the incumbent
+SHAPE_MARGIN = 1.05
+#: adapt=True, after the choice: the chosen way's rate is checked over each window of this many bytes read; a window
+#: slower than :data:`REPROBE_DROP` x the rate it was chosen at starts the measurement again (the disk changed: issue
+#: 23's eleventh session saw the same O_DIRECT reads fall from 1.76 to 1.10 GB/s within six minutes)
+REPROBE_BYTES = 4 << 30
+REPROBE_DROP = 0.70
 #: bytes of float8 codes one decode task reads (its float32 temporary is 4x this, per reader thread)
 DECODE_CHUNK = 2 << 20
 
@@ -165,6 +184,45 @@ def _chunk_runs(src: LosslessInfo, limit: int) -> list[list[int]]:
         runs[-1].append(c)
         size += n
     return runs
+
+
+def read_shapes(threads: int) -> list[tuple[int, int]]:
+    """The O_DIRECT read shapes ``(request bytes, depth)`` the reader measures with ``threads`` reader threads
+    (:data:`SHAPES` scaled, depth at least 1 and at most ``threads``, duplicates dropped; the default first)."""
+    out: list[tuple[int, int]] = []
+    for k, f in SHAPES:
+        shape = (k * DIRECT_CHUNK, max(1, min(threads, int(threads * f))))
+        if shape not in out:
+            out.append(shape)
+    return out
+
+
+def shape_name(request: int, depth: int) -> str:
+    """``"16 MiB x4"``: requests of 16 MiB, four in flight (KiB under a MiB)."""
+    return f"{request / (1 << 20):g} MiB x{depth}" if request >= 1 << 20 else f"{request / 1024:g} KiB x{depth}"
+
+
+class _Gate:
+    """O_DIRECT tasks in flight, each with its read's depth: a task enters only while fewer than its own depth *and*
+    fewer than the smallest depth of those running are in flight, so no task ever runs beside more than its depth less
+    one others (a shallow read is measured alone, not beside the tail of a deep one)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._running: collections.Counter[int] = collections.Counter()
+
+    def enter(self, depth: int) -> None:
+        with self._cv:
+            while (n := sum(self._running.values())) >= depth or (n and n >= min(self._running)):
+                self._cv.wait()
+            self._running[depth] += 1
+
+    def leave(self, depth: int) -> None:
+        with self._cv:
+            self._running[depth] -= 1
+            if not self._running[depth]:
+                del self._running[depth]
+            self._cv.notify_all()
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -246,7 +304,8 @@ class Reader:
         drop_page_cache: also ``posix_fadvise(POSIX_FADV_DONTNEED)`` (for cgroups that charge page cache).
         io: ``"mmap"``, ``"pread"`` or ``"direct"``.
         adapt: with ``io="direct"``: measure O_DIRECT against buffered ``pread`` + ``DONTNEED`` while streaming and
-            keep the faster (module docstring); :attr:`choice` reports it.
+            keep the faster, then O_DIRECT's read shapes, and measure again when the chosen way slows (module
+            docstring); :attr:`choice` reports it.
     """
 
     def __init__(
@@ -294,16 +353,31 @@ class Reader:
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tiered-read")
         self.drop_pages = drop_pages
         self.drop_page_cache = drop_page_cache
-        # adapt: per backend [unit reads, bytes, copy seconds, (start, end) of each copy] until the choice
+        self.threads = max(1, threads)
+        #: the O_DIRECT read shape in use, ``(request bytes, depth)`` (with ``adapt``: measured, :func:`read_shapes`)
+        self.shape: tuple[int, int] = (DIRECT_CHUNK, self.threads)
+        self._gate = _Gate()
+        # adapt: the measurement under way ("backend", "shape"; None: watching the chosen way), its ways of reading
+        # (arms: (backend, request bytes, depth)) and per arm [unit reads, bytes, copy seconds, (start, end) of each
+        # copy]; after the choice, _watch = [bytes, (start, end) spans, GB/s it was chosen at]
         self.adapt = adapt and io == "direct"
-        self._probe: dict[str, list] = {"direct": [0, 0, 0.0, []], "pread": [0, 0, 0.0, []]}
+        self._phase: str | None = None
+        self._arms: list[tuple[str, int, int]] = []
+        self._probe: dict[tuple[str, int, int], list] = {}
+        self._watch: list = [0, [], 0.0]
         self._probe_lock = threading.Lock()
         self._turns: dict[tuple, int] = {}
-        #: adapt=True: {"direct_gbps", "pread_gbps", "chosen"} once chosen (GB/s = 1e9 bytes per second of the
-        #: backend's reads' wall time)
+        #: adapt=True: ``{"direct_gbps", "pread_gbps", "chosen", "reprobes"}`` once the backend is chosen (GB/s = 1e9
+        #: bytes per second of the way's reads' wall time), and once O_DIRECT's read shape is too, ``"shapes"``
+        #: (``{shape_name: GB/s}``), ``"request"`` (bytes) and ``"depth"``; ``reprobes``: measurements started again
+        #: because the chosen way slowed (:data:`REPROBE_DROP`)
         self.choice: dict[str, Any] | None = None
-        #: called once with :attr:`choice` when it is made (on a reader thread)
+        #: the number of times the measurement started again
+        self.reprobes = 0
+        #: called with a copy of :attr:`choice` each time it changes (on a reader thread)
         self.on_choice: Any = None
+        if self.adapt:
+            self._start("backend")
         #: bytes of the model dtype decoded from stored codes so far (tiered.quant); ``on_decoded(n)`` is called with
         #: each band's bytes on the reader thread that decoded it (the loader passes ``Stats.add_decoded``)
         self.decoded_bytes = 0
@@ -356,7 +430,8 @@ class Reader:
                 raise ConfigError(f"{file}: O_DIRECT read refused (EINVAL); use io='mmap'") from None
             raise
 
-    def _submit_slot_direct(self, jobs: list[Future], unit: Unit, pairs: list, size: int, backend: str) -> list:
+    def _submit_slot_direct(self, jobs: list[Future], unit: Unit, pairs: list, size: int,
+                            arm: tuple[str, int, int]) -> list:
         """Queue, as tasks of :meth:`_span_task`, the pairs that lie in memory at their file offset modulo the page
         (whole tensors of the checkpoint's dtype into contiguous destinations), merged into runs of tensors that follow
         each other with no gap both in one file and in memory: each run's whole pages in requests of at most ``size``
@@ -401,9 +476,7 @@ class Reader:
             spans = ([(r.a, A)] if r.a < A else []) + [(x, min(B, x + step)) for x in range(A, B, step)] + (
                 [(B, r.b)] if B < r.b else [])
             for x0, x1 in spans:
-                fut: Future = Future()
-                jobs.append(fut)
-                self.pool.submit(_run_job, fut, self._span_task, (unit, r, x0, x1, backend))
+                self._go(jobs, arm, self._span_task, (unit, r, x0, x1, arm[0]))
         return [p for i, p in enumerate(pairs) if i not in taken] if taken else pairs
 
     def _span_task(self, unit: Unit, r: _Run, x0: int, x1: int, backend: str) -> None:
@@ -434,8 +507,8 @@ class Reader:
                 self.slot_direct_bytes += x1 - x0
             if self.on_slot_direct is not None:
                 self.on_slot_direct(x1 - x0)
-        if self.adapt and self.choice is None:
-            self._measured(backend, x1 - x0, time.perf_counter() - t0)
+        if self.adapt:
+            self._measured(x1 - x0, time.perf_counter() - t0)
 
     @staticmethod
     def _pread_into(fd: int, out: torch.Tensor, offset: int, t: TensorInfo) -> None:
@@ -465,41 +538,122 @@ class Reader:
         if self.drop_page_cache or drop:
             os.posix_fadvise(fd, a, n, os.POSIX_FADV_DONTNEED)
 
-    def _backend(self, key: tuple) -> str:
-        """The backend of the next read of ``key`` (a unit, and whether the read is the whole unit or some of its
-        routed experts): ``io``; with ``adapt`` while probing, each backend in turn *for that key*, so over two
-        passes both time the same reads (one turn for all reads would give each kind of read, e.g. a MoE pass's
-        alternating layers and expert reads, always the same backend)."""
-        if not self.adapt or self.choice is not None:
-            return self.backend
-        with self._probe_lock:
-            n = self._turns[key] = self._turns.get(key, -1) + 1
-            return "direct" if n % 2 == 0 else "pread"
+    def _start(self, phase: str) -> None:
+        """Begin measuring ``phase``'s ways of reading (under ``_probe_lock`` or before the threads run): "backend",
+        O_DIRECT in the shape in use against buffered ``pread``; "shape", each of :func:`read_shapes`."""
+        self._phase = phase
+        if phase == "backend":
+            self._arms = [("direct", *self.shape), ("pread", DIRECT_CHUNK, self.threads)]
+        else:
+            shapes = read_shapes(self.threads)
+            if self.shape in shapes:  # the incumbent first
+                shapes.remove(self.shape)
+            self._arms = [("direct", *s) for s in [self.shape, *shapes]]
+        self._probe = {a: [0, 0, 0.0, []] for a in self._arms}
+        self._turns.clear()
 
-    def _measured(self, backend: str, nbytes: int, seconds: float) -> None:
-        """A chunk copied by ``backend`` while probing, in the ``seconds`` up to now; once both have read enough,
-        choose by bytes per second of wall time (:func:`_union` of their copies' intervals)."""
+    def _arm(self, key: tuple) -> tuple[str, int, int]:
+        """The way of reading, ``(backend, request bytes, depth)``, of the next read of ``key`` (a unit, and whether
+        the read is the whole unit or some of its routed experts): ``io`` in :attr:`shape`; with ``adapt`` while
+        measuring, each of the phase's ways in turn *for that key*, so over passes all time the same reads (one turn
+        for all reads would give each kind of read, e.g. a MoE pass's alternating layers and expert reads, always the
+        same way); each key's first turn is the number of keys seen before it, so within one pass the ways alternate
+        unit by unit (a whole pass in one way would give each way another stretch of time on a disk that drifts)."""
+        with self._probe_lock:
+            if self._phase is None:
+                return (self.backend, *self.shape)
+            if key not in self._turns:  # the keys' first turns staggered: one pass alternates the ways unit by unit
+                self._turns[key] = len(self._turns) - 1
+            n = self._turns[key] = self._turns[key] + 1
+            return self._arms[n % len(self._arms)]
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        """``nbytes`` copied in the ``seconds`` up to now by this reader thread's task, in its way of reading (set by
+        :meth:`_armed`). While measuring: once every way of the phase has read :data:`PROBE_UNITS` units and
+        :data:`PROBE_BYTES` bytes, choose by bytes per second of wall time (:func:`_union` of its copies' intervals);
+        after the choice: the chosen way's rate over each :data:`REPROBE_BYTES`, measured again when it falls under
+        :data:`REPROBE_DROP` x the rate it was chosen at."""
+        arm = getattr(self._local, "arm", None)
+        if arm is None:
+            return
         now = time.perf_counter()
         with self._probe_lock:
-            if self.choice is not None:
+            if self._phase is None:  # the chosen way: watch its rate
+                if arm != (self.backend, *self.shape) and not (arm[0] == "pread" == self.backend):
+                    return  # a read queued before the choice
+                w = self._watch
+                w[0] += nbytes
+                w[1].append((now - seconds, now))
+                if w[0] < REPROBE_BYTES:
+                    return
+                gbps = w[0] / _union(w[1]) / 1e9
+                self._watch = [0, [], w[2]]
+                if gbps >= REPROBE_DROP * w[2]:
+                    return
+                self.reprobes += 1
+                self._start("backend")
                 return
-            rec = self._probe[backend]
+            rec = self._probe.get(arm)
+            if rec is None:  # a read queued in an earlier phase
+                return
             rec[1] += nbytes
             rec[2] += seconds
             rec[3].append((now - seconds, now))
-            d, p = self._probe["direct"], self._probe["pread"]
-            if not (min(d[0], p[0]) >= PROBE_UNITS and min(d[1], p[1]) >= PROBE_BYTES and d[2] > 0 and p[2] > 0):
+            recs = self._probe.values()
+            if not all(r[0] >= PROBE_UNITS and r[1] >= PROBE_BYTES and r[2] > 0 for r in recs):
                 return
-            dg, pg = d[1] / _union(d[3]) / 1e9, p[1] / _union(p[3]) / 1e9
-            self.choice = {"direct_gbps": dg, "pread_gbps": pg,
-                           "chosen": "pread" if pg > PROBE_MARGIN * dg else "direct"}
+            rate = {a: r[1] / _union(r[3]) / 1e9 for a, r in self._probe.items()}
+            if self._phase == "backend":
+                direct, pread = self._arms
+                dg, pg = rate[direct], rate[pread]
+                chosen = "pread" if pg > PROBE_MARGIN * dg else "direct"
+                self.choice = {**(self.choice or {}), "direct_gbps": dg, "pread_gbps": pg, "chosen": chosen,
+                               "reprobes": self.reprobes}
+                if chosen == "direct" and len(read_shapes(self.threads)) > 1:
+                    self._start("shape")
+                else:
+                    self._phase, self._watch = None, [0, [], pg if chosen == "pread" else dg]
+            else:
+                incumbent = self._arms[0]
+                best = max(self._arms, key=lambda a: rate[a])
+                if rate[best] < SHAPE_MARGIN * rate[incumbent]:
+                    best = incumbent
+                self.shape = best[1:]
+                self.choice = {**(self.choice or {}), "shapes": {shape_name(*a[1:]): rate[a] for a in self._arms},
+                               "request": best[1], "depth": best[2], "reprobes": self.reprobes}
+                self._phase, self._watch = None, [0, [], rate[best]]
+            fire = dict(self.choice)
         if self.on_choice is not None:
-            self.on_choice(self.choice)
+            self.on_choice(fire)
 
-    def _unit_started(self, backend: str) -> None:
-        if self.adapt and self.choice is None:
-            with self._probe_lock:
-                self._probe[backend][0] += 1
+    def _unit_started(self, arm: tuple[str, int, int]) -> None:
+        with self._probe_lock:
+            rec = self._probe.get(arm) if self._phase is not None else None
+            if rec is not None:
+                rec[0] += 1
+
+    def _armed(self, arm: tuple[str, int, int], fn: Any, args: tuple) -> Any:
+        """A reader thread: run ``fn(*args)`` as a read in way ``arm`` — its O_DIRECT requests wait for the arm's
+        depth (:class:`_Gate`: every O_DIRECT task counts, so a shallow read never overlaps a deep one), and
+        :meth:`_measured` credits its bytes to the arm."""
+        direct = arm[0] == "direct"
+        if direct:
+            self._gate.enter(arm[2])
+        self._local.arm = arm if self.adapt else None
+        try:
+            return fn(*args)
+        finally:
+            self._local.arm = None
+            if direct:
+                self._gate.leave(arm[2])
+
+    def _go(self, jobs: list[Future], arm: tuple[str, int, int], fn: Any, args: tuple) -> None:
+        """Queue ``fn(*args)`` on the reader threads as a read in way ``arm`` (:meth:`_armed`). Its future is in
+        ``jobs`` before the pool has it, so a Ctrl-C between two statements here cannot lose a copy that is writing
+        into the caller's memory."""
+        fut: Future = Future()
+        jobs.append(fut)
+        self.pool.submit(_run_job, fut, self._armed, (arm, fn, args))
 
     @property
     def backend(self) -> str:
@@ -527,12 +681,9 @@ class Reader:
         if self.drop_pages:
             m.drop(t.offset + lo * isz, (hi - lo) * isz, page_cache=self.drop_page_cache)
 
-    def _submit(self, jobs: list[Future], *args: Any) -> None:
-        """Queue ``_task(*args)`` on the reader threads. Its future is in ``jobs`` before the pool has it, so a
-        Ctrl-C between two statements here cannot lose a copy that is writing into the caller's memory."""
-        fut: Future = Future()
-        jobs.append(fut)
-        self.pool.submit(_run_job, fut, self._task, args)
+    def _submit(self, jobs: list[Future], arm: tuple[str, int, int], *args: Any) -> None:
+        """Queue ``_task(*args)`` on the reader threads as a read in way ``arm`` (:meth:`_go`)."""
+        self._go(jobs, arm, self._task, args)
 
     def _task(self, unit: Unit, t: TensorInfo, dest: torch.Tensor, lo: int, hi: Any, backend: str | None = None,
               dec: Any = None) -> None:
@@ -564,13 +715,13 @@ class Reader:
                 if temp:
                     dest.copy_(dv.view(dest.shape))
                 nbytes = t.nbytes
-            if self.adapt and self.choice is None:
-                self._measured(backend or self.io, nbytes, took)
+            if self.adapt:
+                self._measured(nbytes, took)
             return
         faults.hit("read", unit=unit.name, tensor=t.name, offset=t.offset + lo * t.dtype.itemsize, io=backend or self.io)
         self._copy(t, dest, lo, hi, backend)
-        if self.adapt and self.choice is None:  # still probing: time this copy for its backend
-            self._measured(backend or self.io, (hi - lo) * t.dtype.itemsize, time.perf_counter() - t0)
+        if self.adapt:  # time this copy for its way of reading
+            self._measured((hi - lo) * t.dtype.itemsize, time.perf_counter() - t0)
 
     def read_unit(self, unit: Unit, slot: torch.Tensor) -> int:
         """Fill ``slot`` (uint8, >= ``unit.nbytes``) with ``unit``'s tensors at their layout offsets.
@@ -672,10 +823,11 @@ class Reader:
 
     def _submit_pairs(self, jobs: list[Future], unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]],
                       chunk: int | None) -> None:
-        backend = self._backend((unit.name, chunk))  # one backend for all of a read's copies (one readahead stream)
-        self._unit_started(backend)
+        arm = self._arm((unit.name, chunk))  # one way of reading for all of a read's copies (one readahead stream)
+        backend = arm[0]
+        self._unit_started(arm)
         if backend == "direct" and SLOT_DIRECT and self.direct_fds:
-            pairs = self._submit_slot_direct(jobs, unit, pairs, min(chunk or DIRECT_CHUNK, DIRECT_CHUNK), backend)
+            pairs = self._submit_slot_direct(jobs, unit, pairs, min(chunk or arm[1], arm[1]), arm)
         for pair in pairs:
             src, dest = pair[0], pair[1]
             n = src.numel
@@ -684,48 +836,43 @@ class Reader:
             dec = pair[2] if len(pair) > 2 else getattr(src, "decode", None)
             if dec is RAW_CODED:  # a stored exp3 tensor: its chunks as they lie, for the GPU to decode
                 for run in _chunk_runs(src, RAW_READ):
-                    fut: Future = Future()
-                    jobs.append(fut)
-                    self.pool.submit(_run_job, fut, self._coded_raw_task, (unit, src, dest, run, backend))
+                    self._go(jobs, arm, self._coded_raw_task, (unit, src, dest, run, backend))
                 continue
             if isinstance(dec, quant.Mxfp4Block):  # gpt-oss's packed experts: bands of rows, one expert at a time
                 if len(src.shape) == 3:  # one routed expert's (R, G, 16) slab (quant.mxfp4_slab): a stack of one
                     src = TensorInfo(src.name, src.dtype, (1, *src.shape), src.file, src.offset, src.nbytes)
                     dec = quant.Mxfp4Block(dataclasses.replace(dec.scale, shape=(1, *dec.scale.shape)))
                     dest = dest.unsqueeze(0)
-                self._submit_mxfp4(jobs, unit, src, dest, dec, backend)
+                self._submit_mxfp4(jobs, unit, src, dest, dec, arm)
                 continue
             if dec is not None:  # float8 codes and their block scales: decoded on the reader threads
-                self._submit_decode(jobs, unit, src, dest, dec, backend)
+                self._submit_decode(jobs, unit, src, dest, dec, arm)
                 continue
             if isinstance(src, LosslessInfo):  # losslessly coded: chunk by chunk, decoded into place
-                self._submit_lossless(jobs, unit, src, dest, backend)
+                self._submit_lossless(jobs, unit, src, dest, arm)
                 continue
-            size = chunk or (_CHUNK if self.io == "mmap" else DIRECT_CHUNK)
+            size = chunk or (_CHUNK if self.io == "mmap" else arm[1])
             if self.io != "mmap":  # a piece must fit the per-thread staging buffer
                 size = min(size, DIRECT_CHUNK)
             step = max(1, size // src.dtype.itemsize)
             if dest.is_contiguous() or n <= step:
                 for lo in range(0, n, step):
-                    self._submit(jobs, unit, src, dest, lo, min(n, lo + step), backend)
+                    self._submit(jobs, arm, unit, src, dest, lo, min(n, lo + step), backend)
             else:
-                self._submit(jobs, unit, src, dest, 0, n, backend)
+                self._submit(jobs, arm, unit, src, dest, 0, n, backend)
 
     def _submit_lossless(self, jobs: list[Future], unit: Unit, src: LosslessInfo, dest: torch.Tensor,
-                         backend: str) -> None:
+                         arm: tuple[str, int, int]) -> None:
         """Queue the decode of ``src``'s coded chunks (:mod:`tiered.lossless`) into ``dest``: one task per run of
         consecutive chunks of at most :data:`LOSSLESS_READ` coded bytes (one read request, then each chunk decoded; a
         cast or a chunk cut by a window's edge goes through a temporary); a non-contiguous ``dest``: one task for the
         tensor."""
+        backend = arm[0]
         if not dest.is_contiguous():
-            fut: Future = Future()
-            jobs.append(fut)
-            self.pool.submit(_run_job, fut, self._lossless_whole, (unit, src, dest, backend))
+            self._go(jobs, arm, self._lossless_whole, (unit, src, dest, backend))
             return
         for run in _chunk_runs(src, LOSSLESS_READ):
-            fut = Future()
-            jobs.append(fut)
-            self.pool.submit(_run_job, fut, self._lossless_task, (unit, src, dest, run, backend))
+            self._go(jobs, arm, self._lossless_task, (unit, src, dest, run, backend))
 
     def _coded_raw_task(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, run: list[int],
                         backend: str | None) -> None:
@@ -756,8 +903,8 @@ class Reader:
             lo, hi = src.coded.elements(c)
             expcode.check_starts(body, hi - lo, where=f"{src.file}: tensor {src.name!r}: chunk {c} (file offset "
                                  f"{src.offset + at})")
-        if self.adapt and self.choice is None:
-            self._measured(backend, length, took)
+        if self.adapt:
+            self._measured(length, took)
 
     def _coded_buf(self, n: int, name: str) -> torch.Tensor:
         """This reader thread's buffer ``name`` of at least ``n`` bytes (uint8; grown, never shrunk)."""
@@ -804,8 +951,8 @@ class Reader:
                          where=f"{src.file}: tensor {src.name!r}", at=src.offset + start)
             if dest.dtype != src.dtype or not whole:
                 dest.reshape(-1)[at: at + n].copy_(out.view(src.dtype)[skip: skip + n])
-        if self.adapt and self.choice is None:
-            self._measured(backend, body.size, took)
+        if self.adapt:
+            self._measured(body.size, took)
 
     def _lossless_whole(self, unit: Unit, src: LosslessInfo, dest: torch.Tensor, backend: str | None) -> None:
         """A reader thread: decode all of ``src`` into a temporary, then copy it into ``dest`` (any strides)."""
@@ -835,29 +982,31 @@ class Reader:
             self.on_decoded(n)
 
     def _submit_decode(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
-                       backend: str) -> None:
+                       arm: tuple[str, int, int]) -> None:
         """Queue the decode of ``src``'s float8 codes into ``dest`` (:mod:`tiered.quant`) in bands of rows, at most
         :data:`DECODE_CHUNK` code bytes each (whole block rows where a block row fits; a non-contiguous ``dest``: one
         task for the tensor)."""
+        backend = arm[0]
         rows, cols = src.shape[-2:]
         lead = src.numel // max(1, rows * cols)
         band = _decode_band(cols * src.dtype.itemsize, dec.block[0])
         if not dest.is_contiguous():
-            self._submit(jobs, unit, src, dest, 0, src.numel, backend, dec)
+            self._submit(jobs, arm, unit, src, dest, 0, src.numel, backend, dec)
             return
         for e in range(lead):
             for r in range(0, rows, band):
-                self._submit(jobs, unit, src, dest, e, (r, min(rows, r + band)), backend, dec)
+                self._submit(jobs, arm, unit, src, dest, e, (r, min(rows, r + band)), backend, dec)
 
     def _submit_mxfp4(self, jobs: list[Future], unit: Unit, src: TensorInfo, dest: torch.Tensor, dec: Any,
-                      backend: str) -> None:
+                      arm: tuple[str, int, int]) -> None:
         """Queue the MXFP4 decode of ``src`` (``(E, R, G, 16)`` blocks) into ``dest`` (``(E, G * 32, R)``): per expert,
         bands of rows ``R`` of at most :data:`DECODE_CHUNK` block bytes (their bf16 temporaries: 4x that)."""
+        backend = arm[0]
         E, R, G, _ = src.shape
         band = max(1, DECODE_CHUNK // (G * 16))
         for e in range(E):
             for r in range(0, R, band):
-                self._submit(jobs, unit, src, dest, e, ("mxfp4", r, min(R, r + band)), backend, dec)
+                self._submit(jobs, arm, unit, src, dest, e, ("mxfp4", r, min(R, r + band)), backend, dec)
 
     def _decode_mxfp4(self, src: TensorInfo, dest: torch.Tensor, e: int, r0: int, r1: int, backend: str,
                       dec: Any) -> float:

@@ -208,7 +208,8 @@ class Stats:
     model_bytes: the model's distinct weights in its dtype (``Plan.weight_bytes``: a tied head counted once, routed
         experts included).
     io: the reader backend the model uses (``io="auto"`` resolved; when it resolved to O_DIRECT, the reader compares
-        it with buffered reads while streaming and ``io`` becomes the faster: ``io_choice`` has both rates).
+        it with buffered reads while streaming and ``io`` becomes the faster, then O_DIRECT's read shapes:
+        ``io_choice`` has the rates measured, the request size and depth chosen, and how often it measured again).
     decoded_bytes: a quantized checkpoint (``tiered/quant.py``): bytes of the model dtype the reader threads decoded
         from stored codes (their stored bytes, codes and scales, are in ``read_bytes``).
     slot_direct_bytes: ``io="direct"``: bytes read with ``O_DIRECT`` straight into ring slots, with no copy through
@@ -352,7 +353,9 @@ class Stats:
 
     def set_io_choice(self, choice: dict) -> None:
         """io="auto" that picked O_DIRECT: the reader measured O_DIRECT and buffered reads while streaming and chose
-        (``{"direct_gbps", "pread_gbps", "chosen"}``); ``io`` becomes the chosen backend."""
+        (``{"direct_gbps", "pread_gbps", "chosen", "reprobes"}``, then O_DIRECT's read shape: ``"shapes"``,
+        ``"request"``, ``"depth"``; :attr:`tiered.reader.Reader.choice`); ``io`` becomes the chosen backend. Called
+        on a reader thread each time the choice changes."""
         with self._lock:
             self.io_choice = dict(choice)
             self.io = choice["chosen"]
@@ -415,7 +418,15 @@ class Stats:
         if s["io_choice"]:  # io="auto" measured both cold-read backends while streaming
             c = s["io_choice"]
             via += f" chosen over {'pread' if c['chosen'] == 'direct' else 'direct'}: direct {c['direct_gbps']:.3g} " \
-                   f"vs pread {c['pread_gbps']:.3g} GB/s per copy thread"
+                   f"vs pread {c['pread_gbps']:.3g} GB/s"
+            if c.get("shapes"):  # and then O_DIRECT's request size and depth (tiered.reader.read_shapes)
+                from .reader import shape_name
+
+                rates = ", ".join(f"{k} {g:.3g}" for k, g in c["shapes"].items())
+                via += (f"; {shape_name(c['request'], c['depth'])} chosen of {len(c['shapes'])} read shapes "
+                        f"({rates} GB/s)")
+            if c.get("reprobes"):
+                via += f"; measured again {plural(c['reprobes'], 'time')} (the chosen way slowed)"
         if s["mapped_units"]:  # their bytes are faulted in by the compute itself: no copy, no read time of their own
             n = s["mapped_units"]
             read = (f"read {gb(s['read_bytes'])} (checkpoint{via}; {plural(n, 'unit')} {'computes' if n == 1 else 'compute'} "
