@@ -128,7 +128,8 @@ def reader_plain(ckpt, limit: int, chunk_mib: float, threads: int) -> float:
             at += t.nbytes
             step = max(1, rd.DIRECT_CHUNK // t.dtype.itemsize)
             for lo in range(0, t.numel, step):
-                r._submit(jobs, unit, t, view, lo, min(t.numel, lo + step), "direct")
+                r._submit(jobs, ("direct", rd.DIRECT_CHUNK, threads), unit, t, view, lo, min(t.numel, lo + step),
+                          "direct")
         rd._wait_all(jobs)
         for f in jobs:
             f.result()

@@ -294,6 +294,13 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                   opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "slot_direct": False},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
+        # --scaling-fixed-shape: the defaults with O_DIRECT's read shape fixed at 16 MiB on every reader thread
+        # (tiered.reader.SHAPES of one; the backend still measured): the A/B of measuring the shape, in the same rounds
+        if a.scaling_fixed_shape:
+            r = R("scaling-io", "tiered", "defaults-fixed-shape", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "read_shapes": False},
+                  new_tokens=slow)
+            runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
     keep = [r for r in runs if r.group in a.groups and r.system in a.systems
             and (not a.runs or any(fnmatch.fnmatch(r.key, pat) for pat in a.runs))]
     if a.no_cold:
@@ -592,7 +599,7 @@ class Runner:
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
                 "extra": {k: v for k, v in opts.items()
                           if k in ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces",
-                                   "direct_chunk_mib", "slot_direct")}}
+                                   "direct_chunk_mib", "slot_direct", "read_shapes")}}
         if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:
             row["adjacent_ceilings"] = self.disk_ceilings()  # the disk's rate now, beside this run (it drifts)
             left = self.left()
@@ -642,6 +649,13 @@ class Runner:
             msg += f": load {row.get('load_s', 0):.1f} s, {row['decode_s_per_token_median']:.3f} s/token"
         if row.get("peak_rss_over_base_gb") is not None:
             msg += f", peak RSS +{row['peak_rss_over_base_gb']:.2f} GiB"
+        ch = row.get("io_choice") or {}
+        if ch:  # io="auto" on O_DIRECT: the way of reading it measured and kept
+            msg += f", io {ch.get('chosen')} (direct {ch.get('direct_gbps', 0):.2f} / pread {ch.get('pread_gbps', 0):.2f} GB/s"
+            if ch.get("shapes"):
+                msg += "; " + ", ".join(f"{k} {g:.2f}" for k, g in ch["shapes"].items())
+                msg += f"; kept {ch.get('request', 0) / (1 << 20):g} MiB x{ch.get('depth')}"
+            msg += f"; measured again {ch['reprobes']}x)" if ch.get("reprobes") else ")"
         self.log(f"  {msg} ({r.wall_s:.0f} s)")
         return row
 
@@ -777,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scaling-staged", action="store_true",
                    help="with --scaling: also run tiered's defaults with every O_DIRECT read through the staging "
                         "buffer (tiered.reader.SLOT_DIRECT off) at every limit, in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-fixed-shape", action="store_true",
+                   help="with --scaling: also run tiered's defaults with O_DIRECT's read shape fixed (16 MiB requests on "
+                        "every reader thread: tiered.reader.SHAPES of one, so only the backend is measured) at every "
+                        "limit, in the same rounds (group scaling-io)")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--slow-new-tokens", type=int, default=None, help="accelerate, DeepSpeed, cold and limited runs")
     p.add_argument("--prompt-len", type=int, default=16)

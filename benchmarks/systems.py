@@ -258,6 +258,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         import tiered.reader
 
         tiered.reader.SLOT_DIRECT = bool(spec.extra["slot_direct"])
+    if "read_shapes" in spec.extra and not spec.extra["read_shapes"]:  # run.py --scaling-fixed-shape (an A/B)
+        import tiered.reader
+
+        tiered.reader.SHAPES = tiered.reader.SHAPES[:1]
     if "auto_ring_in_pieces" in spec.extra:  # run.py --scaling-whole-ring: the automatic ring's rule (an A/B switch)
         import tiered.policy
 
