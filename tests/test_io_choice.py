@@ -531,3 +531,56 @@ def test_a_shallow_read_never_runs_beside_more_than_its_depth() -> None:
         t.join(10)
         assert not t.is_alive()
     assert settle(0) == []
+
+
+def test_auto_probe_gives_each_way_every_kind_of_read_before_it_chooses(ckpts: Checkpoints,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoE pass alternates a layer's read and its routed experts' read. Staggering each read's first turn by the
+    number of reads seen before it put, within one pass, every layer read on one way and every expert read on the
+    other (even and odd reads): a measurement that ends within a pass (the production thresholds are met in a few
+    layers of a large model) compared layer reads on one way with expert reads on the other (found by an adversarial
+    review). Each way must have timed both kinds when the choice is made."""
+    import collections
+    import threading
+
+    import tiered.reader
+    from tiered import faults
+
+    d = ckpts["mixtral"]
+    with tiered.load(d, device="cpu", ring_gb=1.0) as probe:
+        from conftest import streaming_ring_gb
+
+        ring = streaming_ring_gb(probe)
+    monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (1, "cgroup /x memory.max=1"))  # auto -> direct
+    monkeypatch.setattr(tiered.reader, "PROBE_UNITS", 2)
+    monkeypatch.setattr(tiered.reader, "PROBE_BYTES", 1)
+    monkeypatch.setattr(tiered.reader, "SHAPES", ((1, 1.0),))  # the backend only
+    kind = threading.local()
+    credited: dict[str, set[str]] = collections.defaultdict(set)
+
+    def rec(**info):
+        kind.k = "experts" if ".experts." in info["tensor"] else "dense"
+
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=ring, io="auto", zero_copy=False, prefetch=0)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT
+        pytest.skip(str(e))
+    r = m._tiered.reader
+    orig = r._measured
+
+    def measured(nbytes, seconds):
+        arm = getattr(r._local, "arm", None)
+        with r._probe_lock:
+            if r._phase == "backend" and arm in r._probe:
+                credited[arm[0]].add(getattr(kind, "k", "?"))
+        orig(nbytes, seconds)
+
+    monkeypatch.setattr(r, "_measured", measured)
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    with m, torch.no_grad(), faults.inject("read", rec):
+        for _ in range(10):
+            m(ids)
+            if r.choice is not None:
+                break
+        assert r.choice is not None
+    assert credited["direct"] == {"dense", "experts"} == credited["pread"], dict(credited)

@@ -367,6 +367,7 @@ class Reader:
         self._watch: list = [0, [], 0.0]
         self._probe_lock = threading.Lock()
         self._turns: dict[tuple, int] = {}
+        self._kinds: collections.Counter = collections.Counter()  # keys seen per kind of read (key[1])
         #: adapt=True: ``{"direct_gbps", "pread_gbps", "chosen", "reprobes"}`` once the backend is chosen (GB/s = 1e9
         #: bytes per second of the way's reads' wall time), and once O_DIRECT's read shape is too, ``"shapes"``
         #: (``{shape_name: GB/s}``), ``"request"`` (bytes) and ``"depth"``; ``reprobes``: measurements started again
@@ -551,19 +552,26 @@ class Reader:
             self._arms = [("direct", *s) for s in [self.shape, *shapes]]
         self._probe = {a: [0, 0, 0.0, []] for a in self._arms}
         self._turns.clear()
+        self._kinds.clear()
 
     def _arm(self, key: tuple) -> tuple[str, int, int]:
         """The way of reading, ``(backend, request bytes, depth)``, of the next read of ``key`` (a unit, and whether
         the read is the whole unit or some of its routed experts): ``io`` in :attr:`shape`; with ``adapt`` while
         measuring, each of the phase's ways in turn *for that key*, so over passes all time the same reads (one turn
         for all reads would give each kind of read, e.g. a MoE pass's alternating layers and expert reads, always the
-        same way); each key's first turn is the number of keys seen before it, so within one pass the ways alternate
-        unit by unit (a whole pass in one way would give each way another stretch of time on a disk that drifts)."""
+        same way); each key's first turn is the number of keys *of its kind* seen before it, so within one pass the
+        ways alternate unit by unit among the layer reads and among the expert reads (a whole pass in one way would
+        give each way another stretch of time on a disk that drifts; counted over all keys, the two kinds' alternation
+        gave each way one kind only for a whole pass)."""
         with self._probe_lock:
             if self._phase is None:
                 return (self.backend, *self.shape)
-            if key not in self._turns:  # the keys' first turns staggered: one pass alternates the ways unit by unit
-                self._turns[key] = len(self._turns) - 1
+            if key not in self._turns:  # the keys' first turns staggered: one pass alternates the ways unit by unit,
+                # counted per kind of read (key[1]): counted over all keys, a MoE pass's alternating layer and expert
+                # reads put every layer read on even turns and every expert read on odd ones, so a measurement ending
+                # within a pass compared layer reads on one way with expert reads on another (attack of session 18)
+                self._turns[key] = self._kinds[key[1]] - 1
+                self._kinds[key[1]] += 1
             n = self._turns[key] = self._turns[key] + 1
             return self._arms[n % len(self._arms)]
 
