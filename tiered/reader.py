@@ -615,7 +615,9 @@ class Reader:
                 direct, pread = self._arms
                 dg, pg = rate[direct], rate[pread]
                 chosen = "pread" if pg > PROBE_MARGIN * dg else "direct"
-                self.choice = {**(self.choice or {}), "direct_gbps": dg, "pread_gbps": pg, "chosen": chosen,
+                kept = {k: v for k, v in (self.choice or {}).items()
+                        if chosen == "direct" or k not in ("shapes", "request", "depth")}  # no O_DIRECT shape on pread
+                self.choice = {**kept, "direct_gbps": dg, "pread_gbps": pg, "chosen": chosen,
                                "reprobes": self.reprobes}
                 if chosen == "direct" and len(read_shapes(self.threads)) > 1:
                     self._start("shape")
