@@ -626,3 +626,53 @@ def test_a_measurement_again_that_chooses_buffered_reads_drops_the_old_read_shap
         assert r.reprobes >= 1 and r.choice["chosen"] == "pread", r.choice
         assert not {"shapes", "request", "depth"} & set(r.choice), r.choice
         assert "read shapes" not in str(tiered.stats(m)), str(tiered.stats(m))
+
+
+def test_a_shallow_read_shape_limits_requests_not_the_decode_after_them(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The depth of an O_DIRECT read shape bounds the requests in flight; the gate was held for a whole task, so a
+    depth-1 shape also ran every float8 decode (CPU work after the read) on one thread at a time, a cost the shape
+    measurement (read seconds only) never saw (found by an adversarial review). With depth 1 the requests stay one
+    at a time while decodes overlap; outputs are stock's."""
+    import threading
+    import time
+
+    import models
+    import transformers
+
+    import tiered.quant
+    import tiered.reader
+
+    d = models.fp8_block(models.llama(tmp_path / "bf16"), tmp_path / "fp8")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ref(ids).logits
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=0.0002, io="direct", zero_copy=False, threads=4)
+    except tiered.ConfigError as e:
+        pytest.skip(str(e))
+    r = m._tiered.reader
+    r.shape = (tiered.reader.DIRECT_CHUNK, 1)  # the shallowest shape, as the measurement may choose
+    lock = threading.Lock()
+    now = {"decode": 0, "read": 0}
+    peak = {"decode": 0, "read": 0}
+
+    def counted(what, fn):
+        def run(*a, **k):
+            with lock:
+                now[what] += 1
+                peak[what] = max(peak[what], now[what])
+            try:
+                time.sleep(0.01)
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    now[what] -= 1
+        return run
+
+    monkeypatch.setattr(tiered.quant, "decode_rows", counted("decode", tiered.quant.decode_rows))
+    monkeypatch.setattr(r, "_pread_direct", counted("read", r._pread_direct))
+    with m, torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    assert peak["read"] == 1 and peak["decode"] > 1, peak

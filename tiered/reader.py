@@ -29,8 +29,8 @@ what it copied, so the page cache never holds more than what is in flight — al
 each has read :data:`PROBE_UNITS` units and :data:`PROBE_BYTES` bytes, then keeps the one with the higher
 bytes per second of its reads' wall time (the union of the intervals its copy tasks ran; O_DIRECT unless buffered is
 :data:`PROBE_MARGIN` faster). Where O_DIRECT is kept, the same measurement then runs over its read shapes
-(:func:`read_shapes`: request size x requests in flight, from :data:`SHAPES`; the depth is held by a gate the O_DIRECT
-tasks pass, :class:`_Gate`) and keeps the fastest (the default unless another is :data:`SHAPE_MARGIN` faster). After
+(:func:`read_shapes`: request size x requests in flight, from :data:`SHAPES`; the depth is held by a gate each O_DIRECT
+request passes, :class:`_Gate`) and keeps the fastest (the default unless another is :data:`SHAPE_MARGIN` faster). After
 the choice the chosen way's rate is checked over each :data:`REPROBE_BYTES`; a window under :data:`REPROBE_DROP` x the
 rate it was chosen at starts the whole measurement again (the disk changed). :attr:`Reader.choice` says what was
 measured and chosen. Issue 9: on the H200's virtual
@@ -203,9 +203,9 @@ def shape_name(request: int, depth: int) -> str:
 
 
 class _Gate:
-    """O_DIRECT tasks in flight, each with its read's depth: a task enters only while fewer than its own depth *and*
-    fewer than the smallest depth of those running are in flight, so no task ever runs beside more than its depth less
-    one others (a shallow read is measured alone, not beside the tail of a deep one)."""
+    """O_DIRECT requests in flight, each with its read's depth: a request enters only while fewer than its own depth
+    *and* fewer than the smallest depth of those running are in flight, so no request ever runs beside more than its
+    depth less one others (a shallow read is measured alone, not beside the tail of a deep one)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -405,7 +405,7 @@ class Reader:
         a, b = t.offset + lo * isz, t.offset + hi * isz
         A, B = a // _PAGE * _PAGE, (b + _PAGE - 1) // _PAGE * _PAGE
         mm, stage = self._stage()
-        n = self._pread_direct(t.file, memoryview(mm)[: B - A], A)
+        n = self._direct_read(t.file, memoryview(mm)[: B - A], A)
         if n < b - A:
             raise TruncatedShardError(
                 f"{t.file}: tensor {t.name!r} ends at offset {b} but only {A + n} bytes could be read; "
@@ -417,6 +417,23 @@ class Reader:
         else:
             typed = (src if (a - A) % isz == 0 else src.clone()).view(t.dtype)
             dest.reshape(-1)[lo:hi].copy_(typed)
+
+    def _direct_read(self, file: Path, buf: memoryview, offset: int) -> int:
+        """:meth:`_pread_direct` as one request of this reader thread's way of reading: it waits for the way's depth
+        (:class:`_Gate`) only around the request itself, so the staging copy, a decode or a CRC check after it runs
+        beside other requests (held for a whole task, a depth-1 shape decoded float8 and zstd on one thread at a
+        time, a cost its measurement of read seconds never saw: attack of session 18); the wait is not read time
+        (:meth:`_measured` leaves it out)."""
+        depth = getattr(self._local, "depth", None)
+        if depth is None:
+            return self._pread_direct(file, buf, offset)
+        t0 = time.perf_counter()
+        self._gate.enter(depth)
+        self._local.waited = getattr(self._local, "waited", 0.0) + time.perf_counter() - t0
+        try:
+            return self._pread_direct(file, buf, offset)
+        finally:
+            self._gate.leave(depth)
 
     def _pread_direct(self, file: Path, buf: memoryview, offset: int) -> int:
         """One ``O_DIRECT`` ``preadv`` of ``len(buf)`` bytes at ``offset`` (both page multiples, ``buf``
@@ -492,11 +509,11 @@ class Reader:
         faults.hit("read", unit=unit.name, tensor=name, offset=x0, io=backend)
         out = r.out(x0, x1)
         if x0 % _PAGE == 0 and x1 % _PAGE == 0:
-            A, n = x0, self._pread_direct(r.file, memoryview(out.numpy()), x0)
+            A, n = x0, self._direct_read(r.file, memoryview(out.numpy()), x0)
         else:
             A, B = x0 // _PAGE * _PAGE, -(-x1 // _PAGE) * _PAGE
             mm, stage = self._stage()
-            n = self._pread_direct(r.file, memoryview(mm)[: B - A], A)
+            n = self._direct_read(r.file, memoryview(mm)[: B - A], A)
         if A + n < x1:
             raise TruncatedShardError(
                 f"{r.file}: tensor {r.name_at(max(x0, A + n))!r} needs bytes up to offset {x1} or later but the file "
@@ -585,6 +602,8 @@ class Reader:
         if arm is None:
             return
         now = time.perf_counter()
+        seconds = max(1e-9, seconds - getattr(self._local, "waited", 0.0))  # not the gate's wait (_direct_read)
+        self._local.waited = 0.0
         with self._probe_lock:
             if self._phase is None:  # the chosen way: watch its rate
                 if arm != (self.backend, *self.shape) and not (arm[0] == "pread" == self.backend):
@@ -643,19 +662,16 @@ class Reader:
                 rec[0] += 1
 
     def _armed(self, arm: tuple[str, int, int], fn: Any, args: tuple) -> Any:
-        """A reader thread: run ``fn(*args)`` as a read in way ``arm`` — its O_DIRECT requests wait for the arm's
-        depth (:class:`_Gate`: every O_DIRECT task counts, so a shallow read never overlaps a deep one), and
-        :meth:`_measured` credits its bytes to the arm."""
-        direct = arm[0] == "direct"
-        if direct:
-            self._gate.enter(arm[2])
+        """A reader thread: run ``fn(*args)`` as a read in way ``arm`` — each of its O_DIRECT requests waits for the
+        arm's depth (:class:`_Gate`: every O_DIRECT request counts, so a shallow read never overlaps a deep one;
+        :meth:`_direct_read`), and :meth:`_measured` credits its bytes to the arm."""
+        self._local.depth = arm[2] if arm[0] == "direct" else None  # each O_DIRECT request waits: _direct_read
+        self._local.waited = 0.0
         self._local.arm = arm if self.adapt else None
         try:
             return fn(*args)
         finally:
-            self._local.arm = None
-            if direct:
-                self._gate.leave(arm[2])
+            self._local.arm = self._local.depth = None
 
     def _go(self, jobs: list[Future], arm: tuple[str, int, int], fn: Any, args: tuple) -> None:
         """Queue ``fn(*args)`` on the reader threads as a read in way ``arm`` (:meth:`_armed`). Its future is in
