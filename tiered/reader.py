@@ -375,7 +375,8 @@ class Reader:
         self.choice: dict[str, Any] | None = None
         #: the number of times the measurement started again
         self.reprobes = 0
-        #: called with a copy of :attr:`choice` each time it changes (on a reader thread)
+        #: called with a copy of :attr:`choice` each time it changes (on a reader thread, holding the reader's probe
+        #: lock: it must not call back into the reader)
         self.on_choice: Any = None
         if self.adapt:
             self._start("backend")
@@ -651,9 +652,8 @@ class Reader:
                 self.choice = {**(self.choice or {}), "shapes": {shape_name(*a[1:]): rate[a] for a in self._arms},
                                "request": best[1], "depth": best[2], "reprobes": self.reprobes}
                 self._phase, self._watch = None, [0, [], rate[best]]
-            fire = dict(self.choice)
-        if self.on_choice is not None:
-            self.on_choice(fire)
+            if self.on_choice is not None:  # under the lock: two choices in quick succession reach it in order
+                self.on_choice(dict(self.choice))
 
     def _unit_started(self, arm: tuple[str, int, int]) -> None:
         with self._probe_lock:
