@@ -30,6 +30,7 @@ import tiered
 import tiered.api  # the package imports it lazily
 import tiered.machine  # patched below
 import tiered.policy
+import tiered.reader
 from tiered.cli import flags_for_options, main
 from tiered.hostmem import page_up
 from tiered.rows import row_eligible
@@ -839,11 +840,17 @@ def test_inspect_io_auto_resolves_as_load_does(dirs: dict[str, Path], monkeypatc
             assert s.io == want
             assert set(pl["mapped"]) == set(m._tiered.streamer.loader.mapped)
             assert len(pl["page_cache"]) == s.page_cache_units
+            # io_probe: the reader measures backends and read shapes while streaming, as the load's reader does
+            assert pl["io_probe"] == m._tiered.streamer.loader.reader.adapt == (want == "direct")
         if want == "direct":
             assert pl["page_cache"], pl  # a page-cache tier was kept ...
             assert len(pl["page_cache"]) < len(pl["streamed"])  # ... and it is not every streamed unit
         assert main(["inspect", str(d), "--ring-gb", "0.0002", "--io", "auto"]) == 0
-        assert f"io=auto -> {want})" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert f"io=auto -> {want})" in out
+        # what io=auto measures while streaming is said where it measures (O_DIRECT), with the shapes it will try
+        shapes = ", ".join(tiered.reader.shape_name(r, k) for r, k in tiered.reader.read_shapes(pl["threads"]))
+        assert (f"O_DIRECT's read shapes ({shapes};" in out) == (want == "direct"), out
 
 
 def test_inspect_io_direct_predicts_every_pass_from_the_disk(dirs: dict[str, Path]) -> None:

@@ -296,7 +296,7 @@ def _default_ring(model_dir: Path, dtype: str | None, device: str, trust_remote_
     except TieredError as e:
         return {**out, "error": f"{type(e).__name__}: {e}"}
     out.update(gb=pl.ring_gb, why=pl.ring_why.removeprefix("automatic: "), host_gb=pl.host_gb, host_why=pl.host_why,
-               io=pl.io, threads=pl.threads, threads_why=pl.threads_why, refused=pl.refused)
+               io=pl.io, io_probe=pl.io_probe, threads=pl.threads, threads_why=pl.threads_why, refused=pl.refused)
     return out
 
 
@@ -364,6 +364,7 @@ def _print_checkpoint(info: dict, a: Any) -> None:
     if "host_gb" in dr:
         print(f"default host tier here: {dr['host_gb']:.3g} GiB ({dr['host_why']}); io=auto reads with "
               f"{dr['io']} here, {dr['threads']} reader threads ({dr['threads_why']})"
+              + (f"; {_auto_measures(dr['threads'])}" if dr.get("io_probe") else "")
               + "".join(f"; a load with the defaults would refuse: {r}" for r in dr["refused"]))
     elif "error" in dr:
         print(f"a load with the defaults would refuse here: {dr['error']}")
@@ -372,6 +373,12 @@ def _print_checkpoint(info: dict, a: Any) -> None:
           f"{'' if info['data_aligned_4k'] else 'not '}4 KiB-aligned"
           + ("" if info["units_contiguous_on_disk"] == len(units) and info["data_aligned_4k"] and info["stream_ordered"]
              else " (`tiered reshard` writes a layout that streams each unit as one span)"))
+
+
+def _auto_measures(threads: int) -> str:
+    from .reader import auto_measures
+
+    return auto_measures(threads)
 
 
 def _print_experts(info: dict) -> None:
@@ -412,6 +419,8 @@ def _print_placement(info: dict, placement: dict | None) -> None:
               + (f"; device pool {o['prefetch'] + 1} slots, {pl['device_buffer_bytes'] / GiB:.3g} GiB"
                  if pl["device_buffer_bytes"] else "") + ")"
               + (f", {len(pl['rows'])} embedding(s) read by rows" if pl["rows"] else ""))
+        if pl.get("io_probe"):
+            print(f"  io=auto -> direct, {_auto_measures(pl['threads'])}")
         in_pieces = {i: n for i, n in (pl.get("piece_counts") or pl["pieces"]).items() if i in set(pl["streamed"])}
         if in_pieces:  # (a resident unit larger than the ring is copied to the GPU in pieces once, at load)
             held = pl["host_pieces"]

@@ -197,6 +197,20 @@ def read_shapes(threads: int) -> list[tuple[int, int]]:
     return out
 
 
+def auto_measures(threads: int) -> str:
+    """What ``io="auto"`` resolved to O_DIRECT (``Reader(adapt=True)``) measures while the first units stream, in
+    words (``tiered inspect`` prints it; :attr:`Reader.choice` / ``tiered.stats(model).io_choice`` say what was kept):
+    the backends (:data:`PROBE_UNITS`, :data:`PROBE_BYTES`, :data:`PROBE_MARGIN`), then O_DIRECT's read shapes for
+    ``threads`` reader threads (:func:`read_shapes`, :data:`SHAPE_MARGIN`), then the watch
+    (:data:`REPROBE_BYTES`, :data:`REPROBE_DROP`)."""
+    shapes = ", ".join(shape_name(r, d) for r, d in read_shapes(threads))
+    return (f"measured while streaming: O_DIRECT against buffered pread, each >= {PROBE_UNITS} unit reads and "
+            f"{PROBE_BYTES >> 20} MiB, pread kept only if {PROBE_MARGIN - 1:.0%} faster; then O_DIRECT's read shapes "
+            f"({shapes}; another kept only if {SHAPE_MARGIN - 1:.0%} faster than the first); measured again when a "
+            f"{REPROBE_BYTES >> 30} GiB window reads under {REPROBE_DROP:.2f}x the kept rate; tiered.stats(model) says "
+            "what was kept")
+
+
 def shape_name(request: int, depth: int) -> str:
     """``"16 MiB x4"``: requests of 16 MiB, four in flight (KiB under a MiB)."""
     return f"{request / (1 << 20):g} MiB x{depth}" if request >= 1 << 20 else f"{request / 1024:g} KiB x{depth}"
