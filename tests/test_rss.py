@@ -225,3 +225,60 @@ def test_a_head_larger_than_the_ring_is_computed_in_pieces_within_the_bound(tmp_
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["nonzero"] and list(r["pieces"]) == ["lm_head"], r
     assert r["growth"] < 0.05 * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a 0.05 GiB ring: {r}"
+
+
+MIXED_CHILD = r"""
+import json, sys, torch, transformers
+import tiered, tiered.machine, tiered.policy
+from tiered.format import open_checkpoint
+from tiered.stats import proc_status
+transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
+d, ring_gb = sys.argv[1], float(sys.argv[2])
+total = open_checkpoint(d).nbytes
+# io="auto" on the CPU sees a page-cache room just under the checkpoint: O_DIRECT, with a page-cache tier of units
+# that compute on the file mapping beside the units copied into the ring
+tiered.machine.page_cache_room = lambda: (total - 1, "cgroup /x memory.max=1")
+tiered.policy.page_cache_reserve = lambda threads: 0
+torch.set_num_threads(2)
+ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
+base = proc_status()["VmRSS"]
+m = tiered.load(d, device="cpu", ring_gb=ring_gb, host_gb=0, io="auto", threads=2)
+with torch.no_grad():
+    for _ in range(2):
+        logits = m(ids).logits
+s = tiered.stats(m)
+print(json.dumps({"growth": proc_status()["VmHWM"] - base, "io": s.placement.io, "mapped": len(s.placement.mapped),
+                  "streamed": len(s.placement.streamed),
+                  "names": [m._tiered.plan.units[i].name for i in s.placement.mapped],
+                  "unit": max(u.nbytes for u in m._tiered.plan.units),
+                  "high_water": m._tiered.ring.high_water, "nonzero": bool(logits.abs().sum() > 0)}))
+"""
+
+
+@pytest.mark.slow
+def test_page_cache_tier_beside_o_direct_stays_within_the_ring(tmp_path: Path) -> None:
+    """io="auto" on the CPU, O_DIRECT with a page-cache tier: units computed on the file mapping run between units
+    copied into the ring. A mapped unit's pages count against the ring as a copy's do, so peak RSS growth stays under
+    ring + 200 MiB — without the ring room each mapped unit holds (tiered.sources.MappedSource), the 448 MiB mapped
+    layer ran on top of a ring slot full of a copy: +929 MiB for this 0.45 GiB ring (+485 MiB with it; a new user
+    measured ring_gb=1 on a 13B-shaped model growing 1.25 GiB, session 20)."""
+    from safetensors.torch import save_file
+
+    # 448 MiB fp32 layers (hidden 2048, intermediate 16384): one mapped unit is well over the 200 MiB slack
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=16384, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+                                   architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    (tmp_path / "m").mkdir()
+    save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(tmp_path / "m" / "model.safetensors"))
+    cfg.save_pretrained(tmp_path / "m")
+    ring_gb = 0.45  # one layer's slot: the page-cache room left after it takes a layer (model.layers.1)
+    out = run_child(MIXED_CHILD, str(tmp_path / "m"), str(ring_gb), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["nonzero"] and r["io"] == "direct", r
+    assert 0 < r["mapped"] < r["streamed"], r  # both kinds of unit stream: mapped and copied
+    assert r["unit"] > SLACK and any(n.startswith("model.layers.") for n in r["names"]), r  # a layer is mapped
+    assert r["growth"] < ring_gb * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a {ring_gb} GiB ring: {r}"

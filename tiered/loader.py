@@ -71,8 +71,12 @@ class Loader:
         pieces: dict[int, list[tuple[Unit, int, int]]] | None = None,
         host_pieces: dict[int, list] | None = None,
         host_ids: set[int] = frozenset(),  # type: ignore[assignment]
+        reserve_mapped: bool = False,
     ) -> None:
         self.reader = reader
+        # CPU: mapped units share the ring with units copied into it, so each holds ring room of its size while it is
+        # loaded (tiered.sources.MappedSource): the ring's touched pages plus the mapped ones stay within the ring
+        self.reserve_mapped = reserve_mapped
         # CUDA: units larger than the ring, as (piece, offset in the unit's layout, bytes) read one at a time
         self.pieces = pieces or {}
         # the host tier's part of such units: unit index -> Slots of its first pieces (read once, kept; filled by

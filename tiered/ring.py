@@ -15,6 +15,7 @@ frees). A thread that finds no room waits (back-pressure) until a slot is freed.
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,6 +157,14 @@ class Ring:
             with self._cv:
                 if self._find(n) is None and not self._closed:
                     self._cv.wait(timeout=0.05)
+
+    def drop_pages(self, slot: Slot) -> None:
+        """Give ``slot``'s pages back to the kernel (``madvise(MADV_DONTNEED)``: RSS falls by those the ring had
+        touched; the next write there faults in zeroed pages). For a slot held as a reservation that nothing writes:
+        a CPU mapped unit's (:class:`tiered.sources.MappedSource`), whose own pages count against the ring instead.
+        A no-op on a pinned ring (page-locked pages stay; CUDA never maps units)."""
+        if not self.pinned and slot.size > 0:
+            self._mm.madvise(mmap.MADV_DONTNEED, slot.start, slot.size)
 
     def free(self, slot: Slot) -> None:
         """Return ``slot`` to the ring and wake a waiting thread. Freeing a slot twice is a no-op."""

@@ -31,6 +31,7 @@ from .stage import CudaStage, Loaded, views
 
 if TYPE_CHECKING:
     from .loader import Loader
+    from .ring import Slot
 
 __all__ = ["Source", "RingSource", "MappedSource", "HostSource", "PiecesSource", "RING", "MAPPED", "HOST", "PIECES",
            "PIECES_IN_FLIGHT"]
@@ -85,7 +86,9 @@ def _shift(ld: Loader, u: Unit, size: int) -> int:
 
 
 class MappedSource(Source):
-    """CPU zero copy: the unit computes on views of the file mapping."""
+    """CPU zero copy: the unit computes on views of the file mapping. Beside units copied into the ring
+    (``Loader.reserve_mapped``: io="auto"'s page-cache tier next to O_DIRECT reads), it holds a ring slot of its size
+    that nothing writes, whose pages are given back (:meth:`tiered.ring.Ring.drop_pages`)."""
 
     def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         """A mapped unit: views of the checkpoint's file mapping (after the shards' checks), and readahead of
@@ -93,6 +96,23 @@ class MappedSource(Source):
         stay (``resident``), it goes through the ring instead."""
         if resident:
             return RING.load(ld, u, resident)
+        # beside units copied into the ring, the unit's mapped pages take ring room, as a copy would: a slot of its
+        # size (the whole ring at most: a head computed in pieces of rows) is held, never written, and the ring's
+        # pages there are given back, so the ring's touched pages plus the mapped ones stay within ring_gb (the bound
+        # tiered.load promises; without it a running mapped unit came on top of a ring full of copies)
+        slot = None
+        if ld.reserve_mapped:
+            slot = ld.ring.alloc(min(page_up(u.src_bytes), ld.ring.size), u.name, abort=ld.abort,
+                                 reclaim=lambda: ld.stage.retire(block=True))
+            ld.ring.drop_pages(slot)
+        try:
+            return self._map(ld, u, resident, slot)
+        except BaseException:
+            if slot is not None:
+                ld.ring.free(slot)
+            raise
+
+    def _map(self, ld: Loader, u: Unit, resident: bool, slot: Slot | None) -> Loaded:
         t0 = time.perf_counter()
         params: dict[str, torch.Tensor] = {}
         ranges = []
@@ -109,7 +129,7 @@ class MappedSource(Source):
             m.willneed(off, n)
         ld.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
         faults.hit("stage", unit=u.name)
-        return Loaded(u, params, mapped=ranges)
+        return Loaded(u, params, mapped=ranges, slot=slot)
 
 
 class HostSource(Source):

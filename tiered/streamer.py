@@ -83,7 +83,9 @@ class Streamer:
             :meth:`load_host`, then copied to the GPU from there every pass (no disk, no ring).
         host_ring: pinned host memory for them, exactly their size.
         mapped: CPU zero copy: indices of streamed units bound as views of the checkpoint's file mapping
-            (no ring slot, no copy); their pages are dropped from the process when the unit is released.
+            (no copy); their pages are dropped from the process when the unit is released. Beside streamed units
+            copied into the ring, each holds a ring slot of its size while loaded, never written, its pages given back
+            (the ring bound counts the mapped pages as a copy's).
         pieces: CUDA, one process: unit index -> number of pieces, for units larger than the ring; each is
             read piece by piece through the ring into one full-size device buffer (:class:`tiered.sources.PiecesSource`).
         host_pieces: CUDA, one process: unit index (of ``pieces``) -> how many of its first pieces the host tier
@@ -169,7 +171,9 @@ class Streamer:
             cut[i] = cut_all(self._io[i], n, plan.align)  # cuttable: checked by the placement (tiered.pieces.count)
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
-                             mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots, host_ids=self.host_ids)
+                             mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots, host_ids=self.host_ids,
+                             reserve_mapped=bool(mapped) and any(i not in mapped and i not in self.host_ids
+                                                                 for i in self.streamed))
         self._cut = cut
 
     # ---------------------------------------------------------------- loader thread
