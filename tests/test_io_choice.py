@@ -170,7 +170,14 @@ def test_summary_says_what_auto_measured() -> None:
     assert "chosen over" not in str(s)
     s.set_io_choice({"direct_gbps": 0.3, "pread_gbps": 0.45, "chosen": "pread"})
     line = str(s)
-    assert "io=pread chosen over direct: direct 0.3 vs pread 0.45 GB/s" in line, line
+    # with the margin the choice was made by (tiered.reader.PROBE_MARGIN), so a slower-looking choice reads right
+    assert (f"io=pread chosen over direct: direct 0.3 vs pread 0.45 GB/s (pread is kept only when "
+            f"{tiered.reader.PROBE_MARGIN - 1:.0%} faster)") in line, line
+    s.set_io_choice({"direct_gbps": 0.3, "pread_gbps": 0.31, "chosen": "direct", "request": 16 << 20, "depth": 4,
+                     "shapes": {"16 MiB x4": 0.3, "32 MiB x4": 0.31}})
+    line = str(s)
+    assert (f"16 MiB x4 chosen of 2 read shapes (16 MiB x4 0.3, 32 MiB x4 0.31 GB/s; another than the first is kept "
+            f"only when {tiered.reader.SHAPE_MARGIN - 1:.0%} faster)") in line, line
 
 
 def test_auto_probe_times_both_backends_on_every_kind_of_read(ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
