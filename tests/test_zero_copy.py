@@ -302,3 +302,69 @@ class TestHostile:
                     assert torch.equal(m(x), want)
                 assert all(is_placeholder(p) for p in m.parameters())
 
+
+
+class _Outer(torch.nn.Module):
+    """A parameter owned directly by the parent of the block list: its unit (``<root>``) is held for the whole call,
+    around the blocks' units."""
+
+    def __init__(self, w: int = 256) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(w, w))
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(w, 2 * w), torch.nn.GELU(),
+                                                              torch.nn.Linear(2 * w, w)) for _ in range(4))
+        self.head = torch.nn.Linear(w, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x) @ self.scale
+        return self.head(x)
+
+
+@pytest.mark.parametrize("case", ["cast-root", "page-cache-tier"])
+def test_mapped_units_beside_ring_copies_run_where_held_units_fill_the_ring(case: str, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapped unit beside units copied into the ring holds ring room of its size (tiered.sources.MappedSource); an
+    outer unit held around the blocks with a ring of exactly the largest unit leaves no room for that. Such a model
+    ran before the room was held and must still run, bit for bit: ``cast-root`` (default io, the held root unit is
+    stored fp16 and cast into the ring, the blocks mapped: a mapped block finds no room) and ``page-cache-tier``
+    (io="auto" -> O_DIRECT, the held root unit mapped in the page-cache tier: a copied block needs its room). Both
+    were refused with RingTooSmallError by the first version (found by the attack of session 20)."""
+    from safetensors.torch import save_file
+
+    import tiered.machine
+    import tiered.policy
+    from tiered.format import open_checkpoint
+    from tiered.hostmem import page_up
+
+    torch.manual_seed(0)
+    ref = _Outer().eval()
+    with torch.no_grad():
+        ref.scale.copy_(torch.randn(256, 256) * 0.05)
+        if case == "cast-root":
+            ref.scale.copy_(ref.scale.half().float())
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    if case == "cast-root":
+        sd["scale"] = sd["scale"].half()  # cast at load: its unit is copied into the ring, the blocks are mapped
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    if case == "page-cache-tier":
+        total = open_checkpoint(tmp_path).nbytes
+        monkeypatch.setattr(tiered.machine, "page_cache_room", lambda: (total - 1, "cgroup /x memory.max=1"))
+        monkeypatch.setattr(tiered.policy, "page_cache_reserve", lambda threads: 0)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+    with torch.device("meta"):
+        probe = tiered.attach(_Outer(), tmp_path, device="cpu", ring_gb=1, compute_threads=1)
+    big = max(page_up(u.nbytes) for u in probe._tiered.plan.units)
+    probe.close()
+    with torch.device("meta"):
+        m = tiered.attach(_Outer(), tmp_path, device="cpu", ring_gb=big / 2**30, compute_threads=1)
+    with m, torch.no_grad():
+        p = tiered.stats(m).placement
+        copied = set(p.streamed) - set(p.mapped)
+        assert p.mapped and copied, p  # both kinds of streamed unit: the ring room is held
+        assert (0 in p.mapped) == (case == "page-cache-tier"), p  # the held root unit
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        assert tiered.stats(m).mapped_unreserved > 0  # it ran without the room, as before the room was held

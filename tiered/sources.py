@@ -100,11 +100,18 @@ class MappedSource(Source):
         # size (the whole ring at most: a head computed in pieces of rows) is held, never written, and the ring's
         # pages there are given back, so the ring's touched pages plus the mapped ones stay within ring_gb (the bound
         # tiered.load promises; without it a running mapped unit came on top of a ring full of copies)
+        # — unless units held at once fill the ring (an outer module's unit held around the inner ones, with a ring of
+        # the largest unit): the unit is then mapped without its room, as before the room was held, rather than
+        # refused (a helper's attack found such a model that ran before and was refused with the room; session 20)
         slot = None
         if ld.reserve_mapped:
-            slot = ld.ring.alloc(min(page_up(u.src_bytes), ld.ring.size), u.name, abort=ld.abort,
-                                 reclaim=lambda: ld.stage.retire(block=True))
-            ld.ring.drop_pages(slot)
+            try:
+                slot = ld.ring.alloc(min(page_up(u.src_bytes), ld.ring.size), u.name, abort=lambda: _held_full(ld),
+                                     reclaim=lambda: ld.stage.retire(block=True))
+            except _HeldFull:
+                ld.stats.mapped_unreserved += 1
+            else:
+                ld.ring.drop_pages(slot)
         try:
             return self._map(ld, u, resident, slot)
         except BaseException:
@@ -130,6 +137,15 @@ class MappedSource(Source):
         ld.stats.add_read(u.src_bytes, time.perf_counter() - t0, resident=resident)
         faults.hit("stage", unit=u.name)
         return Loaded(u, params, mapped=ranges, slot=slot)
+
+
+class _HeldFull(Exception):
+    """The ring is full of units held at once (the streamer's deadlock check): a mapped unit gets no ring room."""
+
+
+def _held_full(ld: Loader) -> BaseException | None:
+    err = ld.abort()
+    return _HeldFull() if isinstance(err, RingTooSmallError) else err
 
 
 class HostSource(Source):

@@ -253,13 +253,13 @@ class CpuStage:
     def release(self, ld: Loaded) -> None:
         if not ld.given_back:
             ld.given_back = True
-            if ld.slot is not None:
-                stale(ld)
-                self.ring.free(ld.slot)
-            if ld.mapped and self.drop_pages:
+            if ld.mapped and self.drop_pages:  # before the slot a mapped unit holds goes back (its room in the ring)
                 for m, off, n in ld.mapped:
                     if getattr(m, "mm", None) is not None and not m.mm.closed:
                         m.drop(off, n, page_cache=self.drop_page_cache)
+            if ld.slot is not None:
+                stale(ld)
+                self.ring.free(ld.slot)
 
     drop = release
 

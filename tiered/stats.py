@@ -195,6 +195,10 @@ class Stats:
     page_cache_units, page_cache_bytes: ``io="auto"`` on the CPU when it picked O_DIRECT: streamed units (of
         ``mapped_units``) kept computing on the file mapping so that their pages stay in the page cache room the
         limit leaves (``tiered.api._choose_page_cache_tier``); the rest is read O_DIRECT.
+    mapped_unreserved: CPU, mapped units beside units copied into the ring: how often one ran without the ring room a
+        mapped unit holds (``tiered.sources.MappedSource``) because units held at once filled the ring (an outer
+        module's unit held around inner ones, with a ring of about the largest unit): it found no room, or a copy
+        took its room; each such run may take RSS past ``ring_gb`` by its mapped pages, as before the room was held.
     piece_units: CUDA: units larger than the ring, read through it in pieces into one full-size device buffer.
     host_units, host_bytes, host_used_bytes: the host tier (``host_gb``): units read once at load into host
         memory (pinned on CUDA; ``host_bytes``, page-rounded, also in ``load_bytes``) and copied to the GPU from there
@@ -252,6 +256,7 @@ class Stats:
     mapped_units: int = 0
     page_cache_units: int = 0
     page_cache_bytes: int = 0
+    mapped_unreserved: int = 0
     piece_units: int = 0
     ring_bytes: int = 0
     ring_high_water: int = 0

@@ -203,6 +203,14 @@ class Streamer:
         owned = sum(h.ld.slot.size for h in held if h.ld.slot is not None)
         owned += sum(ld.slot.size for ld in list(self.resident.values()) if ld.slot is not None)
         if self.ring.used <= owned:
+            lent = [h.ld for h in held if h.ld.mapped and h.ld.slot is not None]
+            if lent:  # held mapped units give up their ring room (tiered.sources.MappedSource) before a refusal: they
+                for ld in lent:  # run on as they did before they held it (Stats.mapped_unreserved counts it)
+                    slot, ld.slot = ld.slot, None
+                    if slot is not None:
+                        self.ring.free(slot)
+                        self.stats.mapped_unreserved += 1
+                return None
             need = max(u.nbytes for u in self.units)
             return RingTooSmallError(
                 f"the ring ({self.ring.size / GiB:.3f} GiB) is full of units held at once and cannot load the "
