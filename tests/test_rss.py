@@ -251,21 +251,25 @@ print(json.dumps({"growth": proc_status()["VmHWM"] - base, "io": s.placement.io,
                   "streamed": len(s.placement.streamed),
                   "names": [m._tiered.plan.units[i].name for i in s.placement.mapped],
                   "unit": max(u.nbytes for u in m._tiered.plan.units),
-                  "high_water": m._tiered.ring.high_water, "nonzero": bool(logits.abs().sum() > 0)}))
+                  "high_water": m._tiered.ring.high_water, "room": m._tiered.streamer.mapped_room is not None,
+                  "unreserved": s.mapped_unreserved, "nonzero": bool(logits.abs().sum() > 0)}))
 """
 
 
 @pytest.mark.slow
-def test_page_cache_tier_beside_o_direct_stays_within_the_ring(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layers", "ring_gb"), [(4, 0.45), (6, 0.9)])
+def test_page_cache_tier_beside_o_direct_stays_within_the_ring(layers: int, ring_gb: float, tmp_path: Path) -> None:
     """io="auto" on the CPU, O_DIRECT with a page-cache tier: units computed on the file mapping run between units
     copied into the ring. A mapped unit's pages count against the ring as a copy's do, so peak RSS growth stays under
-    ring + 200 MiB — without the ring room each mapped unit holds (tiered.sources.MappedSource), the 448 MiB mapped
-    layer ran on top of a ring slot full of a copy: +929 MiB for this 0.45 GiB ring (+485 MiB with it; a new user
-    measured ring_gb=1 on a 13B-shaped model growing 1.25 GiB, session 20)."""
+    ring + 200 MiB. A 0.45 GiB ring (one layer's slot) has no room for a copy beside a mapped layer: each mapped unit
+    holds ring room of its size while loaded (tiered.sources.MappedSource); without it the 448 MiB mapped layer ran on
+    top of a slot full of a copy: +929 MiB (+485 MiB with it). A 0.9 GiB ring (two slots) sets the largest mapped
+    unit's room aside once (Streamer.mapped_room) and the copies stream through the rest. A new user measured
+    ring_gb=1 on a 13B-shaped model growing 1.25 GiB before either (session 20)."""
     from safetensors.torch import save_file
 
     # 448 MiB fp32 layers (hidden 2048, intermediate 16384): one mapped unit is well over the 200 MiB slack
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=16384, num_hidden_layers=4,
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=16384, num_hidden_layers=layers,
                                    num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
                                    architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
@@ -274,11 +278,11 @@ def test_page_cache_tier_beside_o_direct_stays_within_the_ring(tmp_path: Path) -
     (tmp_path / "m").mkdir()
     save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(tmp_path / "m" / "model.safetensors"))
     cfg.save_pretrained(tmp_path / "m")
-    ring_gb = 0.45  # one layer's slot: the page-cache room left after it takes a layer (model.layers.1)
     out = run_child(MIXED_CHILD, str(tmp_path / "m"), str(ring_gb), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["nonzero"] and r["io"] == "direct", r
     assert 0 < r["mapped"] < r["streamed"], r  # both kinds of unit stream: mapped and copied
     assert r["unit"] > SLACK and any(n.startswith("model.layers.") for n in r["names"]), r  # a layer is mapped
+    assert r["room"] == (ring_gb > 0.5) and r["unreserved"] == 0, r  # set aside once, or held by each mapped unit
     assert r["growth"] < ring_gb * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a {ring_gb} GiB ring: {r}"

@@ -39,12 +39,13 @@ import torch
 from .binding import bind, copy_out_aliases, remember_placeholders, unbind
 from .dist import Dist, io_plans, read_args
 from .errors import RingTooSmallError, StreamerError, TieredError
+from .hostmem import PAGE_SIZE, page_up
 from .loader import Loader
 from .order import OrderPolicy
 from .pieces import cut_all
 from .plan import Plan, Unit, same_bytes
 from .reader import Reader
-from .ring import GiB, Ring, gib_up
+from .ring import GiB, Ring, Slot, gib_up
 from .stage import CpuStage, CudaStage, DeviceArena, Loaded
 from .stats import Stats
 
@@ -172,11 +173,29 @@ class Streamer:
         self.loader = Loader(reader, ring, self.stage, stats, device=device, abort=abort,
                              io=dict(enumerate(self.io_plans)) if self.io_plans else None, host=self.host_slots,
                              mapped=mapped, pieces=cut, host_pieces=self.host_piece_slots, host_ids=self.host_ids,
-                             reserve_mapped=bool(mapped) and any(i not in mapped and i not in self.host_ids
-                                                                 for i in self.streamed))
+                             reserve_mapped=self._mapped_room(mapped))
         self._cut = cut
 
     # ---------------------------------------------------------------- loader thread
+    def _mapped_room(self, mapped: set[int]) -> bool:
+        """CPU, mapped units streamed beside units copied into the ring: their pages count against the ring as a
+        copy's do. Where the ring holds the resident units, the largest mapped unit and the largest copied one at
+        once, that room is set aside once (:attr:`mapped_room`: a slot never written, so never in RSS) and the
+        copies stream through the rest, overlapping the mapped units' compute; else each mapped unit holds room of
+        its size while loaded (returns True: ``Loader.reserve_mapped``, tiered.sources.MappedSource)."""
+        self.mapped_room: Slot | None = None
+        on_map = [i for i in self.streamed if i in mapped]
+        copied = [i for i in self.streamed if i not in mapped and i not in self.host_ids]
+        if not on_map or not copied or self.device.type != "cpu":
+            return False
+        room = max(page_up(self.units[i].src_bytes) for i in on_map)
+        need = max(page_up(self.units[i].nbytes) + PAGE_SIZE for i in copied)  # + a page: the slot's shift
+        held = sum(page_up(self.units[i].nbytes) for i in self.resident_ids)
+        if self.ring.size - held - room >= need:
+            self.mapped_room = self.ring.alloc(room, "mapped units' room", wait=False)
+            return False
+        return True
+
     def _deadlock(self) -> BaseException | None:
         """While callers wait: an error if what the loader waits for can never be freed — every thread that
         holds a unit is itself waiting, and the ring (CPU) or device pool (CUDA) is all held."""
@@ -201,6 +220,7 @@ class Streamer:
                 )
             return None
         owned = sum(h.ld.slot.size for h in held if h.ld.slot is not None)
+        owned += self.mapped_room.size if self.mapped_room is not None else 0
         owned += sum(ld.slot.size for ld in list(self.resident.values()) if ld.slot is not None)
         if self.ring.used <= owned:
             lent = [h.ld for h in held if h.ld.mapped and h.ld.slot is not None]
