@@ -185,6 +185,18 @@ class TestHostile:
 
 
 
+def _random_llama(d: Path, cfg: transformers.LlamaConfig, *, seed: int, std: float, dtype: torch.dtype) -> None:
+    """A Llama checkpoint of ``cfg``'s shapes in ``d``: one shard of normal(0, ``std``) weights in ``dtype``."""
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    d.mkdir()
+    save_file({k: (torch.randn(s, generator=g) * std).to(dtype) for k, s in shapes.items()}, str(d / "model.safetensors"))
+    cfg.save_pretrained(d)
+
+
 PIECES_CHILD = """
 import json, sys, torch, transformers, tiered
 transformers.LlamaForCausalLM
@@ -208,18 +220,10 @@ def test_a_head_larger_than_the_ring_is_computed_in_pieces_within_the_bound(tmp_
     """An untied 512 MiB head (262144 x 1024 bf16) with a 0.05 GiB ring: computed in pieces of rows on the file
     mapping (tiered/linear_pieces.py), peak RSS growth under ring + 200 MiB over two passes — on the mapping whole it
     would hold all 512 MiB while it runs (issue 22, item 11: a 250 MiB head with this ring peaked at +435 MiB)."""
-    from safetensors.torch import save_file
-
     cfg = transformers.LlamaConfig(vocab_size=262144, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
                                    num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False,
                                    architectures=["LlamaForCausalLM"])
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(5)
-    (tmp_path / "m").mkdir()
-    save_file({k: (torch.randn(s, generator=g) * 0.05).to(torch.bfloat16) for k, s in shapes.items()},
-              str(tmp_path / "m" / "model.safetensors"))
-    cfg.save_pretrained(tmp_path / "m")
+    _random_llama(tmp_path / "m", cfg, seed=5, std=0.05, dtype=torch.bfloat16)
     out = run_child(PIECES_CHILD, str(tmp_path / "m"), "0.05", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -265,19 +269,12 @@ def test_page_cache_tier_beside_o_direct_stays_within_the_ring(layers: int, ring
     holds ring room of its size while loaded (tiered.sources.MappedSource); without it the 448 MiB mapped layer ran on
     top of a slot full of a copy: +929 MiB (+485 MiB with it). A 0.9 GiB ring (two slots) sets the largest mapped
     unit's room aside once (Streamer.mapped_room) and the copies stream through the rest. A new user measured
-    ring_gb=1 on a 13B-shaped model growing 1.25 GiB before either (session 20)."""
-    from safetensors.torch import save_file
-
+    ring_gb=1 on a 13B-shaped model growing 1.25 GiB before either (nineteenth session)."""
     # 448 MiB fp32 layers (hidden 2048, intermediate 16384): one mapped unit is well over the 200 MiB slack
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=16384, num_hidden_layers=layers,
                                    num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
                                    architectures=["LlamaForCausalLM"])
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(7)
-    (tmp_path / "m").mkdir()
-    save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(tmp_path / "m" / "model.safetensors"))
-    cfg.save_pretrained(tmp_path / "m")
+    _random_llama(tmp_path / "m", cfg, seed=7, std=0.02, dtype=torch.float32)
     out = run_child(MIXED_CHILD, str(tmp_path / "m"), str(ring_gb), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
