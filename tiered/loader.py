@@ -74,8 +74,8 @@ class Loader:
         reserve_mapped: bool = False,
     ) -> None:
         self.reader = reader
-        # CPU: mapped units share the ring with units copied into it, so each holds ring room of its size while it is
-        # loaded (tiered.sources.MappedSource): the ring's touched pages plus the mapped ones stay within the ring
+        # CPU: mapped units share the ring with units copied into it and no room was set aside for them once
+        # (Streamer._mapped_room), so each holds ring room of its size while it is loaded (tiered.sources.MappedSource)
         self.reserve_mapped = reserve_mapped
         # CUDA: units larger than the ring, as (piece, offset in the unit's layout, bytes) read one at a time
         self.pieces = pieces or {}

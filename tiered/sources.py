@@ -86,9 +86,10 @@ def _shift(ld: Loader, u: Unit, size: int) -> int:
 
 
 class MappedSource(Source):
-    """CPU zero copy: the unit computes on views of the file mapping. Beside units copied into the ring
-    (``Loader.reserve_mapped``: io="auto"'s page-cache tier next to O_DIRECT reads), it holds a ring slot of its size
-    that nothing writes, whose pages are given back (:meth:`tiered.ring.Ring.drop_pages`)."""
+    """CPU zero copy: the unit computes on views of the file mapping. Beside units copied into the ring (io="auto"'s
+    page-cache tier next to O_DIRECT reads, or a cast unit), where the ring could not set the mapped units' room aside
+    once (``Streamer.mapped_room``), it holds a ring slot of its size that nothing writes, whose pages are given back
+    (``Loader.reserve_mapped``, :meth:`tiered.ring.Ring.drop_pages`)."""
 
     def load(self, ld: Loader, u: Unit, resident: bool) -> Loaded:
         """A mapped unit: views of the checkpoint's file mapping (after the shards' checks), and readahead of
@@ -102,7 +103,7 @@ class MappedSource(Source):
         # tiered.load promises; without it a running mapped unit came on top of a ring full of copies)
         # — unless units held at once fill the ring (an outer module's unit held around the inner ones, with a ring of
         # the largest unit): the unit is then mapped without its room, as before the room was held, rather than
-        # refused (a helper's attack found such a model that ran before and was refused with the room; session 20)
+        # refused (a helper's attack found such a model that ran before and was refused with the room; nineteenth session)
         slot = None
         if ld.reserve_mapped:
             try:

@@ -85,8 +85,7 @@ class Streamer:
         host_ring: pinned host memory for them, exactly their size.
         mapped: CPU zero copy: indices of streamed units bound as views of the checkpoint's file mapping
             (no copy); their pages are dropped from the process when the unit is released. Beside streamed units
-            copied into the ring, each holds a ring slot of its size while loaded, never written, its pages given back
-            (the ring bound counts the mapped pages as a copy's).
+            copied into the ring their pages take ring room as a copy's do (:meth:`_mapped_room`).
         pieces: CUDA, one process: unit index -> number of pieces, for units larger than the ring; each is
             read piece by piece through the ring into one full-size device buffer (:class:`tiered.sources.PiecesSource`).
         host_pieces: CUDA, one process: unit index (of ``pieces``) -> how many of its first pieces the host tier
