@@ -329,7 +329,7 @@ def test_mapped_units_beside_ring_copies_run_where_held_units_fill_the_ring(case
     ran before the room was held and must still run, bit for bit: ``cast-root`` (default io, the held root unit is
     stored fp16 and cast into the ring, the blocks mapped: a mapped block finds no room) and ``page-cache-tier``
     (io="auto" -> O_DIRECT, the held root unit mapped in the page-cache tier: a copied block needs its room). Both
-    were refused with RingTooSmallError by the first version (found by the attack of session 20)."""
+    were refused with RingTooSmallError by the first version (found by the attack of the nineteenth session)."""
     from safetensors.torch import save_file
 
     import tiered.machine

@@ -421,14 +421,12 @@ class Stats:
         s = self.snapshot()
         via = f", io={s['io']}" if s["io"] else ""
         if s["io_choice"]:  # io="auto" measured both cold-read backends while streaming
-            from .reader import PROBE_MARGIN, SHAPE_MARGIN
+            from .reader import PROBE_MARGIN, SHAPE_MARGIN, shape_name
 
             c = s["io_choice"]
             via += f" chosen over {'pread' if c['chosen'] == 'direct' else 'direct'}: direct {c['direct_gbps']:.3g} " \
                    f"vs pread {c['pread_gbps']:.3g} GB/s (pread is kept only when {PROBE_MARGIN - 1:.0%} faster)"
             if c.get("shapes"):  # and then O_DIRECT's request size and depth (tiered.reader.read_shapes)
-                from .reader import shape_name
-
                 rates = ", ".join(f"{k} {g:.3g}" for k, g in c["shapes"].items())
                 via += (f"; {shape_name(c['request'], c['depth'])} chosen of {len(c['shapes'])} read shapes "
                         f"({rates} GB/s; another than the first is kept only when {SHAPE_MARGIN - 1:.0%} faster)")
