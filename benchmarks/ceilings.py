@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["measure", "odirect_read", "buffered_read", "memcpy_gbps", "h2d_gbps"]
+__all__ = ["measure", "odirect_read", "buffered_read", "settle_read", "memcpy_gbps", "h2d_gbps"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -134,6 +134,24 @@ def odirect_read(model_dir: str | os.PathLike[str], *, threads: int, max_bytes: 
     """O_DIRECT read GB/s of the checkpoint's shards with ``threads`` threads (after their first ``skip`` bytes)."""
     n, dt = _parallel_read(_requests(_files(Path(model_dir)), max_bytes, skip=skip), threads, direct=True)
     return {"gbps": n / dt / 1e9, "bytes": n, "s": dt, "threads": threads}
+
+
+def settle_read(model_dir: str | os.PathLike[str], *, threads: int = 4, slice_bytes: int = 2 * GiB) -> dict:
+    """Read the whole checkpoint once with O_DIRECT (``threads`` threads, 16 MiB requests), ``slice_bytes`` at a
+    time, and return each slice's GB/s in file order (``slices_gbps``), the whole read's (``gbps``) and its bytes and
+    seconds. Used by ``run.py`` before the first timed cold run of a checkpoint: on the H100 machines the first run of
+    every invocation was the slowest of its system's rounds (tiered 4 of 4 invocations, accelerate 3 of 4 on
+    2026-12-07, as on 2026-12-06), so the first system to read a just-written checkpoint paid for something the
+    others did not; the slices show whether the disk's rate climbs during this first read."""
+    files = _files(Path(model_dir))
+    total = sum(f.stat().st_size for f in files)
+    slices, nbytes, secs, skip = [], 0, 0.0, 0
+    while skip < total:
+        n, dt = _parallel_read(_requests(files, slice_bytes, skip=skip), threads, direct=True)
+        slices.append(n / dt / 1e9)
+        nbytes, secs, skip = nbytes + n, secs + dt, skip + slice_bytes
+    return {"gbps": nbytes / secs / 1e9, "bytes": nbytes, "s": secs, "threads": threads,
+            "slice_bytes": slice_bytes, "slices_gbps": slices}
 
 
 def _evict(reqs: list[tuple[Path, int, int]]) -> None:
@@ -313,12 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the disk's read ceilings (O_DIRECT at --threads, buffered cold): no page cache, memcpy, H2D")
     p.add_argument("--skip-gb", type=float, default=0.0,
                    help="read the bytes after the shards' first GiB given (wraps to 0 past the end; default 0)")
+    p.add_argument("--settle", action="store_true",
+                   help="instead: read the whole checkpoint once with O_DIRECT, 2 GiB at a time (settle_read)")
     p.add_argument("--sweep", metavar="MIB,...", default="",
                    help="instead: sweep O_DIRECT and buffered cold reads over --threads and these request sizes")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of every ceiling, interleaved (default 3); --sweep: passes over the grid (default 2)")
     a = p.parse_args(argv)
     threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
+    if a.settle:
+        print(json.dumps(settle_read(a.model_dir, threads=max(threads))))
+        return 0
     if a.sweep:
         chunks = tuple(int(x) for x in a.sweep.split(",") if x.strip())
         print(json.dumps(sweep(a.model_dir, per_gb=a.max_gb, threads=threads, chunks_mib=chunks,

@@ -169,6 +169,17 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     return base
 
 
+def _settle_txt(st: dict | None) -> str:
+    """The checkpoint's settle read (``run.py``'s ``Runner.settle``) in words, or "" where none ran."""
+    if not st:
+        return ""
+    if "error" in st:
+        return f", settle read failed ({st['error']})"
+    sl = " ".join(f"{g:.2f}" for g in st.get("slices_gbps", []))
+    return (f", read once whole before the timed runs (O_DIRECT, {st['threads']} threads): {st['gbps']:.2f} GB/s, "
+            f"per {st['slice_bytes'] / GiB:g} GiB: {sl}")
+
+
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     c = res.get("ceilings") or {}
@@ -194,7 +205,8 @@ def markdown(res: dict[str, Any]) -> str:
                 rs_txt += f" ({ck['reshard_s']:.1f} s)"
             q = f" {ck['quant']} (stock: dequantized at load)" if ck.get("quant") else ""
             parts.append(f"`{k}` = {ck['arch']} {ck['dtype']}{q} layers={layers} scale={ck['scale']:g}: "
-                         f"{ck['bytes'] / 1e9:.3f} GB ({ck['bytes'] / GiB:.2f} GiB) in {ck['max_shard_size']} shards{rs_txt}")
+                         f"{ck['bytes'] / 1e9:.3f} GB ({ck['bytes'] / GiB:.2f} GiB) in {ck['max_shard_size']} shards{rs_txt}"
+                         + _settle_txt(ck.get("settle")))
     out.append("**Checkpoints** (random weights, `benchmarks/make_checkpoint.py`): " + "; ".join(parts) + ".  ")
     gpu_txt = f", GPU budget of streamed/accelerate {cfg.get('gpu_gb')} GiB" if cfg.get("device") == "cuda" else ""
     out.append(f"**Setup**: device {cfg.get('device')}, prompt {cfg.get('prompt_len')} token ids (seed {cfg.get('seed')}), "

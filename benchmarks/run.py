@@ -128,6 +128,7 @@ class Ckpt:
     reshard_status: str = "pending"  # "ok" | "cached" | "not run: ..."
     reshard_s: float | None = None
     quant: str | None = None  # "fp8": make_checkpoint.py --quant fp8 (stock loads it dequantized)
+    settle: dict[str, Any] | None = None  # the first whole O_DIRECT read before any timed run (Runner.settle)
 
 
 @dataclass
@@ -475,7 +476,29 @@ class Runner:
         c.status = "ok"
         c.bytes = sum(p.stat().st_size for p in c.dir.glob("*.safetensors"))
         self.log(f"  {c.bytes / 1e9:.3f} GB ready in {c.gen_s:.1f} s ({log.read_text().strip().splitlines()[-1:]})")
+        if not (self.a.no_settle or self.a.no_cold):
+            self.settle(c)
         return True
+
+    def settle(self, c: Ckpt) -> None:
+        """Read checkpoint ``c`` once whole with O_DIRECT before any timed run reads it (``ceilings.py --settle``;
+        ``--no-settle`` skips it). Without it the first timed cold run is the first to read the just-written files,
+        and it was the slowest of its system's rounds in every invocation of 2026-12-06 and 2026-12-07 on the H100
+        (the order of rounds puts tiered first). The per-slice rates are logged and kept (``checkpoints.<key>.settle``
+        in the JSON), so whether the disk speeds up during this read is on record."""
+        cmd = [sys.executable, str(HERE / "ceilings.py"), str(c.dir), "--settle", "--threads", str(self.a.threads)]
+        out, err = self.work / f"settle-{c.key}.out", self.work / f"settle-{c.key}.err"
+        r = cgroup.run_child(cmd, timeout_s=max(10.0, min(120.0, self.left() - 20.0)), stdout=out, stderr=err,
+                             env=self.env, cwd=ROOT)
+        try:
+            c.settle = json.loads(out.read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            self._child_log(f"settle {c.key}", err)
+            c.settle = {"error": f"ceilings.py --settle {r.status}"}
+            return
+        self.log(f"  settle read (O_DIRECT, whole checkpoint once, {c.settle['threads']} threads): "
+                 f"{c.settle['gbps']:.2f} GB/s; per {c.settle['slice_bytes'] / GiB:g} GiB: "
+                 + " ".join(f"{g:.2f}" for g in c.settle["slices_gbps"]))
 
     def ensure_resharded(self, c: Ckpt) -> str:
         if c.reshard_status != "pending":
@@ -813,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="tiered,transformers,accelerate,deepspeed")
     p.add_argument("--runs", default="", help="comma list of fnmatch patterns on run keys (e.g. 'main/tiered-*')")
     p.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
+    p.add_argument("--no-settle", action="store_true",
+                   help="do not read each checkpoint once whole (O_DIRECT) before the first timed run (Runner.settle)")
     p.add_argument("--no-limit", action="store_true", help="skip memory-limited runs")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--tag", default="", help="appended to the output file names")
