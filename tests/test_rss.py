@@ -283,3 +283,55 @@ def test_page_cache_tier_beside_o_direct_stays_within_the_ring(layers: int, ring
     assert r["unit"] > SLACK and any(n.startswith("model.layers.") for n in r["names"]), r  # a layer is mapped
     assert r["room"] == (ring_gb > 0.5) and r["unreserved"] == 0, r  # set aside once, or held by each mapped unit
     assert r["growth"] < ring_gb * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a {ring_gb} GiB ring: {r}"
+
+
+@pytest.mark.slow
+def test_a_head_in_pieces_after_a_copied_layer_takes_ring_room(tmp_path: Path) -> None:
+    """prefetch=0, io="auto" with a page-cache tier: a cast layer (bf16 on disk, fp32 model) is copied into the ring,
+    then the untied 512 MiB head, larger than the 0.45 GiB ring, is computed in pieces of rows on the mapping. Each
+    call takes a piece's ring room and gives those ring pages back (tiered/linear_pieces.py), so the copy's pages
+    and a piece are never in RSS at once: growth under ring + 200 MiB. Without the room: +727 MiB against 661 (a
+    helper's attack, nineteenth session)."""
+    from safetensors.torch import save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=65536, hidden_size=2048, intermediate_size=16384, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+                                   architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(11)
+    d = tmp_path / "m"
+    d.mkdir()
+    cast = "model.layers.1."  # stored bf16: the fp32 model copies (casts) it into the ring
+    save_file({k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16 if k.startswith(cast) else torch.float32)
+               for k, s in shapes.items()}, str(d / "model.safetensors"))
+    cfg.save_pretrained(d)
+    out = run_child(HEAD_AFTER_COPY_CHILD, str(d), "0.45", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["nonzero"] and r["pieces"] == ["lm_head"] and "model.layers.1" not in r["mapped"], r
+    assert r["high_water"] > 0.4 * GiB and r["unreserved"] == 0, r  # the cast layer filled the ring; the head had room
+    assert r["growth"] < 0.45 * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a 0.45 GiB ring: {r}"
+
+
+HEAD_AFTER_COPY_CHILD = r"""
+import json, sys, torch, transformers
+import tiered, tiered.machine, tiered.policy
+from tiered.stats import proc_status
+transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
+d, ring_gb = sys.argv[1], float(sys.argv[2])
+tiered.machine.page_cache_room = lambda: (700 << 20, "cgroup /x memory.max=1")  # io="auto": a page-cache tier
+tiered.policy.page_cache_reserve = lambda threads: 0
+torch.set_num_threads(2)
+ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
+base = proc_status()["VmRSS"]
+m = tiered.load(d, device="cpu", ring_gb=ring_gb, host_gb=0, io="auto", threads=2, prefetch=0)
+with torch.no_grad():
+    for _ in range(2):
+        logits = m(ids).logits
+s = tiered.stats(m)
+units = m._tiered.plan.units
+print(json.dumps({"growth": proc_status()["VmHWM"] - base, "pieces": [units[i].name for i in s.placement.linear_pieces],
+                  "mapped": [units[i].name for i in s.placement.mapped], "high_water": m._tiered.ring.high_water,
+                  "unreserved": s.mapped_unreserved, "nonzero": bool(logits.abs().sum() > 0)}))
+"""

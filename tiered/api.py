@@ -362,8 +362,8 @@ def _install_hooks(h: Handle, p: Placement) -> None:
     for u in plan.units:
         if u.index in resident:
             continue
-        if u.index in p.linear_pieces:  # computed in pieces of rows on the mapping: no ring, no streamer
-            lp = LinearPieces(u, h.reader.maps, p.linear_pieces[u.index], h.stats)
+        if u.index in p.linear_pieces:  # computed in pieces of rows on the mapping, no streamer; a piece's ring room
+            lp = LinearPieces(u, h.reader.maps, p.linear_pieces[u.index], h.stats, ring=h.ring)
             h.linear.append(lp)
             h.hooks.append(CallGuard(u.module, lp.bind, lp.restore, u.name, run=lp.forward))
             continue

@@ -7,6 +7,15 @@ here in pieces instead of refused: for rows ``[a, b)`` of the weight (at most ``
 the ring), ``out[..., a:b] = F.linear(x, W[a:b], bias[a:b])`` on views of the mapping, whose pages are then dropped
 (``MADV_DONTNEED``) before the next piece: one piece's pages in RSS at a time.
 
+Ring room. Units copied into the ring (a cast, or O_DIRECT reads beside ``io="auto"``'s page-cache tier) leave the
+ring's pages in RSS after they ran. A piece's mapped pages count against the ring as a copy's do: for each call a
+ring slot of one piece's bytes is taken (never written; its pages given back, ``MADV_DONTNEED``:
+:meth:`tiered.ring.Ring.drop_pages`) and freed when the call returns, so the ring's touched pages plus the piece stay
+within ``ring_gb``. It is taken only if free at once: units loaded ahead (``prefetch``) run after this call and hold
+their slots until then, so waiting for them would never end; the call then runs without room, counted in
+``tiered.stats(model).mapped_unreserved``. (Without the room, prefetch 0 and a 512 MiB head after a cast layer in a
+0.45 GiB ring grew RSS by 727 MiB against the 661 MiB bound: a helper's attack, nineteenth session.)
+
 Exactness. Output row ``n`` of a linear layer is one dot product of ``x`` with ``W[n]``; a piece is the same product
 on the same bytes at the same addresses (views of the one mapping stock also computes on). Whether the CPU kernel
 sums those products in the same order for a piece as for the whole matrix is the kernel's business (its blocking and
@@ -31,8 +40,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from .binding import follow_requires_grad
-from .errors import StreamerError
+from .errors import RingTooSmallError, StreamerError
 from .guard import foreign_forward
+from .hostmem import page_up
 from .plan import Unit
 from .reader import zero_copy_eligible
 
@@ -76,9 +86,11 @@ class LinearPieces:
         maps: the reader's ``ShardMap`` per file (views, checks, page drops).
         piece_rows: rows per piece (:func:`piece_rows_for`).
         stats: the model's ``Stats`` (the weight's bytes are counted as read and streamed per call).
+        ring: the model's CPU ring, where a piece takes room while a call runs (module docstring; None: no room is
+            taken, as for the load-time check :func:`pieces_exact`; a pinned ring is never written by a CPU copy).
     """
 
-    def __init__(self, unit: Unit, maps: dict, piece_rows: int, stats: Any) -> None:
+    def __init__(self, unit: Unit, maps: dict, piece_rows: int, stats: Any, ring: Any = None) -> None:
         self.unit = unit
         self.maps = maps
         self.piece_rows = piece_rows
@@ -89,6 +101,26 @@ class LinearPieces:
         self.rows = self.w.shape[0]
         self.closed = False
         self.placeholder = next((t.module._parameters.get(t.attr) for t in unit.targets if t.attr == "weight"), None)
+        self.ring = ring if ring is not None and not ring.pinned else None
+        row = self.w.shape[1] * self.w.dtype.itemsize + (self.b.dtype.itemsize if self.b is not None else 0)
+        self.room_bytes = min(page_up(piece_rows * row), self.ring.size) if self.ring is not None else 0
+
+    def _room(self) -> Any:
+        """A ring slot of one piece's bytes with its pages given back, or None: no ring, or no room free now
+        (counted in ``Stats.mapped_unreserved``; module docstring). Never waits."""
+        if self.ring is None:
+            return None
+        try:
+            slot = self.ring.alloc(self.room_bytes, self.unit.name, wait=False)
+        except RingTooSmallError:
+            self.stats.mapped_unreserved += 1
+            return None
+        try:
+            self.ring.drop_pages(slot)
+        except BaseException:
+            self.ring.free(slot)
+            raise
+        return slot
 
     def _views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``[a, b)`` of the weight and bias as views of the mapping (after the shards' checks)."""
@@ -114,17 +146,22 @@ class LinearPieces:
             raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
         t0 = time.perf_counter()
         out = torch.empty((*x.shape[:-1], self.rows), dtype=x.dtype, device=x.device)
-        for a in range(0, self.rows, self.piece_rows):
-            b = min(self.rows, a + self.piece_rows)
-            w, bias = self._views(a, b)
-            if self.placeholder is not None and torch.is_grad_enabled():  # stock's flags; backward refused
-                w = follow_requires_grad(nn.Parameter(w, requires_grad=False), self.placeholder,
-                                        key=f"{self.unit.name}.weight")
-            try:
-                out[..., a:b] = F.linear(x, w, bias)
-            finally:
-                del w, bias
-                self._drop(a, b)
+        room = self._room()
+        try:
+            for a in range(0, self.rows, self.piece_rows):
+                b = min(self.rows, a + self.piece_rows)
+                w, bias = self._views(a, b)
+                if self.placeholder is not None and torch.is_grad_enabled():  # stock's flags; backward refused
+                    w = follow_requires_grad(nn.Parameter(w, requires_grad=False), self.placeholder,
+                                            key=f"{self.unit.name}.weight")
+                try:
+                    out[..., a:b] = F.linear(x, w, bias)
+                finally:
+                    del w, bias
+                    self._drop(a, b)
+        finally:
+            if room is not None:
+                self.ring.free(room)
         n = self.w.nbytes + (self.b.nbytes if self.b is not None else 0)
         self.stats.add_read(n, time.perf_counter() - t0)
         self.stats.add_streamed(n)
