@@ -83,6 +83,38 @@ def test_machine_and_ceilings(suite: dict) -> None:
     assert ck["status"] == "ok" and 12e6 < ck["bytes"] < 14e6
 
 
+def test_settle_read_reads_every_byte_of_the_shards_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ceilings.settle_read` (run.py's read of a checkpoint before its first timed cold run): every byte of every
+    shard read once, in slices of ``slice_bytes`` in file order, each slice's rate and the whole read's recorded; the
+    report's checkpoint line gives them."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    sizes = [3 << 20, (5 << 20) + 4096, 1 << 20]
+    for i, n in enumerate(sizes):
+        (d / f"model-{i:05d}.safetensors").write_bytes(os.urandom(n))
+    seen: list[tuple[str, int, int]] = []
+
+    def parallel_read(reqs, threads, direct):  # every request, as the O_DIRECT pool would read it
+        assert direct and threads == 2
+        seen.extend((f.name, off, n) for f, off, n in reqs)
+        return sum(n for _, _, n in reqs), 0.5
+
+    monkeypatch.setattr(ceilings, "_parallel_read", parallel_read)
+    r = ceilings.settle_read(d, threads=2, slice_bytes=4 << 20)
+    total = sum(sizes)
+    assert r["bytes"] == total and len(r["slices_gbps"]) == -(-total // (4 << 20)) == 3, r
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for name, off, n in seen:
+        covered.setdefault(name, []).append((off, off + n))
+    for i, n in enumerate(sizes):  # each file read whole, no byte twice
+        spans = sorted(covered[f"model-{i:05d}.safetensors"])
+        gaps = [b[0] - a[1] for a, b in zip(spans[:-1], spans[1:], strict=True)]
+        assert spans[0][0] == 0 and spans[-1][1] == n and not any(gaps), spans
+    line = report._settle_txt(r)
+    assert f"{r['gbps']:.2f} GB/s, per {4 / 1024:g} GiB: " in line, line
+    assert all(f"{g:.2f}" in line for g in r["slices_gbps"]), line
+
+
 def test_ceilings_measured_in_interleaved_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """`ceilings.measure(rounds=3)`: round 1 of every ceiling, then round 2 (in reverse order), then round 3; each
     ceiling's old key is its median, with min, max, each round and n beside it; a round that fails is left out and
