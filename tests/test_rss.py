@@ -286,12 +286,15 @@ def test_page_cache_tier_beside_o_direct_stays_within_the_ring(layers: int, ring
 
 
 @pytest.mark.slow
-def test_a_head_in_pieces_after_a_copied_layer_takes_ring_room(tmp_path: Path) -> None:
-    """prefetch=0, io="auto" with a page-cache tier: a cast layer (bf16 on disk, fp32 model) is copied into the ring,
-    then the untied 512 MiB head, larger than the 0.45 GiB ring, is computed in pieces of rows on the mapping. Each
-    call takes a piece's ring room and gives those ring pages back (tiered/linear_pieces.py), so the copy's pages
-    and a piece are never in RSS at once: growth under ring + 200 MiB. Without the room: +727 MiB against 661 (a
-    helper's attack, nineteenth session)."""
+@pytest.mark.parametrize(("cast", "prefetch"), [(1, 0), (0, 2)])
+def test_a_head_in_pieces_after_a_copied_layer_takes_ring_room(cast: int, prefetch: int, tmp_path: Path) -> None:
+    """io="auto" with a page-cache tier: a cast layer (bf16 on disk, fp32 model) is copied into the ring, and the
+    untied 512 MiB head, larger than the 0.45 GiB ring, is computed in pieces of rows on the mapping. Each call takes
+    a piece's ring room and gives those ring pages back (tiered/linear_pieces.py), so a copy's pages and a piece are
+    never in RSS at once: growth under ring + 200 MiB. The last layer cast, prefetch 0: without the room +740 MiB
+    against 661 (a helper's attack, nineteenth session). The first layer cast, prefetch 2 (the default): the next
+    pass's first layer was copied into the ring while the head ran, so the head had no room; now nothing of the next
+    pass is loaded ahead (Streamer._no_wrap): +806 MiB before (a helper's attack, twentieth session)."""
     from safetensors.torch import save_file
 
     cfg = transformers.LlamaConfig(vocab_size=65536, hidden_size=2048, intermediate_size=16384, num_hidden_layers=2,
@@ -302,14 +305,14 @@ def test_a_head_in_pieces_after_a_copied_layer_takes_ring_room(tmp_path: Path) -
     g = torch.Generator().manual_seed(11)
     d = tmp_path / "m"
     d.mkdir()
-    cast = "model.layers.1."  # stored bf16: the fp32 model copies (casts) it into the ring
-    save_file({k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16 if k.startswith(cast) else torch.float32)
+    pre = f"model.layers.{cast}."  # stored bf16: the fp32 model copies (casts) it into the ring
+    save_file({k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16 if k.startswith(pre) else torch.float32)
                for k, s in shapes.items()}, str(d / "model.safetensors"))
     cfg.save_pretrained(d)
-    out = run_child(HEAD_AFTER_COPY_CHILD, str(d), "0.45", timeout=600)
+    out = run_child(HEAD_AFTER_COPY_CHILD, str(d), "0.45", str(prefetch), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["nonzero"] and r["pieces"] == ["lm_head"] and "model.layers.1" not in r["mapped"], r
+    assert r["nonzero"] and r["pieces"] == ["lm_head"] and f"model.layers.{cast}" not in r["mapped"], r
     assert r["high_water"] > 0.4 * GiB and r["unreserved"] == 0, r  # the cast layer filled the ring; the head had room
     assert r["growth"] < 0.45 * GiB + SLACK, f"peak RSS grew {r['growth'] / MiB:.0f} MiB for a 0.45 GiB ring: {r}"
 
@@ -319,13 +322,13 @@ import json, sys, torch, transformers
 import tiered, tiered.machine, tiered.policy
 from tiered.stats import proc_status
 transformers.LlamaForCausalLM  # resolve the lazy import: the baseline is the runtime, not our data path
-d, ring_gb = sys.argv[1], float(sys.argv[2])
+d, ring_gb, prefetch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 tiered.machine.page_cache_room = lambda: (700 << 20, "cgroup /x memory.max=1")  # io="auto": a page-cache tier
 tiered.policy.page_cache_reserve = lambda threads: 0
 torch.set_num_threads(2)
 ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8) token ids
 base = proc_status()["VmRSS"]
-m = tiered.load(d, device="cpu", ring_gb=ring_gb, host_gb=0, io="auto", threads=2, prefetch=0)
+m = tiered.load(d, device="cpu", ring_gb=ring_gb, host_gb=0, io="auto", threads=2, prefetch=prefetch)
 with torch.no_grad():
     for _ in range(2):
         logits = m(ids).logits

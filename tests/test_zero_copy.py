@@ -100,6 +100,52 @@ def test_a_head_larger_than_the_ring_is_computed_in_pieces(tmp_path: Path, dtype
         tiered.load(tmp_path / "m", device="cpu", ring_gb=ring_gb)
 
 
+@pytest.mark.parametrize("where", ["alloc", "free"])
+def test_an_interrupt_in_a_piece_room_leaves_no_slot_behind(tmp_path: Path, where: str, monkeypatch) -> None:
+    """A head computed in pieces takes its room in the ring on the model's own thread, where a KeyboardInterrupt can
+    land inside ``Ring.alloc`` after the slot is taken (before it is returned) or inside ``Ring.free``. The slot so
+    left is given back at the next call (``Ring.free_owned`` by its owner), also by the model's outermost call before
+    any unit waits for room — before, the next forward hung waiting for ring room (a helper's attack with real
+    SIGINTs, twentieth session). Here the interrupt is raised at exactly those points; logits stay stock's."""
+    import tiered.ring
+
+    cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=5, dtype=torch.float32,
+                      max_shard_size=None)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    ids = torch.tensor([[5, 8000, 1, 77]])
+    with torch.no_grad():
+        want = ref(ids).logits
+    with tiered.load(tmp_path / "m", device="cpu", ring_gb=0.5 / 1024) as m, torch.no_grad():
+        ring = m._tiered.ring
+        lp = m._tiered.linear[0]
+        assert lp.ring is ring and lp.room_bytes > 0
+        assert torch.equal(m(ids).logits, want)
+        base = ring.used
+        real = getattr(tiered.ring.Ring, where)
+
+        def interrupted(self, *a, **kw):
+            if where == "alloc":
+                real(self, *a, **kw)  # the slot is taken ...
+            raise KeyboardInterrupt  # ... and the interrupt lands before alloc returns / before free frees
+
+        monkeypatch.setattr(tiered.ring.Ring, where, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            m(ids)
+        monkeypatch.setattr(tiered.ring.Ring, where, real)
+        assert ring.used > base  # the room was left behind
+        assert torch.equal(m(ids).logits, want)  # the next call gives it back first, and runs
+        assert ring.used == base, (ring.used, base)
+        monkeypatch.setattr(tiered.ring.Ring, where, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            m.lm_head(torch.randn(1, 1, 64))  # called directly: the next direct call reclaims too
+        monkeypatch.setattr(tiered.ring.Ring, where, real)
+        assert ring.used > base
+        x = torch.randn(1, 1, 64)
+        assert torch.equal(m.lm_head(x), ref.lm_head(x)) and ring.used == base
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_head_with_a_tail_piece_is_exact_or_refused(tmp_path: Path, grad: bool) -> None:
     """An fp32 head of 8195 rows: its last piece is 3 rows wide, and on the 2-core machine an fp32 product that narrow

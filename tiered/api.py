@@ -266,7 +266,8 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     host = set(p.host)
     h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=opts.prefetch, resident=set(p.resident), stats=h.stats,
                           rows=set(p.rows) | set(p.linear_pieces), dist=dist, host=host, host_ring=h.host_ring,
-                          mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces)
+                          mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces,
+                          linear_pieces=set(p.linear_pieces))
     if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
         progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in p.resident) >= GiB
     h.streamer.load_resident(progress=progress)
@@ -365,7 +366,7 @@ def _install_hooks(h: Handle, p: Placement) -> None:
         if u.index in p.linear_pieces:  # computed in pieces of rows on the mapping, no streamer; a piece's ring room
             lp = LinearPieces(u, h.reader.maps, p.linear_pieces[u.index], h.stats, ring=h.ring)
             h.linear.append(lp)
-            h.hooks.append(CallGuard(u.module, lp.bind, lp.restore, u.name, run=lp.forward))
+            h.hooks.append(CallGuard(u.module, lp.bind, lp.restore, u.name, lock=lp.lock, run=lp.forward))
             continue
         if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
             rg = RowGather(u, dev, h.stats)

@@ -33,6 +33,8 @@ class _TieredMixin:
             depth = h.depth  # restored, not decremented: right wherever an interrupt lands
             if depth == 0 and h.streamer is not None:
                 h.streamer.release_all()  # what an interrupted earlier call may have left
+                for lp in h.linear:  # and a piece's ring room (tiered/linear_pieces.py), before any unit waits for room
+                    lp.reclaim()
             t0 = time.perf_counter()
             try:
                 h.depth = depth + 1

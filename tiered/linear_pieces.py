@@ -13,8 +13,14 @@ ring slot of one piece's bytes is taken (never written; its pages given back, ``
 :meth:`tiered.ring.Ring.drop_pages`) and freed when the call returns, so the ring's touched pages plus the piece stay
 within ``ring_gb``. It is taken only if free at once: units loaded ahead (``prefetch``) run after this call and hold
 their slots until then, so waiting for them would never end; the call then runs without room, counted in
-``tiered.stats(model).mapped_unreserved``. (Without the room, prefetch 0 and a 512 MiB head after a cast layer in a
-0.45 GiB ring grew RSS by 727 MiB against the 661 MiB bound: a helper's attack, nineteenth session.)
+``tiered.stats(model).mapped_unreserved``. So that the room is free, the streamer loads nothing of the next pass ahead
+where units are copied into the ring beside such a unit (``Streamer._no_wrap``; the price: the next pass's first unit
+is read when it is called, not while the head runs). Without the room, prefetch 0 and a 512 MiB head after a cast
+layer in a 0.45 GiB ring grew RSS by 727 MiB against the 661 MiB bound (a helper's attack, nineteenth session); with
+prefetch 2, the next pass's first layer copied while the head ran: +806 MiB (twentieth session).
+
+The room is taken and freed on the model's thread, where a ``KeyboardInterrupt`` can land inside ``Ring.alloc`` or
+``Ring.free``; a slot so left is found by its owner and given back at the next call (:meth:`LinearPieces.reclaim`).
 
 Exactness. Output row ``n`` of a linear layer is one dot product of ``x`` with ``W[n]``; a piece is the same product
 on the same bytes at the same addresses (views of the one mapping stock also computes on). Whether the CPU kernel
@@ -27,11 +33,12 @@ reads two pieces of the real weight (at most the ring), and drops them.
 Eligible (:func:`linear_piece_eligible`): the unit is one ``nn.Linear`` (its class's ``forward`` is
 ``nn.Linear.forward``; no other library's instance ``forward``), its ``weight`` (and ``bias``) each one checkpoint
 tensor mapped as is (:func:`~tiered.reader.zero_copy_eligible`). Threads: the call runs on the caller's thread
-inside the module's :class:`~tiered.guard.CallGuard` (one call at a time per module).
+inside the module's :class:`~tiered.guard.CallGuard` (one call at a time per module: :attr:`LinearPieces.lock`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -104,14 +111,29 @@ class LinearPieces:
         self.ring = ring if ring is not None and not ring.pinned else None
         row = self.w.shape[1] * self.w.dtype.itemsize + (self.b.dtype.itemsize if self.b is not None else 0)
         self.room_bytes = min(page_up(piece_rows * row), self.ring.size) if self.ring is not None else 0
+        self.owner = f"{unit.name} (a piece's room)"  # no other slot has this owner: Ring.free_owned finds it
+        self.lock = threading.Lock()  # the module's CallGuard lock: its calls one at a time
+
+    def reclaim(self) -> None:
+        """Give back a piece's room that an interrupted call left in the ring (a ``KeyboardInterrupt`` inside
+        ``Ring.alloc`` or ``Ring.free``, which run on the model's thread here). Run at the start of each call, and
+        by the model's outermost call before anything streams (``tiered.hooks``: else units waiting for ring room
+        would wait for it forever). Calls of this module are one at a time (its ``CallGuard``), so at those points
+        no call holds the room."""
+        if self.ring is not None and self.lock.acquire(blocking=False):  # else a call runs: it reclaims itself
+            try:
+                self.ring.free_owned(self.owner)
+            finally:
+                self.lock.release()
 
     def _room(self) -> Any:
         """A ring slot of one piece's bytes with its pages given back, or None: no ring, or no room free now
         (counted in ``Stats.mapped_unreserved``; module docstring). Never waits."""
         if self.ring is None:
             return None
+        self.ring.free_owned(self.owner)  # what an interrupted call left (reclaim)
         try:
-            slot = self.ring.alloc(self.room_bytes, self.unit.name, wait=False)
+            slot = self.ring.alloc(self.room_bytes, self.owner, wait=False)
         except RingTooSmallError:
             self.stats.mapped_unreserved += 1
             return None

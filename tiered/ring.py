@@ -145,7 +145,7 @@ class Ring:
                     self._live.append(slot)
                     self._live.sort(key=lambda s: s.start)
                     self._next = start + size if start + size < self.size else 0
-                    self._used += size
+                    self._used = sum(s.size for s in self._live)  # from the list: right after an interrupted update
                     self.high_water = max(self.high_water, self._used)
                     return slot
                 if not wait:
@@ -172,9 +172,23 @@ class Ring:
             for i, s in enumerate(self._live):
                 if s is slot:
                     del self._live[i]
-                    self._used -= s.size
+                    self._used = sum(s.size for s in self._live)
                     self._cv.notify_all()
                     return
+
+    def free_owned(self, owner: str) -> int:
+        """Free every live slot whose ``owner`` is ``owner``; the bytes freed. For a caller that allocates on the
+        model's own thread (:class:`tiered.linear_pieces.LinearPieces`), where a ``KeyboardInterrupt`` can land inside
+        :meth:`alloc` after the slot is taken but before it is returned, or inside :meth:`free`: at its next call
+        such a slot is found by its owner, which nobody else uses, and given back."""
+        with self._cv:
+            mine = [s for s in self._live if s.owner == owner]
+            if not mine:
+                return 0
+            self._live = [s for s in self._live if s.owner != owner]
+            self._used = sum(s.size for s in self._live)
+            self._cv.notify_all()
+            return sum(s.size for s in mine)
 
     def close(self) -> None:
         """Unpin, and unmap unless a tensor still points into the ring (then its last reference unmaps it).
