@@ -156,8 +156,8 @@ class Streamer:
         # the next pass is loaded ahead (_ahead), so the ring has a piece's room free when the head runs at the pass's
         # end — else the next pass's first copies filled it and the pieces ran on top (+782-868 MiB for a 0.45 GiB
         # ring, bound 661, with prefetch 1 or 2: a helper's attack, twentieth session)
-        copied = [i for i in self.streamed if i not in mapped and i not in self.host_ids]
-        self._no_wrap = bool(linear_pieces) and device.type == "cpu" and bool(copied) and self.prefetch > 0
+        self._copied = [i for i in self.streamed if i not in mapped and i not in self.host_ids]  # through the ring
+        self._no_wrap = bool(linear_pieces) and device.type == "cpu" and bool(self._copied) and self.prefetch > 0
         self.pending: OrderedDict[int, Future[Loaded]] = OrderedDict()
         self.held: dict[int, _Held] = {}
         self.resident: dict[int, Loaded] = {}
@@ -192,7 +192,7 @@ class Streamer:
         its size while loaded (returns True: ``Loader.reserve_mapped``, tiered.sources.MappedSource)."""
         self.mapped_room: Slot | None = None
         on_map = [i for i in self.streamed if i in mapped]
-        copied = [i for i in self.streamed if i not in mapped and i not in self.host_ids]
+        copied = self._copied
         if not on_map or not copied or self.device.type != "cpu":
             return False
         room = max(page_up(self.units[i].src_bytes) for i in on_map)
