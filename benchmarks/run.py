@@ -282,6 +282,13 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
                   opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "auto_ring_in_pieces": True},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
+        # --scaling-pieces-cut: the defaults with units the ring holds whole but not twice read in pieces on CUDA
+        # (tiered.policy.PIECES_WHEN_ONE_FITS on; the ring and host tier as the defaults size them): its A/B
+        if a.scaling_pieces_cut:
+            r = R("scaling-io", "tiered", "defaults-pieces-cut", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "pieces_when_one_fits": True},
+                  new_tokens=slow)
+            runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
         # --scaling-direct-chunk-mib: the defaults with tiered.reader.DIRECT_CHUNK (the O_DIRECT request size) set
         for mib in a.scaling_direct_chunk_mib:
             r = R("scaling-io", "tiered", f"defaults-direct{mib:g}m", cache="cold", limit=bool(lim), io="auto",
@@ -808,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --scaling: also run tiered's defaults with the automatic ring of three pieces on CUDA "
                         "(tiered.policy.AUTO_RING_IN_PIECES on; the rest of the memory to the host tier) at every "
                         "limit, in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-pieces-cut", action="store_true",
+                   help="with --scaling: also run tiered's defaults with every unit the ring holds whole but not twice "
+                        "read in pieces on CUDA (tiered.policy.PIECES_WHEN_ONE_FITS on) at every limit, in the same "
+                        "rounds (group scaling-io)")
     p.add_argument("--scaling-direct-chunk-mib", default="", metavar="MIB,...",
                    help="with --scaling: also run tiered's defaults with each O_DIRECT request size "
                         "(tiered.reader.DIRECT_CHUNK, MiB) at every limit, in the same rounds (group scaling-io)")
@@ -871,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--scaling-io needs --scaling")
     if a.scaling_pieces_ring and not a.scaling:
         p.error("--scaling-pieces-ring needs --scaling")
+    if a.scaling_pieces_cut and not a.scaling:
+        p.error("--scaling-pieces-cut needs --scaling")
     if a.scaling and a.groups == ",".join(GROUPS):
         a.groups = "scaling,scaling-io"  # --scaling alone: only its runs
     a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]

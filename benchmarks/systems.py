@@ -266,6 +266,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         import tiered.policy
 
         tiered.policy.AUTO_RING_IN_PIECES = bool(spec.extra["auto_ring_in_pieces"])
+    if "pieces_when_one_fits" in spec.extra:  # run.py --scaling-pieces-cut (an A/B switch)
+        import tiered.policy
+
+        tiered.policy.PIECES_WHEN_ONE_FITS = bool(spec.extra["pieces_when_one_fits"])
     b.start_load()
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,

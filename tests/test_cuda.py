@@ -321,6 +321,32 @@ def test_units_larger_than_the_ring_stream_in_pieces(io: str, mode: str, tmp_pat
             assert s.h2d_bytes >= sum(u.nbytes for u in big)
 
 
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_units_the_ring_holds_once_stream_in_pieces(io: str, tmp_path: Path, monkeypatch) -> None:
+    """``tiered.policy.PIECES_WHEN_ONE_FITS`` (issue 23: the next unit's read need not wait for this one's H2D): the
+    layers and the head, each of which the ring holds whole but not twice, are read in pieces; logits and greedy
+    generate equal stock's on the GPU bit for bit; with O_DIRECT the pieces are read straight into their ring slots
+    (each piece's slot shifted as a whole unit's is: ``Reader.slot_direct_bytes``)."""
+    from tiered.hostmem import page_up
+
+    d, ids, want, want_gen = _big_layers_and_stock(tmp_path, monkeypatch, seed=6)
+    monkeypatch.setattr(tiered.policy, "PIECES_WHEN_ONE_FITS", True)
+    ring_gb = 1.9 * (1 << 20) / GiB  # a 1.3 MB layer and the 1 MiB head whole, never two of them
+    with tiered.load(d, device=DEV, ring_gb=ring_gb, io=io, gpu_gb=0) as m, torch.no_grad():
+        h = m._tiered
+        rows = {rg.unit.index for rg in h.rows}
+        once = [u for u in h.plan.units if u.index not in rows and page_up(u.nbytes) <= h.ring.size < 2 * page_up(u.nbytes)]
+        assert len(once) >= 4, [(u.name, u.nbytes) for u in h.plan.units]  # 3 layers and the head
+        assert tiered.stats(m).piece_units == len(once)
+        assert all(len(h.streamer.loader.pieces[u.index]) >= 2 for u in once)
+        for _ in range(2):
+            assert torch.equal(m(ids).logits, want)
+        assert torch.equal(m.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+        assert h.ring.high_water <= h.ring.size
+        if io == "direct" and h.reader.backend == "direct":
+            assert h.reader.slot_direct_bytes > 0
+
+
 def test_pieces_with_a_cast_and_faults(tmp_path: Path, monkeypatch) -> None:
     """Pieces of a unit cast on the fly (fp32 checkpoint run in bf16) give stock's bits; a read that fails part-way
     through a unit's pieces is an error in the caller, the device buffer goes back to the pool, and the next

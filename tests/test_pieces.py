@@ -166,6 +166,29 @@ def test_pieces_real_minimum_threshold():
     assert set(tapi.cut_pieces([big], at, at / GiB, 64)) == {0}
 
 
+def test_pieces_when_one_fits_cuts_a_unit_the_ring_holds_once(piece_models, monkeypatch):
+    """``PIECES_WHEN_ONE_FITS``: a unit the ring holds whole but not twice is cut too (off: it is not); one it holds
+    twice is not; with no room for two minimal pieces it stays whole rather than refused; the pieces rebuild it."""
+    monkeypatch.setattr(tapi, "MIN_PIECE_BYTES", 2 * PAGE_SIZE)
+    with tiered.load(piece_models["llama_fp32"], ring_gb=1.0, device="cpu", zero_copy=False) as m:
+        h = m._tiered
+        align = h.plan.align
+        u = max(h.plan.units, key=lambda x: x.nbytes)
+        exact = page_up(u.nbytes)
+        once = page_up(exact + exact // 2)  # holds u whole, not twice
+        assert tapi.cut_pieces([u], once, once / GiB, align) == {}
+        monkeypatch.setattr(tapi, "PIECES_WHEN_ONE_FITS", True)
+        got = tapi.cut_pieces([u], once, once / GiB, align)
+        assert set(got) == {u.index} and got[u.index] >= 2
+        chunk = split_unit(u, 0, got[u.index], align)[1]
+        assert 3 * page_up(chunk) <= once  # a third of the ring each: the next piece is read while one's H2D runs
+        rebuilt, _ = _assemble(h.reader, u, got[u.index], align)
+        assert torch.equal(rebuilt, _whole(h.reader, u))
+        assert tapi.cut_pieces([u], 2 * exact, 2 * exact / GiB, align) == {}
+        monkeypatch.setattr(tapi, "MIN_PIECE_BYTES", exact)  # no room for pieces: whole, not refused
+        assert tapi.cut_pieces([u], once, once / GiB, align) == {}
+
+
 def test_pieces_skip_units_that_cannot_be_cut(piece_models, monkeypatch):
     """Units built by a conversion transformers runs on whole tensors are never cut (split_unit None)."""
     import tiered.plan

@@ -90,7 +90,7 @@ class Loader:
         self.device = device
         self._abort_check = abort
         # unit index -> its slot shift (tiered.sources._shift; fixed by the plan, computed on a unit's first ring read)
-        self.shifts: dict[int, int] = {}
+        self.shifts: dict[int | tuple[int, int], int] = {}
         # where each unit's bytes come from (tiered/sources.py): one lookup, the ring by default
         self.sources: dict[int, Source] = {**{i: MAPPED for i in mapped}, **{i: HOST for i in host_ids},
                                            **{i: PIECES for i in self.pieces}}

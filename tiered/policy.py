@@ -295,8 +295,23 @@ def piece_slot(u: Unit, n: int, align: int) -> int:
     return _pieces.slot_bytes(u, n, align)
 
 
+#: CUDA, one process: also cut into pieces a unit the ring holds whole but not twice (:func:`cut_pieces`). With such
+#: a ring the next unit's read waits for this one's H2D to finish and its slot to be freed: the disk idled 4-10% of
+#: every pass at 2 GiB (``Stats.disk_busy`` 0.90-0.96 in the eleven runs of ``benchmarks/results/2026-12-07-*``;
+#: GPT-J-6B and Llama-3-8B, rings of 0.48-0.50 GiB, units of 0.40-0.41 GiB). In pieces (a third of the ring each)
+#: the next piece is read while one's H2D runs. **Off** until measured on the GPU against whole units in the same
+#: rounds (``benchmarks/run.py --scaling 2 --scaling-pieces-cut``).
+PIECES_WHEN_ONE_FITS = False
+
+
+def _decoded(u: Unit) -> bool:
+    """Whether a copy of ``u`` is decoded after it is read (losslessly coded, or float8 codes)."""
+    return any(getattr(c.src, "coded", None) is not None or c.decode is not None for t in u.targets for c in t.copies)
+
+
 def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -> dict[int, int]:
-    """CUDA, one process: for each unit larger than the ring that can be cut (:func:`tiered.pieces.cuttable`: no
+    """CUDA, one process: for each unit larger than the ring (with :data:`PIECES_WHEN_ONE_FITS`, also one larger than
+    half of it, where its pieces' room is at least :data:`MIN_PIECE_BYTES`) that can be cut (:func:`tiered.pieces.cuttable`: no
     whole-tensor conversion, no float8 codes decoded whole), the number of pieces it is read in — each piece's slot
     at most :func:`piece_room` (a third of the ring, or half), so the next piece is read while one is waited for and
     the last one's H2D runs (:data:`tiered.sources.PIECES_IN_FLIGHT`).
@@ -310,8 +325,10 @@ def cut_pieces(units: list[Unit], ring_bytes: int, ring_gb: float, align: int) -
     room = piece_room(ring_bytes)
     out: dict[int, int] = {}
     for u in units:
-        if page_up(u.nbytes) <= ring_bytes:
-            continue
+        whole = page_up(u.nbytes) <= ring_bytes
+        if whole and (not PIECES_WHEN_ONE_FITS or 2 * page_up(u.nbytes) <= ring_bytes or room < MIN_PIECE_BYTES
+                      or u.coded_at is not None or _decoded(u)):
+            continue  # (never refused for want of room for its pieces; a unit decoded after the copy stays whole)
         if not _pieces.cuttable(u):
             continue  # cannot be cut: attach's check names it and the ring it needs whole
         if room < MIN_PIECE_BYTES:

@@ -69,17 +69,19 @@ class RingSource(Source):
             raise
 
 
-def _shift(ld: Loader, u: Unit, size: int) -> int:
+def _shift(ld: Loader, u: Unit, size: int, key: int | tuple[int, int] | None = None) -> int:
     """Bytes to start streamed unit ``u``'s layout into its ring slot so that the reader's O_DIRECT requests land
     straight in it (:func:`tiered.reader.slot_shift`; CPU: a multiple of :data:`tiered.plan.CPU_ALIGN`, as the slot is
     the weights). 0 unless the reader reads O_DIRECT now, and 0 when the extra page would leave the ring room for
     fewer slots of this size at once (the prefetch depth the ring was sized for). The ring gives the extra page only
-    when it is free at once (``Ring.alloc(extra=)``): a shift never makes the loader wait."""
+    when it is free at once (``Ring.alloc(extra=)``): a shift never makes the loader wait. ``key``: what the shift is
+    kept under (default ``u.index``; a piece of a unit: ``(unit index, piece number)``)."""
     if not reader_mod.SLOT_DIRECT or ld.reader.backend != "direct":
         return 0
-    shift = ld.shifts.get(u.index)
+    key = u.index if key is None else key
+    shift = ld.shifts.get(key)
     if shift is None:  # once per unit, not on every pass: the plan fixes it
-        shift = ld.shifts[u.index] = reader_mod.slot_shift(u, 1 if ld.device.type == "cuda" else CPU_ALIGN)
+        shift = ld.shifts[key] = reader_mod.slot_shift(u, 1 if ld.device.type == "cuda" else CPU_ALIGN)
     if shift and ld.ring.size // page_up(size + shift) < ld.ring.size // page_up(size):
         return 0
     return shift
@@ -216,15 +218,20 @@ class PiecesSource(Source):
                     ready = stage.put(buf, held[k], to, n, keep=True, into=into)
                     continue
                 slot = None
+                # as a whole unit's (RingSource): the piece starts `shift` bytes into its slot where that puts its
+                # largest run at its file offset modulo the page, so O_DIRECT reads it straight into the slot
+                shift = _shift(ld, piece, piece.nbytes, key=(u.index, k)) if not resident else 0
                 while slot is None and reading:  # room without waiting: the slots being read are not retired
                     stage.retire(block=False)
                     try:
-                        slot = ld.ring.alloc(piece.nbytes, u.name, wait=False)
+                        slot = ld.ring.alloc(piece.nbytes, u.name, wait=False, extra=shift)
                     except RingTooSmallError:
                         ready = put_oldest()
                 if slot is None:
                     slot = ld.ring.alloc(piece.nbytes, u.name, abort=ld.abort,
-                                           reclaim=lambda: stage.retire(block=True))
+                                           reclaim=lambda: stage.retire(block=True), extra=shift)
+                if shift and slot.size >= shift + piece.nbytes:
+                    slot.view = slot.view[shift : shift + piece.nbytes]
                 try:
                     t0 = time.perf_counter()
                     jobs = ld.reader.start_unit(piece, slot.view)
