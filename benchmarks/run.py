@@ -686,6 +686,11 @@ class Runner:
                 msg += "; " + ", ".join(f"{k} {g:.2f}" for k, g in ch["shapes"].items())
                 msg += f"; kept {ch.get('request', 0) / (1 << 20):g} MiB x{ch.get('depth')}"
             msg += f"; measured again {ch['reprobes']}x)" if ch.get("reprobes") else ")"
+        st = row.get("stats_total") or {}
+        if st.get("disk_busy"):  # a read in flight this share of the passes' time (tiered.stats: "disk busy")
+            msg += (f", disk busy {st['disk_busy']:.3f}, {st.get('read_gbps', 0):.2f} GB/s while reading, "
+                    f"{st.get('piece_units', 0)} units in pieces, ring {st.get('ring_bytes', 0) / (1 << 30):.3f} GiB"
+                    f" + host {st.get('host_bytes', 0) / (1 << 30):.3f} GiB")
         self.log(f"  {msg} ({r.wall_s:.0f} s)")
         return row
 
