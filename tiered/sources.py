@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import faults
+from . import faults, policy
 from . import reader as reader_mod
 from .dist import read_args
 from .errors import RingTooSmallError
@@ -219,8 +219,11 @@ class PiecesSource(Source):
                     continue
                 slot = None
                 # as a whole unit's (RingSource): the piece starts `shift` bytes into its slot where that puts its
-                # largest run at its file offset modulo the page, so O_DIRECT reads it straight into the slot
-                shift = _shift(ld, piece, piece.nbytes, key=(u.index, k)) if not resident else 0
+                # largest run at its file offset modulo the page, so O_DIRECT reads it straight into the slot. Only
+                # with policy.PIECES_WHEN_ONE_FITS (its A/B, off): not yet run on a GPU (benchmarks/NOTES.md, issue 23,
+                # twenty-first session), so the default CUDA path stays the one `pytest -m cuda` last passed
+                shift = (_shift(ld, piece, piece.nbytes, key=(u.index, k))
+                         if policy.PIECES_WHEN_ONE_FITS and not resident else 0)
                 while slot is None and reading:  # room without waiting: the slots being read are not retired
                     stage.retire(block=False)
                     try:
