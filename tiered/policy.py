@@ -300,8 +300,8 @@ def piece_slot(u: Unit, n: int, align: int) -> int:
 #: every pass at 2 GiB (``Stats.disk_busy`` 0.90-0.96 in the eleven runs of ``benchmarks/results/2026-12-07-*``;
 #: GPT-J-6B and Llama-3-8B, rings of 0.48-0.50 GiB, units of 0.40-0.41 GiB). In pieces (a third of the ring each)
 #: the next piece is read while one's H2D runs; each piece's ring slot is shifted so that O_DIRECT reads it straight
-#: into the slot (:class:`tiered.sources.PiecesSource`), as a whole unit's is. **Off** until measured on the GPU against whole units in the same
-#: rounds (``benchmarks/run.py --scaling 2 --scaling-pieces-cut``).
+#: into the slot (:class:`tiered.sources.PiecesSource`), as a whole unit's is. **Off** until measured on the GPU
+#: against whole units in the same rounds (``benchmarks/run.py --scaling 2 --scaling-pieces-cut``).
 PIECES_WHEN_ONE_FITS = False
 
 
