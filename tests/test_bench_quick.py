@@ -445,42 +445,27 @@ def test_scaling_io_forces_the_read_backend_beside_the_defaults_and_is_held_agai
         assert r.returncode == 2 and "--scaling-io" in r.stderr, r.stderr
 
 
-def test_scaling_pieces_cut_runs_beside_the_defaults() -> None:
-    """`run.py --scaling 2 --scaling-pieces-cut`: tiered's defaults with units the ring holds once read in pieces (the
-    child sets tiered.policy.PIECES_WHEN_ONE_FITS from the spec), in the same rounds, group scaling-io; without
-    --scaling it is refused."""
+@pytest.mark.parametrize(("flag", "variant", "switch"), [
+    ("--scaling-pieces-ring", "pieces-ring", "auto_ring_in_pieces"),  # the A/B of tiered.policy.PIECE_RING_BYTES
+    ("--scaling-pieces-cut", "pieces-cut", "pieces_when_one_fits"),  # of tiered.policy.PIECES_WHEN_ONE_FITS
+])
+def test_scaling_pieces_variants_run_beside_the_defaults(flag: str, variant: str, switch: str) -> None:
+    """`run.py --scaling 2 --scaling-pieces-ring` (the automatic ring of pieces) and `--scaling-pieces-cut` (units the
+    ring holds once read in pieces): tiered's defaults with the switch the child sets in tiered.policy from the spec,
+    in the same rounds as the defaults, in group scaling-io; without --scaling each is refused."""
     cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--gpu-gb", "3",
-           "--scaling", "2", "--scaling-pieces-cut", "--repeat", "2", "--list"]
+           "--scaling", "2", flag, "--repeat", "2", "--list"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     lines = [ln.split(None, 2) for ln in r.stdout.splitlines()]
-    key = "main/tiered-defaults-pieces-cut/original/auto/cold/limit2"
+    key = f"main/tiered-defaults-{variant}/original/auto/cold/limit2"
     assert [ln[1] for ln in lines].count(f"{key}#1") == 1 and f"{key}#2" in [ln[1] for ln in lines], r.stdout
     row = next(ln for ln in lines if ln[1] == f"{key}#1")
-    assert row[0] == "scaling-io" and "'pieces_when_one_fits': True" in row[2] and "'ring_gb': None" in row[2], row
-    assert "pieces_when_one_fits" in (BENCH / "systems.py").read_text()  # the child applies it
-    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list",
-                        "--scaling-pieces-cut"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.returncode == 2 and "--scaling-pieces-cut needs --scaling" in r.stderr, r.stderr
-
-
-def test_scaling_pieces_ring_runs_beside_the_defaults() -> None:
-    """`run.py --scaling 2 --scaling-pieces-ring`: tiered's defaults with the automatic ring of pieces (the A/B of
-    tiered.policy.PIECE_RING_BYTES: the child sets tiered.policy.AUTO_RING_IN_PIECES from the spec) run in the same
-    rounds as the defaults and accelerate, in group scaling-io; without --scaling it is refused."""
-    cmd = [sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--gpu-gb", "3",
-           "--scaling", "2", "--scaling-pieces-ring", "--repeat", "2", "--list"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    lines = [ln.split(None, 2) for ln in r.stdout.splitlines()]
-    whole = "main/tiered-defaults-pieces-ring/original/auto/cold/limit2"
-    assert [ln[1] for ln in lines].count(f"{whole}#1") == 1 and f"{whole}#2" in [ln[1] for ln in lines], r.stdout
-    row = next(ln for ln in lines if ln[1] == f"{whole}#1")
-    assert row[0] == "scaling-io" and "'auto_ring_in_pieces': True" in row[2] and "'ring_gb': None" in row[2], row
-    assert "auto_ring_in_pieces" in (BENCH / "systems.py").read_text()  # the child applies it
-    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list",
-                        "--scaling-pieces-ring"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.returncode == 2 and "--scaling-pieces-ring needs --scaling" in r.stderr, r.stderr
+    assert row[0] == "scaling-io" and f"'{switch}': True" in row[2] and "'ring_gb': None" in row[2], row
+    assert switch in (BENCH / "systems.py").read_text()  # the child applies it
+    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list", flag],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and f"{flag} needs --scaling" in r.stderr, r.stderr
 
 
 def _run(group: str, system: str, lim: float, spt: float | None, n: int, status: str = "ok", *, cache: str = "cold",
