@@ -153,8 +153,7 @@ def pieces_ring_ok(plan: Plan, streamed: list[int], align: int) -> bool:
         return False
     room = piece_room(PIECE_RING_BYTES)
     for u in plan.units:
-        if u.coded_at is not None or any(getattr(c.src, "coded", None) is not None or c.decode is not None
-                                         for t in u.targets for c in t.copies):
+        if u.coded_at is not None or _decoded(u):
             return False
     for i in streamed:
         u = plan.units[i]
