@@ -108,6 +108,11 @@ import json, os, select, signal, sys, traceback
 import torch, transformers, tqdm.auto  # noqa: F401  the runtime, imported once
 transformers.LlamaForCausalLM  # resolve the lazy import
 import tiered.cli, tiered.reshard  # noqa: F401
+import tqdm.std
+
+# no tqdm monitor thread in the zygote: a fork while that thread held tqdm's write lock left the forked run waiting for
+# it forever (tqdm.__new__ -> TqdmDefaultWriteLock.acquire; a CI simulation of 2026-12-07 hung here for 600 s)
+tqdm.std.tqdm.monitor_interval = 0
 
 
 def readline():  # unbuffered: select() on fd 0 must see every line not yet read
@@ -140,7 +145,8 @@ while True:
             rc = 1
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        reply({"rc": rc})
+        import threading
+        reply({"rc": rc, "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()]})
         continue
     if "argv" not in req:
         continue  # a kill that arrived after its run had ended
@@ -155,6 +161,7 @@ while True:
             os.dup2(fd, 2)
             os.environ.update(req["env"])
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            tqdm.std.tqdm.set_lock(tqdm.std.TqdmDefaultWriteLock())  # a fresh lock: none held by a thread not forked
             rc = tiered.cli.main(req["argv"])
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
@@ -170,8 +177,12 @@ while True:
         ready, _, _ = select.select([0, pidfd], [], [])
         if pidfd in ready:
             break
-        if json.loads(readline() or b'{"kill": 0}').get("kill"):
+        got = readline()
+        if not got or json.loads(got).get("kill"):  # a kill, or the driver is gone (EOF): end the run
             os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+            if not got:
+                os.waitpid(pid, 0)
+                sys.exit(1)
     _, status = os.waitpid(pid, 0)
     os.close(pidfd)
     reply({"rc": os.waitstatus_to_exitcode(status)})
@@ -193,6 +204,10 @@ class ForkLauncher:
         line = self.z.stdout.readline()
         if not line or json.loads(line)["rc"] != 0:
             raise RuntimeError("the zygote's warm-up run failed")
+        left = json.loads(line).get("threads")
+        if left:  # a forked run inherits the locks such a thread holds at the fork, and can wait for them forever
+            raise RuntimeError(f"Python threads left in the zygote after its warm-up run: {left}; forked runs could "
+                               "deadlock on a lock one of them holds (stop the thread before forking)")
 
     def start(self, argv: list[str], env: dict[str, str], log: Path) -> ForkRun:
         return ForkRun(self.z, argv, env, log)
