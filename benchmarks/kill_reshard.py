@@ -104,7 +104,7 @@ class ExecRun:
 
 
 ZYGOTE = r"""
-import json, os, select, signal, sys, traceback
+import json, os, select, signal, sys, threading, traceback
 import torch, transformers, tqdm.auto  # noqa: F401  the runtime, imported once
 transformers.LlamaForCausalLM  # resolve the lazy import
 import tiered.cli, tiered.reshard  # noqa: F401
@@ -145,7 +145,6 @@ while True:
             rc = 1
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        import threading
         reply({"rc": rc, "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()]})
         continue
     if "argv" not in req:
