@@ -33,7 +33,8 @@ Prints a summary (runs per mode, kills per phase, DST states, failures) and exit
 Launchers: ``exec`` (default) starts a fresh interpreter per run, as a user does. ``fork`` forks
 every run from a zygote process that imported torch, transformers and tiered once, then calls
 ``tiered.cli.main`` (the same code as ``python -m tiered.cli``): a run costs ~0.5 s instead of
-several, so the CI test (``tests/test_reshard.py::test_kill_loop_script``) uses it.
+several. It hung twice in CI simulations of 2026-12-07 (once on tqdm's lock, fixed below; once more, cause open), so
+the CI test (``tests/test_reshard.py::test_kill_loop_script``) uses ``exec``.
 
 Usage: ``python benchmarks/kill_reshard.py --n 100`` (see ``--help``).
 """
