@@ -880,3 +880,95 @@ def test_stats_kept_after_the_model_is_dropped_hold_no_files(ckpts) -> None:
         time.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) <= before
     assert st.placement is None and st.expert_modules > 0  # the counters stay; the placement went with the model
+
+
+# ---------------------------------------------------------------------------------------------- exit mid-read
+
+
+def test_a_cancelled_job_never_submitted_does_not_hold_the_wait() -> None:
+    """``_wait_all`` returns once every job is finished or cancelled, also a cancelled one no reader thread ever took
+    (a Ctrl-C between ``jobs.append`` and ``pool.submit`` in ``Reader._go``, or a submit refused at interpreter exit):
+    ``concurrent.futures.wait`` alone waits for ever on it."""
+    from concurrent.futures import Future
+
+    from tiered.reader import _wait_all
+
+    done, ran = Future(), Future()
+    done.set_result(1)
+    pending = Future()
+    assert pending.cancel()  # CANCELLED, never notified: no worker will ever call set_running_or_notify_cancel
+    t = threading.Thread(target=_wait_all, args=([done, pending],), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "_wait_all waited for a cancelled job that was never submitted"
+    # a job still running is waited for (the cancel above must not make every job look done)
+    assert ran.set_running_or_notify_cancel()
+    t = threading.Thread(target=_wait_all, args=([ran],), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive(), "_wait_all returned while a job was still running"
+    ran.set_result(None)
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_a_refused_submit_fails_the_read_instead_of_hanging(ckpts: Checkpoints) -> None:
+    """A read whose reader threads are gone (their pool shut down: what interpreter exit does before ``atexit`` runs
+    tiered's close) fails at once with the pool's RuntimeError: the unit's first job was already in ``jobs`` when the
+    submit was refused, and it was cancelled without ever reaching a thread."""
+    m = tiered.load(ckpts["llama"], device="cpu", ring_gb=1.0, io="pread")
+    try:
+        rd = m._tiered.streamer.loader.reader
+        u = next(u for u in m._tiered.streamer.units if u.src_bytes)
+        dest = torch.empty(u.buf_bytes, dtype=torch.uint8)
+        rd.pool.shutdown(wait=True)
+        out: dict = {}
+
+        def read() -> None:
+            try:
+                rd.read_unit(u, dest)
+            except BaseException as e:  # noqa: BLE001
+                out["e"] = e
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "a read with a refused submit hung"
+        assert isinstance(out.get("e"), RuntimeError) and "cannot schedule" in str(out["e"]), out
+    finally:
+        m.close()
+
+
+EXIT_MID_READ_CHILD = """
+import sys, time, torch, tiered
+from tiered import faults
+d = sys.argv[1]
+m = tiered.load(d, device="cpu", ring_gb=float(sys.argv[2]), prefetch=2, io="pread")
+# every read request sleeps: when the script ends, the next pass's units are still being read, so the reader pool is
+# shut down (threading._shutdown) under a loader that goes on to submit the next unit's requests
+faults.inject("read", lambda **kw: time.sleep(0.3)).__enter__()
+with torch.no_grad():
+    m(torch.randint(0, 256, (1, 5)))
+print("EXITING", time.time(), flush=True)
+"""
+
+
+def test_a_script_that_ends_while_a_unit_is_read_exits_at_once(ckpts: Checkpoints) -> None:
+    """A script that ends without ``close()`` while a unit is being read exits within seconds, with status 0 and
+    nothing printed. Before the fix in ``_wait_all`` the loader thread waited for ever on a job the stopped pool
+    refused, and the exit took 3 x ``CLOSE_WAIT_S`` (90 s: the loader's, the reader's and the reaper's waits;
+    a Llama-3-8B-shaped checkpoint on the 2-core machine, found 2026-12-07)."""
+    probe = tiered.load(ckpts["llama"], device="cpu")
+    try:
+        ring = streaming_ring_gb(probe)
+    finally:
+        probe.close()
+    r = run_child(EXIT_MID_READ_CHILD, str(ckpts["llama"]), str(ring), timeout=200)
+    end = time.time()
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("EXITING")]
+    assert said, r.stdout[-2000:]
+    took = end - float(said[0].split()[1])
+    for bad in ("terminate called", "Exception ignored", "Traceback", "Fatal Python error"):
+        assert bad not in r.stderr, r.stderr[-3000:]
+    assert took < 20, f"the process took {took:.1f} s to exit after its script ended"

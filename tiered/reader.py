@@ -157,11 +157,18 @@ def _run_job(fut: Future, fn: Any, args: tuple) -> None:
 
 def _wait_all(jobs: list[Future]) -> None:
     """Until every job is done (finished or cancelled); a Ctrl-C meanwhile cancels the jobs not started yet and is
-    raised once the running ones have finished."""
+    raised once the running ones have finished.
+
+    A cancelled job counts as done at once (``Future.done()``): it never runs (:func:`_run_job` checks first), so the
+    memory it would have written may be freed. ``concurrent.futures.wait`` alone counts a cancelled future done only
+    once a worker has taken it off the pool's queue, which a job never submitted never is: a Ctrl-C between a job's
+    ``jobs.append`` and its ``pool.submit`` (:meth:`Reader._go`), or a submit refused at interpreter exit (the pool's
+    threads are stopped before ``atexit`` runs ``tiered``'s close), left the loader thread waiting for ever — a script
+    that ended while a unit was being read took 3 x ``CLOSE_WAIT_S`` = 90 s to exit (found 2026-12-07)."""
     interrupted: BaseException | None = None
     while True:
         try:
-            wait(jobs)
+            wait([f for f in jobs if not f.done()])
             break
         except BaseException as e:  # noqa: BLE001 - re-raised below
             interrupted = interrupted or e
