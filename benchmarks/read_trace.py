@@ -17,7 +17,9 @@ it runs, ``os.preadv`` (every disk read of the reader threads: O_DIRECT or buffe
   of task time outside ``preadv`` (staging copies, CRC-32, decode);
 * ``unit_gap_ms``: per unit, the time before its first request during which no request at all was in flight (0 when
   an earlier unit's read still was) — where the disk idled because the loader waited (ring space, a device buffer,
-  the model);
+  the model); ``unit_gap_before_call_ms_mean`` and ``unit_gap_call_to_first_read_ms_mean`` split it into the time
+  before the loader called the reader (ring room, the H2D before it, the model) and from that call to the unit's
+  first ``preadv`` (the reader's own submission), and ``unit_gaps`` lists each unit's gap and parts by name;
 * ``read_gbps``: bytes read / window.
 
 Figures are printed and, with ``--out``, written as JSON.
@@ -107,7 +109,8 @@ class Trace:
         out["task_busy"] = ttime / (threads * w)
         out["task_overhead"] = 1 - sum(b - a for a, b, _, _ in reads) / ttime if ttime else None
         out["threads_seen"] = len({r[3] for r in reads})
-        gaps = []
+        gaps: list[float] = []
+        each: list[dict] = []  # per unit: its name, the gap, and the gap's two parts
         starts = sorted(r[0] for r in reads)
         merged: list[list[float]] = []  # the union of the requests' intervals, in order
         for a, b, _, _ in sorted(reads):
@@ -124,11 +127,19 @@ class Trace:
                 continue
             j = bisect.bisect_left(m_starts, first) - 1  # the last stretch of reads that began before ``first``
             if j >= 0:  # no read in flight from that stretch's end to ``first`` (0: one still was)
-                gaps.append(max(0.0, first - merged[j][1]))
+                gap = max(0.0, first - merged[j][1])
+                gaps.append(gap)
+                # split: before the loader called the reader (ring room, the model, the H2D) and after (submission)
+                each.append({"unit": _, "gap_ms": round(gap * 1e3, 2),
+                             "before_call_ms": round(max(0.0, min(ut, first) - merged[j][1]) * 1e3, 2),
+                             "call_to_first_read_ms": round(max(0.0, first - max(ut, merged[j][1])) * 1e3, 2)})
         if gaps:
             out["unit_gap_ms_mean"] = statistics.mean(gaps) * 1e3
             out["unit_gap_ms_sum_per_s"] = sum(gaps) / w * 1e3
             out["units"] = len(gaps)
+            out["unit_gap_before_call_ms_mean"] = statistics.mean(e["before_call_ms"] for e in each)
+            out["unit_gap_call_to_first_read_ms_mean"] = statistics.mean(e["call_to_first_read_ms"] for e in each)
+            out["unit_gaps"] = each
         return out
 
 
