@@ -912,6 +912,36 @@ def test_a_cancelled_job_never_submitted_does_not_hold_the_wait() -> None:
     assert not t.is_alive()
 
 
+def test_a_second_interrupt_while_jobs_are_cancelled_still_waits_for_the_running_copy() -> None:
+    """A Ctrl-C landing while ``_wait_all`` cancels the jobs not started (the caller gave up after a first one) is
+    caught by the same guarded loop: the wait goes on until the running copy has finished, and only then is the
+    interrupt raised — never while a copy still writes into the slot the caller frees next (a helper's attack,
+    twenty-second session: before, the second Ctrl-C escaped from the cancel loop with the copy still running)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from tiered.reader import _run_job, _wait_all
+
+    class CtrlCOnCancel(Future):
+        hit = False
+
+        def cancel(self) -> bool:
+            if not self.hit:
+                self.hit = True
+                raise KeyboardInterrupt("second Ctrl-C")
+            return super().cancel()
+
+    with ThreadPoolExecutor(1) as pool:
+        started = threading.Event()
+        copying = Future()
+        pool.submit(_run_job, copying, lambda: (started.set(), time.sleep(0.5)), ())
+        assert started.wait(10)
+        other = CtrlCOnCancel()
+        with pytest.raises(KeyboardInterrupt):
+            _wait_all([copying, other], cancel=True)
+        assert copying.done() and not copying.cancelled(), "the wait ended while a copy was still running"
+        assert other.hit and other.cancelled()
+
+
 def test_a_refused_submit_fails_the_read_instead_of_hanging(ckpts: Checkpoints) -> None:
     """A read whose reader threads are gone (their pool shut down: what interpreter exit does before ``atexit`` runs
     tiered's close) fails at once with the pool's RuntimeError: the unit's first job was already in ``jobs`` when the

@@ -155,25 +155,34 @@ def _run_job(fut: Future, fn: Any, args: tuple) -> None:
         fut.set_exception(e)
 
 
-def _wait_all(jobs: list[Future]) -> None:
-    """Until every job is done (finished or cancelled); a Ctrl-C meanwhile cancels the jobs not started yet and is
-    raised once the running ones have finished.
+#: The states of a job that will never write again (``concurrent.futures``' own names).
+_OVER = ("CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED")
 
-    A cancelled job counts as done at once (``Future.done()``): it never runs (:func:`_run_job` checks first), so the
-    memory it would have written may be freed. ``concurrent.futures.wait`` alone counts a cancelled future done only
-    once a worker has taken it off the pool's queue, which a job never submitted never is: a Ctrl-C between a job's
-    ``jobs.append`` and its ``pool.submit`` (:meth:`Reader._go`), or a submit refused at interpreter exit (the pool's
-    threads are stopped before ``atexit`` runs ``tiered``'s close), left the loader thread waiting for ever — a script
-    that ended while a unit was being read took 3 x ``CLOSE_WAIT_S`` = 90 s to exit (found 2026-12-07)."""
+
+def _wait_all(jobs: list[Future], *, cancel: bool = False) -> None:
+    """Until every job is done (finished or cancelled); a Ctrl-C meanwhile cancels the jobs not started yet and is
+    raised once the running ones have finished. ``cancel``: cancel the jobs not started yet first (the caller is
+    giving up: an error or an interrupt) — inside the same guarded loop, so that a second Ctrl-C landing while they are
+    cancelled is caught too and the wait goes on (before, it escaped from the caller's cancel loop while a copy still
+    wrote into the slot the caller then freed: a helper's attack, twenty-second session).
+
+    A cancelled job counts as done at once: it never runs (:func:`_run_job` checks first), so the memory it would
+    have written may be freed. ``concurrent.futures.wait`` alone counts a cancelled future done only once a worker has
+    taken it off the pool's queue, which a job never submitted never is: a Ctrl-C between a job's ``jobs.append`` and
+    its ``pool.submit`` (:meth:`Reader._go`), or a submit refused at interpreter exit (the pool's threads are stopped
+    before ``atexit`` runs ``tiered``'s close), left the loader thread waiting for ever — a script that ended while a
+    unit was being read took 3 x ``CLOSE_WAIT_S`` = 90 s to exit (found 2026-12-07). The state is read without the
+    future's lock (one attribute read): an interrupt inside a ``Condition``'s ``__enter__`` can leave that lock held."""
     interrupted: BaseException | None = None
     while True:
         try:
-            wait([f for f in jobs if not f.done()])
+            if cancel or interrupted is not None:
+                for f in jobs:
+                    f.cancel()
+            wait([f for f in jobs if f._state not in _OVER])
             break
-        except BaseException as e:  # noqa: BLE001 - re-raised below
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once nothing writes any more
             interrupted = interrupted or e
-            for f in jobs:
-                f.cancel()
     if interrupted is not None:
         raise interrupted
 
@@ -841,9 +850,7 @@ class Reader:
     def cancel(jobs: list[Future]) -> None:
         """Cancel the jobs not started yet and wait for the running ones (their errors are dropped): the slot they
         write into may then be freed."""
-        for f in jobs:
-            f.cancel()
-        _wait_all(jobs)
+        _wait_all(jobs, cancel=True)
 
     def copy_all(self, unit: Unit, pairs: list[tuple[TensorInfo, torch.Tensor]], also=None, *,
                  chunk: int | None = None) -> None:
@@ -860,9 +867,9 @@ class Reader:
             if also is not None:
                 also()
         except BaseException:
-            for f in jobs:  # copies not started yet never start (also one a Ctrl-C left unsubmitted)
-                f.cancel()
-            _wait_all(jobs)  # never leave a copy writing into memory the caller is about to free
+            # copies not started yet never start (also one a Ctrl-C left unsubmitted); never leave a copy writing
+            # into memory the caller is about to free
+            _wait_all(jobs, cancel=True)
             raise
         _wait_all(jobs)
         for f in jobs:
