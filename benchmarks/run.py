@@ -57,6 +57,12 @@ sys.path.insert(0, str(HERE))
 import cgroup  # noqa: E402  (benchmarks/cgroup.py: stdlib only)
 import steps  # noqa: E402  (benchmarks/steps.py: the step suites, stdlib only)
 
+#: The run options passed to the child (benchmarks/systems.py) in its spec's ``extra``: tiered.load arguments and the
+#: module switches the A/B variants set. Every key systems.py reads from ``spec.extra`` is here
+#: (tests/test_bench_quick.py checks both lists).
+SPEC_EXTRA = ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces", "direct_chunk_mib", "slot_direct",
+              "read_shapes", "pieces_when_one_fits")
+
 GiB = 1 << 30
 
 __all__ = ["main", "build_plan", "machine_info", "SUITES"]
@@ -627,9 +633,11 @@ class Runner:
                 "new_tokens": rd.new_tokens, "device": "cuda" if self.cuda else "cpu", "cold": rd.cache == "cold",
                 "io": rd.io, "threads": a.threads, "prefetch": a.prefetch, "offload_folder": str(offload),
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
-                "extra": {k: v for k, v in opts.items()
-                          if k in ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces",
-                                   "direct_chunk_mib", "slot_direct", "read_shapes")}}
+                "extra": {k: v for k, v in opts.items() if k in SPEC_EXTRA}}
+        lost = sorted(set(opts) - set(SPEC_EXTRA) - {"ring_gb", "gpu_gb", "cpu_gb"})
+        if lost:  # (the twenty-fourth session's A/B ran defaults twice: a switch dropped here never reached the child)
+            raise SystemExit(f"run.py: run {rd.key} sets {lost}, which the child's spec does not carry; add them to "
+                             "SPEC_EXTRA and handle them in benchmarks/systems.py")
         if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:
             row["adjacent_ceilings"] = self.disk_ceilings()  # the disk's rate now, beside this run (it drifts)
             left = self.left()

@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The keys of a spec's ``extra`` passed to ``tiered.load`` as they are (the others are module switches, set below)
+LOAD_EXTRA = ("drop_page_cache", "host_gb", "zero_copy")
 GiB = 1 << 30
 
 __all__ = ["Spec", "SYSTEMS", "main"]
@@ -274,7 +276,7 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,
                             threads=spec.threads, prefetch=spec.prefetch, io=spec.io,
-                            **{k: v for k, v in spec.extra.items() if k in ("drop_page_cache", "host_gb", "zero_copy")})
+                            **{k: v for k, v in spec.extra.items() if k in LOAD_EXTRA})
     except ConfigError as e:
         if "io=" in str(e):
             raise NotRun(f"io={spec.io!r} not available in this tiered: {e}") from e

@@ -462,10 +462,27 @@ def test_scaling_pieces_variants_run_beside_the_defaults(flag: str, variant: str
     assert [ln[1] for ln in lines].count(f"{key}#1") == 1 and f"{key}#2" in [ln[1] for ln in lines], r.stdout
     row = next(ln for ln in lines if ln[1] == f"{key}#1")
     assert row[0] == "scaling-io" and f"'{switch}': True" in row[2] and "'ring_gb': None" in row[2], row
-    assert switch in (BENCH / "systems.py").read_text()  # the child applies it
+    assert f'"{switch}" in spec.extra' in (BENCH / "systems.py").read_text()  # the child applies it
+    import run
+
+    assert switch in run.SPEC_EXTRA  # and the spec carries it there (the twenty-fourth session's A/B lost it)
     r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list", flag],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and f"{flag} needs --scaling" in r.stderr, r.stderr
+
+
+def test_every_switch_the_child_reads_is_one_run_py_passes() -> None:
+    """run.py passes a run's options in its spec's ``extra`` only where the key is in ``run.SPEC_EXTRA``; systems.py
+    applies each ``"key" in spec.extra``. Both lists are the same (but twins.py's own ``merge_staged_reads``), so no
+    A/B switch is dropped on the way to the child, as ``pieces_when_one_fits`` was."""
+    import re
+
+    import run
+
+    src = (BENCH / "systems.py").read_text()
+    read = set(re.findall(r'"(\w+)" in spec\.extra', src))
+    read |= set(re.findall(r'"(\w+)"', re.search(r"^LOAD_EXTRA = \(([^)]*)\)", src, re.M).group(1)))
+    assert read - {"merge_staged_reads"} == set(run.SPEC_EXTRA), (read, run.SPEC_EXTRA)
 
 
 def _run(group: str, system: str, lim: float, spt: float | None, n: int, status: str = "ok", *, cache: str = "cold",
