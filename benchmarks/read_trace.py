@@ -78,10 +78,10 @@ class Trace:
         for name in ("start_unit", "read_unit"):  # a piece's reads submitted; a whole unit read (synchronous)
             real = getattr(rd.Reader, name)
 
-            def unit_wrapped(self, unit, slot, _real=real):
+            def unit_wrapped(self, unit, slot, *a, _real=real, **k):
                 with trace.lock:
                     trace.units.append((time.perf_counter(), unit.name))
-                return _real(self, unit, slot)
+                return _real(self, unit, slot, *a, **k)
 
             setattr(rd.Reader, name, unit_wrapped)
 
@@ -153,7 +153,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--tokens", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
+                   help="set tiered.policy.NAME (an A/B switch, e.g. HEAD_IN_RING_PIECES=1) before loading; repeatable")
     a = p.parse_args()
+    import tiered.policy
+
+    for kv in a.policy:
+        name, _, value = kv.partition("=")
+        if not hasattr(tiered.policy, name):
+            p.error(f"--policy {kv}: tiered.policy has no {name}")
+        old = getattr(tiered.policy, name)
+        setattr(tiered.policy, name, type(old)(int(value)) if isinstance(old, (bool, int)) else type(old)(value))
     tr = Trace()
     tr.install()
     res = {}

@@ -61,7 +61,7 @@ import steps  # noqa: E402  (benchmarks/steps.py: the step suites, stdlib only)
 #: module switches the A/B variants set. Every key systems.py reads from ``spec.extra`` is here
 #: (tests/test_bench_quick.py checks both lists).
 SPEC_EXTRA = ("drop_page_cache", "host_gb", "zero_copy", "auto_ring_in_pieces", "direct_chunk_mib", "slot_direct",
-              "read_shapes", "pieces_when_one_fits")
+              "read_shapes", "pieces_when_one_fits", "head_in_ring_pieces")
 
 GiB = 1 << 30
 
@@ -293,6 +293,13 @@ def build_plan(a: argparse.Namespace, cuda: bool) -> tuple[dict[str, Ckpt], list
         if a.scaling_pieces_cut:
             r = R("scaling-io", "tiered", "defaults-pieces-cut", cache="cold", limit=bool(lim), io="auto",
                   opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "pieces_when_one_fits": True},
+                  new_tokens=slow)
+            runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
+        # --scaling-head-pieces: the defaults with a head the ring holds but not beside a layer read in pieces through
+        # ring slots of its own on the CPU (tiered.policy.HEAD_IN_RING_PIECES on): its A/B
+        if a.scaling_head_pieces:
+            r = R("scaling-io", "tiered", "defaults-head-pieces", cache="cold", limit=bool(lim), io="auto",
+                  opts={"ring_gb": None, "gpu_gb": a.gpu_gb if cuda else None, "head_in_ring_pieces": True},
                   new_tokens=slow)
             runs.append(dataclasses.replace(r, key=f"main/{r.system}-{r.variant}/original/{r.io}/cold/{tag}", mem_gb=lim))
         # --scaling-direct-chunk-mib: the defaults with tiered.reader.DIRECT_CHUNK (the O_DIRECT request size) set
@@ -828,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --scaling: also run tiered's defaults with the automatic ring of three pieces on CUDA "
                         "(tiered.policy.AUTO_RING_IN_PIECES on; the rest of the memory to the host tier) at every "
                         "limit, in the same rounds (group scaling-io)")
+    p.add_argument("--scaling-head-pieces", action="store_true",
+                   help="with --scaling: also run tiered's defaults with a head the ring holds but not beside a layer "
+                        "read in pieces through ring slots of its own on the CPU (tiered.policy.HEAD_IN_RING_PIECES "
+                        "on) at every limit, in the same rounds (group scaling-io): its A/B")
     p.add_argument("--scaling-pieces-cut", action="store_true",
                    help="with --scaling: also run tiered's defaults with every unit the ring holds whole but not twice "
                         "read in pieces on CUDA (tiered.policy.PIECES_WHEN_ONE_FITS on) at every limit, in the same "
@@ -895,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--scaling-io needs --scaling")
     if a.scaling_pieces_ring and not a.scaling:
         p.error("--scaling-pieces-ring needs --scaling")
+    if a.scaling_head_pieces and not a.scaling:
+        p.error("--scaling-head-pieces needs --scaling")
     if a.scaling_pieces_cut and not a.scaling:
         p.error("--scaling-pieces-cut needs --scaling")
     if a.scaling and a.groups == ",".join(GROUPS):

@@ -272,6 +272,10 @@ def run_tiered(spec: Spec) -> dict[str, Any]:
         import tiered.policy
 
         tiered.policy.PIECES_WHEN_ONE_FITS = bool(spec.extra["pieces_when_one_fits"])
+    if "head_in_ring_pieces" in spec.extra:  # run.py --scaling-head-pieces (an A/B switch)
+        import tiered.policy
+
+        tiered.policy.HEAD_IN_RING_PIECES = bool(spec.extra["head_in_ring_pieces"])
     b.start_load()
     try:
         model = tiered.load(spec.model_dir, ring_gb=spec.ring_gb, device=spec.device, gpu_gb=spec.gpu_gb,

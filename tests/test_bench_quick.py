@@ -448,6 +448,7 @@ def test_scaling_io_forces_the_read_backend_beside_the_defaults_and_is_held_agai
 @pytest.mark.parametrize(("flag", "variant", "switch"), [
     ("--scaling-pieces-ring", "pieces-ring", "auto_ring_in_pieces"),  # the A/B of tiered.policy.PIECE_RING_BYTES
     ("--scaling-pieces-cut", "pieces-cut", "pieces_when_one_fits"),  # of tiered.policy.PIECES_WHEN_ONE_FITS
+    ("--scaling-head-pieces", "head-pieces", "head_in_ring_pieces"),  # of tiered.policy.HEAD_IN_RING_PIECES
 ])
 def test_scaling_pieces_variants_run_beside_the_defaults(flag: str, variant: str, switch: str) -> None:
     """`run.py --scaling 2 --scaling-pieces-ring` (the automatic ring of pieces) and `--scaling-pieces-cut` (units the

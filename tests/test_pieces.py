@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -341,3 +343,114 @@ def test_host_tier_pieces_of_a_stored_unit_count_their_real_slots(exp3_plan, mon
         slot = max(plan.units[i].dev_bytes if i in p.pieces else plan.units[i].buf_bytes for i in copied)
         assert slot < max(plan.units[i].buf_bytes for i in copied)  # (the largest units are the pieces' ones)
         assert p.device_buffer_bytes == 3 * tapi.device_slot_bytes(slot)  # prefetch + 1
+
+
+def _untied_llama(path, dtype=torch.float32):
+    """A Llama with an untied 8192 x 64 head (2 MiB in fp32), three 0.14 MiB layers, shards of 300 KB."""
+    import models
+
+    cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return models.save_model(transformers.LlamaForCausalLM(cfg), path, seed=3, dtype=dtype, max_shard_size="300KB")
+
+
+def _head_ring_gb(dtype=torch.float32) -> float:
+    """A ring that holds the head whole (2 MiB + 100 KiB), not beside a layer."""
+    return (8192 * 64 * dtype.itemsize + (100 << 10)) / GiB
+
+
+@pytest.mark.parametrize("io", ["pread", "direct"])
+def test_a_head_the_ring_holds_once_reads_in_pieces_through_slots_of_its_own(tmp_path, monkeypatch, io):
+    """``HEAD_IN_RING_PIECES`` (CPU): a head the ring holds but not beside a layer is read in pieces of rows through
+    three ring slots of its own (tiered/linear_pieces.py ``RingLinearPieces``) and computed as they land: logits of a
+    prompt and of one token and greedy generate equal stock's bit for bit (the piece's address keeps the head's
+    modulo 64: in a page-aligned slot the fp32 sums were 4.8e-7 off), the head's bytes count as streamed on every
+    call, the ring's high water stays within it; switched off, the head streams whole through the ring."""
+    d = _untied_llama(tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d)
+    ids = torch.tensor([[7, 8191, 0, 4000, 7]])
+    monkeypatch.setattr(tapi, "HEAD_IN_RING_PIECES", True)
+    monkeypatch.setattr(tapi, "HEAD_PIECE_BYTES", 256 << 10)  # 1024 rows: eight pieces
+    try:
+        m = tiered.load(d, device="cpu", ring_gb=_head_ring_gb(), io=io)
+    except tiered.ConfigError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    with m, torch.no_grad():
+        h, s = m._tiered, tiered.stats(m)
+        head = next(u for u in h.plan.units if u.name == "lm_head")
+        assert s.placement.head_pieces == {head.index: 1024} and len(h.head_slots[head.index]) == tapi.HEAD_PIECE_SLOTS
+        for x in (ids, ids[:, :1], ids):
+            before = s.streamed_bytes
+            assert torch.equal(m(x).logits, ref(x).logits)
+            assert s.streamed_bytes - before >= head.nbytes
+        assert torch.equal(m.generate(ids, max_new_tokens=5, do_sample=False),
+                           ref.generate(ids, max_new_tokens=5, do_sample=False))
+        assert 0 < s.ring_high_water <= s.ring_bytes and s.piece_units == 1
+    monkeypatch.setattr(tapi, "HEAD_IN_RING_PIECES", False)
+    with tiered.load(d, device="cpu", ring_gb=_head_ring_gb(), io=io) as m, torch.no_grad():
+        assert m._tiered.placement.head_pieces == {} and not m._tiered.head_slots
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+
+
+def test_a_failed_read_of_a_head_piece_cancels_the_rest_and_the_next_call_is_exact(tmp_path, monkeypatch):
+    """A read of one of the head's pieces fails (the ``read`` fault seam, the fourth piece): the call raises that
+    error after the reads still in flight into the head's slots were cancelled or finished, and the next calls,
+    which read into the same slots, equal stock's bit for bit. Where the pieces do not give the whole product's bits
+    (the check at load, forced here), the head streams whole instead of being refused."""
+    from tiered import faults
+
+    d = _untied_llama(tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d)
+    ids = torch.tensor([[7, 8191, 0, 4000, 7]])
+    monkeypatch.setattr(tapi, "HEAD_IN_RING_PIECES", True)
+    monkeypatch.setattr(tapi, "HEAD_PIECE_BYTES", 256 << 10)
+    with tiered.load(d, device="cpu", ring_gb=_head_ring_gb(), io="pread") as m, torch.no_grad():
+        head = next(u for u in m._tiered.plan.units if u.name == "lm_head")
+        assert m._tiered.placement.head_pieces
+        first = [p[0].targets[0].copies[0].src.offset for p in m._tiered.linear[0].pieces]
+        running = threading.Event()
+
+        def fail(**info):
+            if info.get("unit") != "lm_head":
+                return
+            if info.get("offset") == first[3]:
+                raise OSError(5, "injected: the fourth piece")
+            if info.get("offset") == first[4]:  # in flight when the fourth fails: it must end before the call does
+                running.set()
+                time.sleep(0.5)
+                running.clear()
+
+        with faults.inject("read", fail), pytest.raises(OSError, match="fourth piece"):
+            m(ids)
+        assert not running.is_set()  # no read still writes into the head's slots
+        for x in (ids, ids[:, :1]):
+            assert torch.equal(m(x).logits, ref(x).logits)
+        assert head.index in m._tiered.placement.head_pieces
+    monkeypatch.setattr(tiered.api, "pieces_exact", lambda *a: False)
+    with tiered.load(d, device="cpu", ring_gb=_head_ring_gb(), io="pread") as m, torch.no_grad():
+        assert m._tiered.placement.head_pieces == {}
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+
+
+def test_choose_head_pieces_thresholds(monkeypatch):
+    """``choose_head_pieces``: off, nothing; on, the largest eligible copied unit the ring holds but not beside the
+    largest other, where the ring less the slots still holds two of those; not one the ring holds beside a layer,
+    nor one smaller than its slots, nor an ineligible one."""
+    from types import SimpleNamespace as NS
+
+    class Plan:
+        units = [NS(index=i, nbytes=n, targets=[NS(attr="weight", shape=(n // 256, 64), dtype=torch.float32)])
+                 for i, n in enumerate([150 << 10, 150 << 10, 2 << 20])]
+
+    need = [u.nbytes for u in Plan.units]
+    yes = lambda u: True  # noqa: E731
+    monkeypatch.setattr(tapi, "HEAD_PIECE_BYTES", 256 << 10)
+    ring = page_up(2 << 20) + (100 << 10)
+    assert tapi.choose_head_pieces(Plan, [0, 1, 2], [0, 1, 2], need, ring, yes) == {}  # off
+    monkeypatch.setattr(tapi, "HEAD_IN_RING_PIECES", True)
+    assert tapi.choose_head_pieces(Plan, [0, 1, 2], [0, 1, 2], need, ring, yes) == {2: 1024}
+    assert tapi.choose_head_pieces(Plan, [0, 1, 2], [0, 1, 2], need, ring, lambda u: u.index != 2) == {}
+    assert tapi.choose_head_pieces(Plan, [0, 1], [0, 1, 2], need, ring, yes) == {}  # the head is not copied
+    assert tapi.choose_head_pieces(Plan, [0, 1, 2], [0, 1, 2], need, page_up(2 << 20) + (200 << 10), yes) == {}
+    monkeypatch.setattr(tapi, "HEAD_PIECE_BYTES", 700 << 10)  # the slots and two layers exceed the ring
+    assert tapi.choose_head_pieces(Plan, [0, 1, 2], [0, 1, 2], need, ring, yes) == {}

@@ -32,7 +32,7 @@ from .guard import CallGuard
 from .hooks import allow_one_compile_per_unit, unit_hooks, wrap_class
 from .hostmem import page_up
 from .lifecycle import Handle, ensure_atexit, live_add, on_drop, unique
-from .linear_pieces import LinearPieces, pieces_exact
+from .linear_pieces import LinearPieces, RingLinearPieces, pieces_exact
 from .machine import gather, usable_cores
 from .meta import build_meta_model, load_generation_config, materialize_meta_buffers, meta_model_from_dir
 from .options import OPTION_DOCS, Options
@@ -256,6 +256,7 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     h.reader.on_decoded = h.stats.add_decoded
     h.reader.on_slot_direct = h.stats.add_slot_direct
     _check_linear_pieces(h, p)
+    _head_slots(h, p)
     specs = p.specs
     if p.host_ring_bytes or p.host_experts:
         what = f"a {(p.host_ring_bytes + p.host_expert_bytes) / GiB:.3f} GiB host tier"
@@ -265,8 +266,8 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
             h.host_experts = _allocate(lambda: HostExperts([specs[i] for i in p.host_experts], dev), what, "lower host_gb")
     host = set(p.host)
     h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=opts.prefetch, resident=set(p.resident), stats=h.stats,
-                          rows=set(p.rows) | set(p.linear_pieces), dist=dist, host=host, host_ring=h.host_ring,
-                          mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces,
+                          rows=set(p.rows) | set(p.linear_pieces) | set(p.head_pieces), dist=dist, host=host,
+                          host_ring=h.host_ring, mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces,
                           linear_pieces=set(p.linear_pieces))
     if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
         progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in p.resident) >= GiB
@@ -331,6 +332,21 @@ def _check_linear_pieces(h: Handle, p: Placement) -> None:
                 f"(checked at load); pass ring_gb >= {gib_up(page_up(u.nbytes))}")
 
 
+def _head_slots(h: Handle, p: Placement) -> None:
+    """CPU: the ring slots of the head the placement reads in pieces through slots of its own (``p.head_pieces``,
+    :class:`~tiered.linear_pieces.RingLinearPieces`), taken once, before anything streams, and held until close. A
+    head whose pieces do not give the whole product's bits on this machine (:func:`~tiered.linear_pieces.pieces_exact`,
+    checked here as for a head larger than the ring) streams whole instead, as without this."""
+    assert h.reader is not None and h.ring is not None
+    for i, rows in list(p.head_pieces.items()):
+        u = h.plan.units[i]
+        if not pieces_exact(u, h.reader.maps, rows):
+            del p.head_pieces[i]
+            continue
+        h.head_slots[i] = [h.ring.alloc(_policy.head_piece_slot_bytes(), f"{u.name} (its pieces)", wait=False)
+                           for _ in range(_policy.HEAD_PIECE_SLOTS)]
+
+
 def _allocate(make: Any, what: str, fix: str, verb: str = "allocate",
               errors: tuple[type[BaseException], ...] = (OSError, MemoryError)) -> Any:
     """``make()``, with an allocation failure (``errors``; the device's: ``RuntimeError``, which
@@ -350,7 +366,7 @@ def _stats_from(s: Stats, plan: Plan, p: Placement, job: _dist.Dist | _dist.Sing
     s.model_bytes = plan.weight_bytes + sum(sp.num_experts * sp.expert_bytes for sp in p.specs)
     s.units, s.resident_units, s.resident_bytes = len(plan.units), len(p.resident), p.resident_bytes_of(plan)
     s.row_units, s.expert_modules, s.mapped_units = len(p.rows), len(p.specs), len(p.mapped)
-    s.piece_units = len(p.pieces)
+    s.piece_units = len(p.pieces) + len(p.head_pieces)
     s._placement = weakref.ref(p)  # the handle holds it: a Stats kept after the model is dropped holds no module
 
 
@@ -367,6 +383,11 @@ def _install_hooks(h: Handle, p: Placement) -> None:
             lp = LinearPieces(u, h.reader.maps, p.linear_pieces[u.index], h.stats, ring=h.ring)
             h.linear.append(lp)
             h.hooks.append(CallGuard(u.module, lp.bind, lp.restore, u.name, lock=lp.lock, run=lp.forward))
+            continue
+        if u.index in p.head_pieces:  # read in pieces through ring slots of its own as it computes, no streamer
+            rp = RingLinearPieces(u, h.reader, h.head_slots[u.index], p.head_pieces[u.index], h.stats)
+            h.linear.append(rp)
+            h.hooks.append(CallGuard(u.module, rp.bind, rp.restore, u.name, lock=rp.lock, run=rp.forward))
             continue
         if u.index in rows:  # reads its looked-up rows itself: no ring, no streamer
             rg = RowGather(u, dev, h.stats)

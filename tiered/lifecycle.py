@@ -54,6 +54,7 @@ class Handle:
         self.rows: list[Any] = []  # RowGather per row-streamed embedding
         self.experts: list[Any] = []  # ExpertGather per routed experts module
         self.linear: list[Any] = []  # LinearPieces per linear unit computed in pieces (CPU)
+        self.head_slots: dict[int, list] = {}  # CPU: the ring slots of a head read in pieces (RingLinearPieces)
         self.expert_staging: Ring | None = None  # CUDA: pinned staging of the routed experts
         self.expert_cache: ExpertCache | None = None  # routed experts kept on the device
         self.closed = False

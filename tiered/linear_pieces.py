@@ -49,11 +49,12 @@ from torch import nn
 from .binding import follow_requires_grad
 from .errors import RingTooSmallError, StreamerError
 from .guard import foreign_forward
-from .hostmem import page_up
+from .hostmem import PAGE_SIZE, page_up
 from .plan import Unit
 from .reader import zero_copy_eligible
 
-__all__ = ["linear_piece_eligible", "piece_rows_for", "pieces_exact", "LinearPieces"]
+__all__ = ["linear_piece_eligible", "piece_rows_for", "pieces_exact", "LinearPieces", "RingLinearPieces",
+           "ring_piece_eligible"]
 
 
 def linear_piece_eligible(unit: Unit) -> bool:
@@ -66,6 +67,15 @@ def linear_piece_eligible(unit: Unit) -> bool:
     if attrs not in ({"weight"}, {"weight", "bias"}) or any(t.module is not m for t in unit.targets):
         return False
     return zero_copy_eligible(unit) and len(_weight(unit).shape) == 2
+
+
+def ring_piece_eligible(unit: Unit) -> bool:
+    """Whether ``unit`` can be read and computed in pieces through ring slots (:class:`RingLinearPieces`): a
+    :func:`linear_piece_eligible` unit with a weight only, read without a conversion."""
+    if not linear_piece_eligible(unit) or len(unit.targets) != 1 or unit.converts or unit.coded_at is not None:
+        return False
+    t = unit.targets[0]
+    return len(t.copies) == 1 and t.copies[0].decode is None and t.copies[0].place is None
 
 
 def _weight(unit: Unit) -> Any:
@@ -230,3 +240,117 @@ def pieces_exact(unit: Unit, maps: dict, piece_rows: int) -> bool:
             w = bias = None
             lp._drop(lo, hi)
     return True
+
+
+class RingLinearPieces:
+    """CPU: one eligible linear unit (a head) the ring holds whole but not beside the next unit, read in pieces of
+    output rows through a few ring slots of its own and computed piece by piece as each read lands.
+
+    Why: on the CPU a unit computes on its ring slot. Where the ring holds the head but not the head and a layer (the
+    Llama-3-8B shape in a 2 GiB cgroup: a 0.98 GiB ``lm_head`` in a 1.197 GiB ring beside 0.41 GiB layers), the head's
+    read waits for the last layer's compute and the next pass's first layer waits for the head's compute: the disk
+    idled 35-55 and 80-107 ms of each 1.3 s token there (``benchmarks/read_trace.py``, ``benchmarks/NOTES.md``,
+    twenty-second session). In pieces the head takes :data:`tiered.policy.HEAD_PIECE_SLOTS` slots of
+    :data:`tiered.policy.HEAD_PIECE_BYTES` (taken from the ring once, at load, and held until close: the ring's bound
+    holds), so the layers keep the rest of the ring and are loaded ahead across the head, and a piece is read while
+    the one before it is computed.
+
+    Reads: the reader threads (``Reader.start_unit``: O_DIRECT or ``pread``, as the reader chose), each piece into
+    its slot (shifted so that O_DIRECT lands straight in it, :func:`tiered.reader.slot_shift`); up to one piece per
+    slot in flight. Compute: on the caller's thread, ``out[..., a:b] = F.linear(x, W[a:b])`` on the slot's bytes,
+    then the slot is read into again. Exactness as :class:`LinearPieces` (checked at load, :func:`pieces_exact`).
+    An exception or interrupt cancels the reads in flight and waits for the running ones before it propagates, so
+    no reader writes into a slot the next call reads.
+
+    Args:
+        unit: a :func:`ring_piece_eligible` unit (a weight only, no bias).
+        reader: the model's :class:`~tiered.reader.Reader`.
+        slots: the ring slots this unit reads into (``Ring.alloc`` at load; freed by the handle at close).
+        piece_rows: rows per piece (a multiple of :data:`PIECE_ALIGN`; a piece's bytes fit a slot with its shift).
+        stats: the model's ``Stats``.
+    """
+
+    def __init__(self, unit: Unit, reader: Any, slots: list, piece_rows: int, stats: Any) -> None:
+        from . import dist as _dist
+        from . import reader as _reader
+        from .plan import CPU_ALIGN
+
+        self.unit, self.reader, self.slots, self.stats = unit, reader, slots, stats
+        w = _weight(unit)
+        self.w = w.copies[0].src
+        self.rows, self.k = w.shape[0], w.shape[1]
+        self.dtype = w.dtype
+        row = self.k * w.dtype.itemsize
+        self.pieces: list[tuple[Unit, int, int, int]] = []  # (piece, first row, end row, shift)
+        for a in range(0, self.rows, piece_rows):
+            b = min(self.rows, a + piece_rows)
+            runs = _dist.plain_runs(unit.targets, w.offset + a * row, w.offset + b * row)
+            assert runs is not None, unit.name
+            piece = Unit(unit.index, unit.name, None, runs, nbytes=(b - a) * row,  # type: ignore[arg-type]
+                         src_bytes=sum(r.copies[0].nbytes for r in runs))
+            # where the piece starts in its slot: at its layout offset modulo CPU_ALIGN, the address a whole unit's
+            # weight has in its slot (the plan keeps stock's: the kernel's sums depend on it, 4.8e-7 off in fp32
+            # otherwise), and at its file offset modulo the page where that agrees, so O_DIRECT reads straight in
+            want = (w.offset + a * row) % CPU_ALIGN
+            page = (self.w.offset + a * row) % PAGE_SIZE
+            shift = page if page % CPU_ALIGN == want and _reader.SLOT_DIRECT else want
+            assert all(s.size >= shift + piece.nbytes for s in slots), (unit.name, shift, piece.nbytes)
+            self.pieces.append((piece, a, b, shift))
+        self.placeholder = next((t.module._parameters.get(t.attr) for t in unit.targets if t.attr == "weight"), None)
+        self.closed = False
+        self.lock = threading.Lock()  # the module's CallGuard lock: its calls one at a time
+
+    def _start(self, flight: list, j: int) -> None:
+        """Queue piece ``j``'s read into its slot; its jobs are in ``flight`` before any is queued (an interrupt
+        cannot lose one)."""
+        piece, _a, _b, shift = self.pieces[j]
+        slot = self.slots[j % len(self.slots)]
+        view = slot.view[shift : shift + piece.nbytes]
+        jobs: list = []
+        flight.append((jobs, view))
+        self.reader.start_unit(piece, view, jobs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, weight)`` in pieces of output rows read through the unit's slots: ``(..., in) -> (..., out)``
+        in ``x``'s dtype. Raises the reader's errors (``ShardChangedError``, ``OSError``) after cancelling the rest."""
+        if self.closed:
+            raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
+        t0 = time.perf_counter()
+        out = torch.empty((*x.shape[:-1], self.rows), dtype=x.dtype, device=x.device)
+        flight: list = []  # (jobs, view) in piece order, one per slot at most
+        n = len(self.pieces)
+        try:
+            for j in range(min(len(self.slots), n)):
+                self._start(flight, j)
+            for j in range(n):
+                jobs, view = flight[0]
+                self.reader.finish(jobs)
+                _piece, a, b, _s = self.pieces[j]
+                w = view.view(self.dtype).view(b - a, self.k)
+                if self.placeholder is not None and torch.is_grad_enabled():  # stock's flags; backward refused
+                    w = follow_requires_grad(nn.Parameter(w, requires_grad=False), self.placeholder,
+                                             key=f"{self.unit.name}.weight")
+                out[..., a:b] = F.linear(x, w)
+                del w
+                flight.pop(0)  # its slot is free again: read the piece that goes there next
+                if j + len(self.slots) < n:
+                    self._start(flight, j + len(self.slots))
+        finally:
+            for jobs, _view in flight:  # an error or an interrupt: nothing may still write into a slot
+                self.reader.cancel(jobs)
+        nb = self.w.nbytes
+        self.stats.add_read(nb, time.perf_counter() - t0)
+        self.stats.add_streamed(nb)
+        return out
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def restore(self) -> None:
+        pass
+
+    def reclaim(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True

@@ -43,7 +43,7 @@ from .errors import ConfigError, HostMemoryError, RingTooSmallError
 from .expert_spec import top_k_of
 from .experts import STAGING_BYTES, ExpertSpec, HostExperts, find_experts, route_out, slot_layout
 from .hostmem import PAGE_SIZE, page_up
-from .linear_pieces import linear_piece_eligible, piece_rows_for
+from .linear_pieces import linear_piece_eligible, piece_rows_for, ring_piece_eligible
 from .machine import Machine
 from .options import Options
 from .plan import Plan, lay_out, same_bytes
@@ -91,6 +91,7 @@ class Placement:
     io_probe: bool = False  # io="auto" picked O_DIRECT: the reader times it against buffered reads (tiered/reader.py)
     mapped: list[int] = field(default_factory=list)  # CPU: streamed units on views of the file mapping (no ring copy)
     linear_pieces: dict[int, int] = field(default_factory=dict)  # CPU: linear units larger than the ring -> rows/piece
+    head_pieces: dict[int, int] = field(default_factory=dict)  # CPU: a head read through slots of its own -> rows/piece
     page_cache: list[int] = field(default_factory=list)  # of mapped: io="auto" picked O_DIRECT, the page-cache tier
     page_cache_bytes: int = 0
     ring_bytes: int = 0  # the ring as allocated (never more than the whole model)
@@ -309,6 +310,9 @@ def place(plan: Plan, opts: Options, machine: Machine, *, ckpt_bytes: int, confi
     p.streamed = [u.index for u in plan.units if u.index not in resident | rows | host]
     p.pieces = {i: n for i, n in pieces.items() if i not in host}
     p.linear_pieces = {i: n for i, n in p.linear_pieces.items() if i in mapped}
+    if cpu and dist is None:  # a head the ring holds but not beside a layer: in pieces through slots of its own
+        p.head_pieces = policy.choose_head_pieces(plan, [i for i in p.streamed if i not in mapped], p.streamed, need,
+                                                  p.ring_bytes, ring_piece_eligible)
     _host_tier(plan, opts, machine, p, need, cpu, strict)
     _device_memory(plan, opts, p, config, dist, cpu)
     _per_token(plan, p, config)

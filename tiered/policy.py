@@ -12,6 +12,8 @@ from .hostmem import PAGE_SIZE, page_up
 from .stats import GiB
 
 if TYPE_CHECKING:  # torch-free at import (the plan's modules import torch): `tiered inspect` asks auto_ring_bytes
+    from collections.abc import Callable
+
     from .experts import ExpertSpec
     from .plan import Plan, Unit
 
@@ -302,6 +304,53 @@ def piece_slot(u: Unit, n: int, align: int) -> int:
 #: into the slot (:class:`tiered.sources.PiecesSource`), as a whole unit's is. **Off** until measured on the GPU
 #: against whole units in the same rounds (``benchmarks/run.py --scaling 2 --scaling-pieces-cut``).
 PIECES_WHEN_ONE_FITS = False
+
+
+#: CPU, one process: read a linear unit (a head) that the ring holds whole but not beside the largest other unit it
+#: streams in pieces of output rows through :data:`HEAD_PIECE_SLOTS` ring slots of :data:`HEAD_PIECE_BYTES` of its own
+#: (:class:`tiered.linear_pieces.RingLinearPieces`), so that the disk reads the next pass's first layer while the head
+#: computes and a piece while the one before it computes. Measured where it was built (the 2-core CPU machine, the
+#: Llama-3-8B shape in a 2 GiB cgroup, cold): the head's 0.98 GiB in a 1.197 GiB ring left the disk idle 35-55 ms
+#: before the head and 80-107 ms after it, of each 1.3 s token (``benchmarks/NOTES.md``, twenty-second session).
+#: **Off** until measured against whole units in alternating rounds (``benchmarks/run.py --scaling 2
+#: --scaling-head-pieces``).
+HEAD_IN_RING_PIECES = False
+#: Bytes of one piece of such a head (64 MiB: four 16 MiB O_DIRECT requests, one per default reader thread).
+HEAD_PIECE_BYTES = 64 << 20
+#: Ring slots such a head reads into: one piece computed while the next two are read.
+HEAD_PIECE_SLOTS = 3
+
+
+def head_piece_slot_bytes() -> int:
+    """One slot of :data:`HEAD_PIECE_SLOTS` (bytes): a piece and a page for its O_DIRECT shift."""
+    return page_up(HEAD_PIECE_BYTES) + PAGE_SIZE
+
+
+def choose_head_pieces(plan: Plan, copied: list[int], others: list[int], need: list[int], ring_bytes: int,
+                       eligible: Callable[[Unit], bool]) -> dict[int, int]:
+    """CPU (:data:`HEAD_IN_RING_PIECES`): the unit read in pieces through slots of its own, as ``{unit index: rows per
+    piece}`` (at most one: the largest such), or ``{}``. A unit qualifies when it is copied into the ring (``copied``),
+    ``eligible`` (:func:`tiered.linear_pieces.ring_piece_eligible`), the ring holds it but not beside the largest
+    other unit that takes ring room (``others``: streamed, copied or mapped), and the ring less the slots still holds
+    two of those (one runs while the next loads)."""
+    from .linear_pieces import PIECE_ALIGN
+
+    if not HEAD_IN_RING_PIECES:
+        return {}
+    slots = HEAD_PIECE_SLOTS * head_piece_slot_bytes()
+    best: Unit | None = None
+    for i in copied:
+        u = plan.units[i]
+        rest = max((page_up(need[j]) for j in others if j != i), default=0)
+        if (eligible(u) and page_up(need[i]) <= ring_bytes < page_up(need[i]) + rest
+                and 2 * rest + slots <= ring_bytes and u.nbytes > slots and (best is None or u.nbytes > best.nbytes)):
+            best = u
+    if best is None:
+        return {}
+    row = next(t for t in best.targets if t.attr == "weight")
+    row_bytes = row.shape[1] * row.dtype.itemsize
+    rows = HEAD_PIECE_BYTES // row_bytes // PIECE_ALIGN * PIECE_ALIGN
+    return {best.index: rows} if rows >= PIECE_ALIGN else {}
 
 
 def _decoded(u: Unit) -> bool:

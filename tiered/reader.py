@@ -819,11 +819,13 @@ class Reader:
                 pairs.append((c.src, dest) if c.decode is None else (c.src, dest, c.decode))
         return pairs
 
-    def start_unit(self, unit: Unit, slot: torch.Tensor) -> list[Future]:
+    def start_unit(self, unit: Unit, slot: torch.Tensor, jobs: list[Future] | None = None) -> list[Future]:
         """:meth:`read_unit` without waiting: queue ``unit``'s copies into ``slot`` on the reader threads and return
         their jobs, so the caller can queue the next unit's copies before these finish (the reader threads never
         run dry between two reads). ``unit`` must have no conversion (``Unit.converts``: those run on the caller's
         thread). The caller must pass the jobs to :meth:`finish` (or :meth:`cancel`) before it frees ``slot``.
+        ``jobs``: a list of the caller's the jobs are appended to (and returned), each before the pool has it, so a
+        Ctrl-C landing in this call or just after it cannot lose one that writes into ``slot``.
 
         Raises:
             ShardChangedError: a shard was replaced, truncated or rewritten since it was opened.
@@ -831,7 +833,7 @@ class Reader:
         if unit.converts:
             raise ValueError(f"start_unit: unit {unit.name!r} runs a conversion; use read_unit")
         self._check_files(unit)
-        jobs: list[Future] = []
+        jobs = [] if jobs is None else jobs
         try:
             self._submit_pairs(jobs, unit, self._pairs(unit, slot), None)
         except BaseException:
