@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import tiered  # noqa: E402
 import tiered.reader as rd  # noqa: E402
 
 
