@@ -246,6 +246,25 @@ def test_stats_say_how_busy_the_disk_was_during_the_passes(ckpts: Checkpoints) -
         assert s["load_read_s"] == s["read_s"] > 0 and s["disk_busy"] == 0  # not the load's reads
 
 
+def test_reads_made_at_once_count_their_overlap_once_in_read_s() -> None:
+    """``Stats.add_read`` counts the union of the reads' intervals (a head read in pieces on the model's thread while
+    the loader reads the next layer: ``disk_busy`` went to 1.28 with a sum): two reads of 0.2 s ending together
+    count 0.2 s; one of 0.05 s after an idle 0.1 s adds 0.05; bytes add up."""
+    import time
+
+    from tiered.stats import Stats
+
+    s = Stats()
+    time.sleep(0.2)
+    s.add_read(100, 0.2)
+    s.add_read(100, 0.2)  # the same interval, from another thread
+    time.sleep(0.1)
+    s.add_read(50, 0.05)
+    assert s.read_bytes == 250 and 0.25 <= s.read_s < 0.27, s.read_s
+    s.add_read(10, 0.0)
+    assert s.read_s < 0.27
+
+
 def test_auto_keeps_the_mapping_for_a_linear_unit_larger_than_the_ring(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The default io="auto" on the CPU with a checkpoint larger than the page cache's room would read O_DIRECT into

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -172,9 +173,9 @@ class Stats:
     stall_s: seconds the caller waited for a unit that was not ready yet.
     passes, pass_s: the model's outermost calls (forward passes, each ``generate`` step one) and their wall seconds
         (``time.perf_counter`` around ``model(...)``, on the caller's thread; an encoder-decoder's ``generate`` calls
-        its encoder directly, outside them). ``snapshot()["disk_busy"]`` is ``(read_s - load_read_s) / pass_s`` (the
-        loader reads one unit at a time, so that is the time a read was in flight after load; read-ahead between
-        passes can take it above 1), ``snapshot()["pass_read_gbps"]`` the bytes read after load per second of pass:
+        its encoder directly, outside them). ``snapshot()["disk_busy"]`` is ``(read_s - load_read_s) / pass_s`` (``read_s`` is
+        the union of the reads' intervals, :meth:`add_read`: the time a read was in flight after load; read-ahead
+        between passes can take it above 1), ``snapshot()["pass_read_gbps"]`` the bytes read after load per second of pass:
         what a cold pass gets from the disk, to hold against the disk's ceiling (``benchmarks/ceilings.py``). Both 0
         where they mean nothing (no pass yet; CPU zero copy, whose reads are page faults inside the compute, and
         routed experts, read on the model's thread: untimed). ``load_read_s``: the seconds of the reads at load.
@@ -279,6 +280,7 @@ class Stats:
     host_expert_bytes: int = 0
     experts_from_host: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _read_until: float = field(default=0.0, repr=False, compare=False)  # add_read: the end of the reads counted
     _placement: Any = field(default=None, repr=False, compare=False)  # the Placement the load built
 
     @property
@@ -289,13 +291,21 @@ class Stats:
         return self._placement() if self._placement is not None else None
 
     def add_read(self, nbytes: int, seconds: float, *, resident: bool = False) -> None:
-        """The loader read ``nbytes`` of the checkpoint (``resident``: a unit loaded once, at load)."""
+        """A read of ``nbytes`` of the checkpoint that ended now and took ``seconds`` (``resident``: a unit loaded
+        once, at load). ``read_s`` counts the union of such reads' intervals, not their sum: reads made at once by
+        two threads (the loader's and a head read in pieces by the model's thread,
+        :class:`tiered.linear_pieces.RingLinearPieces`) count their overlap once. The union is kept as the time up to
+        which a read was in flight, so a read reported after a later-starting one undercounts the part before that
+        one's start."""
         with self._lock:
+            now = time.perf_counter()
+            counted = max(0.0, now - max(now - seconds, self._read_until))
+            self._read_until = max(self._read_until, now)
             self.read_bytes += nbytes
-            self.read_s += seconds
+            self.read_s += counted
             if resident:
                 self.load_bytes += nbytes
-                self.load_read_s += seconds
+                self.load_read_s += counted
 
     def add_decoded(self, nbytes: int) -> None:
         """A reader thread decoded ``nbytes`` of the model dtype from stored codes (tiered/quant.py)."""
