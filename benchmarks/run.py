@@ -642,7 +642,7 @@ class Runner:
                 **{k: v for k, v in opts.items() if k in ("ring_gb", "gpu_gb", "cpu_gb")},
                 "extra": {k: v for k, v in opts.items() if k in SPEC_EXTRA}}
         lost = sorted(set(opts) - set(SPEC_EXTRA) - {"ring_gb", "gpu_gb", "cpu_gb"})
-        if lost:  # (the twenty-fourth session's A/B ran defaults twice: a switch dropped here never reached the child)
+        if lost:  # (the twenty-third session's A/B ran defaults twice: a switch dropped here never reached the child)
             raise SystemExit(f"run.py: run {rd.key} sets {lost}, which the child's spec does not carry; add them to "
                              "SPEC_EXTRA and handle them in benchmarks/systems.py")
         if rd.cache == "cold" and rd.group in ("scaling", "scaling-io") and not a.no_adjacent_ceilings:

@@ -466,7 +466,7 @@ def test_scaling_pieces_variants_run_beside_the_defaults(flag: str, variant: str
     assert f'"{switch}" in spec.extra' in (BENCH / "systems.py").read_text()  # the child applies it
     import run
 
-    assert switch in run.SPEC_EXTRA  # and the spec carries it there (the twenty-fourth session's A/B lost it)
+    assert switch in run.SPEC_EXTRA  # and the spec carries it there (the twenty-third session's A/B lost it)
     r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--suite", "full", "--device", "cuda", "--list", flag],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and f"{flag} needs --scaling" in r.stderr, r.stderr
