@@ -68,7 +68,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
                   "units": {u.name: (("gpu" if device.startswith("cuda") else "ring") if u.index in pl.resident
                                      else "host" if u.index in pl.host
                                      else "rows" if u.index in pl.rows
-                                     else "pieces of rows" if u.index in pl.linear_pieces else "streamed")
+                                     else "pieces of rows" if u.index in pl.linear_pieces
+                                     else "pieces of rows, ring slots of its own" if u.index in pl.head_pieces
+                                     else "streamed")
                             for u in fresh.units},
                   "predicted": predict(pl, placement.get("gbps")) if device.startswith("cuda") else None}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in ckpt.tensors.values())
@@ -447,6 +449,10 @@ def _print_placement(info: dict, placement: dict | None) -> None:
                 print(f"  {len(pl['linear_pieces'])} linear unit(s) larger than the ring are computed in pieces of "
                       f"{', '.join(str(r) for r in pl['linear_pieces'].values())} output rows on the mapping (one "
                       "piece in RSS at a time; tiered.load checks at load that the pieces give the whole product's bits)")
+            if pl.get("head_pieces"):
+                print(f"  {len(pl['head_pieces'])} head the ring holds but not beside a layer is read in pieces of "
+                      f"{', '.join(str(r) for r in pl['head_pieces'].values())} output rows through ring slots of its "
+                      "own (tiered.policy.HEAD_IN_RING_PIECES; the pieces' exactness is checked at load)")
         if pl["ring_need_bytes"] > pl["ring_bytes"]:
             print(f"  note: tiered.load refuses this ring: the largest unit (copied into it, or run on the mapping) needs "
                   f"{gib_up(pl['ring_need_bytes'])} GiB (RingTooSmallError); pass --ring-gb >= "
