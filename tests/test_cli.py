@@ -696,6 +696,25 @@ def _inspect_json(*args: object) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_inspect_units_says_a_tied_head_reads_its_embeddings_bytes(tmp_path: Path, tied: bool) -> None:
+    """`tiered inspect --units`: a tied head is a unit of its own that reads the embedding's checkpoint bytes (no
+    tensor of its own: the listed sizes then add up to more than the model), so the listing says so, by name, in the
+    text and the JSON (``same_bytes_as``); an untied head says nothing (a new user's trial, twenty-third session)."""
+    import models
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    d = models.save_model(transformers.LlamaForCausalLM(cfg), tmp_path / "m", seed=1, dtype=torch.float32,
+                          max_shard_size=None)
+    units = {u["name"]: u for u in _inspect_json(d, "--units")["units"]}
+    assert units["lm_head"]["same_bytes_as"] == ("model.embed_tokens" if tied else None)
+    assert all(u["same_bytes_as"] is None for n, u in units.items() if n != "lm_head")
+    r = cli("inspect", d, "--units")
+    assert r.returncode == 0 and ("(tied: model.embed_tokens's bytes)" in r.stdout) == tied, r.stdout
+
+
 def test_inspect_io_changes_the_cpu_placement_as_load_does(dirs: dict[str, Path], facts: dict) -> None:
     """On the CPU, --io decides which streamed units compute on the file mapping (zero copy: io=mmap only) and which
     are copied into the ring: inspect's placement names them as tiered.load maps them, says which io it assumed,

@@ -95,6 +95,9 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
     # the largest of those: what the defaults' ring must hold (a row-read embedding as large or larger never enters it)
     big_in_ring = max(whole, key=lambda u: u.nbytes, default=None)
     pieces_above = [u for u in in_pieces if big_in_ring is None or u.nbytes > big_in_ring.nbytes]
+    from .plan import same_bytes
+
+    twins = same_bytes(plan.units)
     return {
         "placement": placed,
         "experts": _experts_info(config, plan),
@@ -107,7 +110,10 @@ def inspect_dir(model_dir: str | Path, *, dtype: str | None = None, device: str 
         "dtypes": dict(dtypes),
         "bytes_by_dtype": dict(dtype_bytes),
         "units": [{"name": u.name, "bytes": u.nbytes, "stored_bytes": u.src_bytes, "tensors": len(u.targets),
-                   "layer": layer_index(u.name + ".")} for u in plan.units],
+                   "layer": layer_index(u.name + "."),
+                   # a tied head: reads the same checkpoint bytes as this earlier unit (no bytes of its own)
+                   "same_bytes_as": plan.units[twins[u.index]].name if u.index in twins else None}
+                  for u in plan.units],
         "quantized": _quant_info(ckpt, plan),
         "model_bytes": plan.weight_bytes,  # distinct weights (a tied head is not counted twice)
         "layout_bytes": plan.nbytes,  # every unit's aligned layout (a tied head is a unit of its own)
@@ -326,6 +332,7 @@ def _print_checkpoint(info: dict, a: Any) -> None:
     where = (info["placement"] or {}).get("units", {})  # with placement options: each unit's tier
     for u in show:
         print("  ..." if u is None else f"  {u['name']:<40} {u['bytes'] / 2**20:10.1f} MiB  {u['tensors']} tensors"
+              + (f" (tied: {u['same_bytes_as']}'s bytes)" if u.get("same_bytes_as") else "")
               + (f"  -> {where[u['name']]}" if u["name"] in where else ""))
     lin = info["linear_pieces_units"]
     if (info["ring_free_units"] or lin) and info["ring_min_default_gb"] < info["ring_min_gb"]:

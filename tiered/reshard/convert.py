@@ -164,7 +164,7 @@ def reshard(
     notes = _prepare(dst_p, force)  # recovery, strays, an existing DST, a writable parent
     if not quiet and src_p.suffix == ".gguf":  # the metadata phase is long and has no progress of its own
         print(f"reshard: reading {src_p.name}'s metadata, config and tokenizer with transformers' GGUF code "
-              "(about a minute for a 50k-token vocabulary on a 2-core machine)...", file=sys.stderr, flush=True)
+              "(10-60 s for a 50k-token vocabulary on a 2-core machine)...", file=sys.stderr, flush=True)
     source = _open_source(src_p)  # every header, index and pickle validated; no tensor data read
     try:
         coded_src = bool(getattr(source, "compressed", False))  # an optional attribute of the source interface
