@@ -268,7 +268,8 @@ def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     h.streamer = Streamer(plan, h.reader, h.ring, dev, prefetch=opts.prefetch, resident=set(p.resident), stats=h.stats,
                           rows=set(p.rows) | set(p.linear_pieces) | set(p.head_pieces), dist=dist, host=host,
                           host_ring=h.host_ring, mapped=set(p.mapped), pieces=p.pieces, host_pieces=p.host_pieces,
-                          linear_pieces=set(p.linear_pieces))
+                          linear_pieces=set(p.linear_pieces),
+                          fixed=sum(sl.size for slots in h.head_slots.values() for sl in slots))
     if progress is None:  # a bar when it is worth one: a terminal and >= 1 GiB to load
         progress = sys.stderr.isatty() and sum(plan.units[i].src_bytes for i in p.resident) >= GiB
     h.streamer.load_resident(progress=progress)

@@ -300,47 +300,55 @@ class RingLinearPieces:
         self.closed = False
         self.lock = threading.Lock()  # the module's CallGuard lock: its calls one at a time
 
-    def _start(self, flight: list, j: int) -> None:
-        """Queue piece ``j``'s read into its slot; its jobs are in ``flight`` before any is queued (an interrupt
-        cannot lose one)."""
+    def _start(self, jobs: list, starts: list, j: int) -> None:
+        """Queue piece ``j``'s read into its slot: its jobs go into ``jobs`` (every piece's of this call, one list, so
+        one cancel reaches them all) before any is queued, from index ``starts[j]`` on."""
+        if self.closed:  # (the model is being closed: its reader pool may refuse the submit)
+            raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
         piece, _a, _b, shift = self.pieces[j]
         slot = self.slots[j % len(self.slots)]
-        view = slot.view[shift : shift + piece.nbytes]
-        jobs: list = []
-        flight.append((jobs, view))
-        self.reader.start_unit(piece, view, jobs)
+        starts.append((len(jobs), time.perf_counter()))
+        self.reader.start_unit(piece, slot.view[shift : shift + piece.nbytes], jobs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, weight)`` in pieces of output rows read through the unit's slots: ``(..., in) -> (..., out)``
-        in ``x``'s dtype. Raises the reader's errors (``ShardChangedError``, ``OSError``) after cancelling the rest."""
+        in ``x``'s dtype. Raises the reader's errors (``ShardChangedError``, ``OSError``) after cancelling the rest;
+        ``StreamerError`` once the model is closed."""
         if self.closed:
             raise StreamerError("this model was closed (tiered.close / end of its with-block); load it again")
-        t0 = time.perf_counter()
         out = torch.empty((*x.shape[:-1], self.rows), dtype=x.dtype, device=x.device)
-        flight: list = []  # (jobs, view) in piece order, one per slot at most
-        n = len(self.pieces)
+        jobs: list = []  # every read job of this call, in piece order
+        starts: list = []  # per piece started: (its first job's index in jobs, when it was queued)
+        n, slots = len(self.pieces), len(self.slots)
         try:
-            for j in range(min(len(self.slots), n)):
-                self._start(flight, j)
+            for j in range(min(slots, n)):
+                self._start(jobs, starts, j)
             for j in range(n):
-                jobs, view = flight[0]
-                self.reader.finish(jobs)
-                _piece, a, b, _s = self.pieces[j]
+                lo, t0 = starts[j]
+                self.reader.finish(jobs[lo : starts[j + 1][0] if j + 1 < len(starts) else len(jobs)])
+                piece, a, b, shift = self.pieces[j]
+                # the read's interval (Stats counts the union with the loader's reads)
+                self.stats.add_read(piece.src_bytes, time.perf_counter() - t0)
+                view = self.slots[j % slots].view[shift : shift + piece.nbytes]
                 w = view.view(self.dtype).view(b - a, self.k)
                 if self.placeholder is not None and torch.is_grad_enabled():  # stock's flags; backward refused
                     w = follow_requires_grad(nn.Parameter(w, requires_grad=False), self.placeholder,
                                              key=f"{self.unit.name}.weight")
                 out[..., a:b] = F.linear(x, w)
                 del w
-                flight.pop(0)  # its slot is free again: read the piece that goes there next
-                if j + len(self.slots) < n:
-                    self._start(flight, j + len(self.slots))
+                if j + slots < n:  # its slot is free again: read the piece that goes there next
+                    self._start(jobs, starts, j + slots)
+        except RuntimeError as e:  # the reader pool shut down under a call: the model was closed meanwhile
+            if self.closed and "shutdown" in str(e):
+                raise StreamerError("this model was closed (tiered.close / end of its with-block) during this call; "
+                                    "load it again") from e
+            raise
         finally:
-            for jobs, _view in flight:  # an error or an interrupt: nothing may still write into a slot
-                self.reader.cancel(jobs)
-        nb = self.w.nbytes
-        self.stats.add_read(nb, time.perf_counter() - t0)
-        self.stats.add_streamed(nb)
+            # an error or an interrupt: nothing may still write into a slot. One call for every job: Reader.cancel
+            # waits for the running ones even through a second Ctrl-C (per piece, a Ctrl-C in one piece's wait left
+            # the next piece's read running into a slot the next call reads: a helper's attack, twenty-third session)
+            self.reader.cancel(jobs)
+        self.stats.add_streamed(self.w.nbytes)
         return out
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -92,6 +92,9 @@ class Streamer:
         host_pieces: CUDA, one process: unit index (of ``pieces``) -> how many of its first pieces the host tier
             holds (read once into ``host_ring`` by :meth:`load_host`, copied to the GPU from there every pass); the
             rest of the unit streams through the ring.
+        linear_pieces: CPU: indices of linear units computed in pieces on the file mapping (never streamed here).
+        fixed: ring bytes taken before the streamer and held until close (CPU: a head's slots,
+            :class:`tiered.linear_pieces.RingLinearPieces`): counted as held where the streamer judges the ring full.
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class Streamer:
         pieces: dict[int, int] | None = None,
         host_pieces: dict[int, int] | None = None,
         linear_pieces: set[int] = frozenset(),  # type: ignore[assignment]
+        fixed: int = 0,
     ) -> None:
         self.plan = plan
+        self.fixed = fixed  # ring bytes taken for good before the streamer (a head's slots: RingLinearPieces)
         self.dist = dist
         self.host_ids = set(host)
         self.host_ring = host_ring
@@ -197,7 +202,7 @@ class Streamer:
             return False
         room = max(page_up(self.units[i].src_bytes) for i in on_map)
         need = max(page_up(self.units[i].nbytes) + PAGE_SIZE for i in copied)  # + a page: the slot's shift
-        held = sum(page_up(self.units[i].nbytes) for i in self.resident_ids)
+        held = sum(page_up(self.units[i].nbytes) for i in self.resident_ids) + self.fixed
         if self.ring.size - held - room >= need:
             self.mapped_room = self.ring.alloc(room, "mapped units' room", wait=False)
             return False
@@ -228,6 +233,7 @@ class Streamer:
             return None
         owned = sum(h.ld.slot.size for h in held if h.ld.slot is not None)
         owned += self.mapped_room.size if self.mapped_room is not None else 0
+        owned += self.fixed  # a head's slots, held until close
         owned += sum(ld.slot.size for ld in list(self.resident.values()) if ld.slot is not None)
         if self.ring.used <= owned:
             lent = [h.ld for h in held if h.ld.mapped and h.ld.slot is not None]
