@@ -312,8 +312,9 @@ PIECES_WHEN_ONE_FITS = False
 #: computes and a piece while the one before it computes. Measured where it was built (the 2-core CPU machine, the
 #: Llama-3-8B shape in a 2 GiB cgroup, cold): the head's 0.98 GiB in a 1.197 GiB ring left the disk idle 35-55 ms
 #: before the head and 80-107 ms after it, of each 1.3 s token (``benchmarks/NOTES.md``, twenty-second session).
-#: **Off** until measured against whole units in alternating rounds (``benchmarks/run.py --scaling 2
-#: --scaling-head-pieces``).
+#: **Off**: it closed those gaps but ran 5% slower there in six alternating rounds against whole units (median 1.420
+#: against 1.353 s/token, ``benchmarks/run.py --scaling 2 --scaling-head-pieces``, twenty-third session; two cores
+#: shared by four reader threads and the compute may be what bounds that host, not the disk).
 HEAD_IN_RING_PIECES = False
 #: Bytes of one piece of such a head (64 MiB: four 16 MiB O_DIRECT requests, one per default reader thread).
 HEAD_PIECE_BYTES = 64 << 20
