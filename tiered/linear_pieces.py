@@ -260,7 +260,8 @@ class RingLinearPieces:
     there: the kernel's sums depend on it) and, where that agrees, at its file offset modulo the page (O_DIRECT then
     reads straight into it); up to one piece per slot in flight. Off by default
     (:data:`tiered.policy.HEAD_IN_RING_PIECES`: measured slower on a 2-core host). Compute: on the caller's thread,
-    ``out[..., a:b] = F.linear(x, W[a:b])`` on the slot's bytes, then the slot is read into again. Exactness as :class:`LinearPieces` (checked at load, :func:`pieces_exact`).
+    ``out[..., a:b] = F.linear(x, W[a:b])`` on the slot's bytes, then the slot is read into again. Exactness as
+    :class:`LinearPieces` (checked at load, :func:`pieces_exact`).
     An exception or interrupt cancels the reads in flight and waits for the running ones before it propagates, so
     no reader writes into a slot the next call reads.
 
