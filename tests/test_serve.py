@@ -239,3 +239,41 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, smol: Path, c
     with pytest.raises(SystemExit) as e:
         main(["serve", str(smol)])
     assert e.value.code == 2 and "pip install 'tiered[serve]'" in capsys.readouterr().err
+
+
+def test_a_generation_runs_with_the_compute_threads_of_the_thread_that_loaded(smol: Path, monkeypatch) -> None:
+    """The server generates on a worker thread; the matmul library keeps its thread count per thread, so the count
+    ``tiered.load(compute_threads=1)`` set on the loading thread must be set again there: an fp32 product computed
+    inside the worker's ``generate`` equals the loading thread's bit for bit (left alone, the worker ran with the
+    default count and its sums differed: twenty-third session). Where there is one core, both counts are 1."""
+    import asyncio
+
+    from tiered.serve import Job
+
+    before = torch.get_num_threads()
+    tok = transformers.AutoTokenizer.from_pretrained(smol)
+    size = sum(p.stat().st_size for p in smol.glob("*.safetensors"))
+    model = tiered.load(smol, ring_gb=size / 3 / 2**30, device="cpu", threads=2, compute_threads=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(2, 3, 64, generator=g), torch.randn(8193, 64, generator=g)[1:]
+        want = torch.nn.functional.linear(x, w)
+        seen: dict = {}
+        orig = model.generate
+
+        def generate(*a, **k):
+            seen["out"] = torch.nn.functional.linear(x, w)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(model, "generate", generate)
+        server = Server(model, tok, "smol")
+        assert server.compute_threads == torch.get_num_threads() == 1
+        loop = asyncio.new_event_loop()
+        try:
+            server.start(Job(_chat_ids(tok), 2, None, None, None, [], loop)).join(120)
+        finally:
+            loop.close()
+        assert torch.equal(seen["out"], want)
+    finally:
+        model.close()
+        torch.set_num_threads(before)

@@ -99,6 +99,13 @@ class Server:
         cfg = getattr(model, "config", None)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
         self.lock = threading.Lock()  # one generation at a time (FIFO enough: a worker thread per queued request)
+        import torch
+
+        #: torch's CPU threads where the server was made (after ``tiered.load`` applied ``compute_threads``), set
+        #: again on each generation's worker thread: the matmul library keeps its count per thread, so a worker
+        #: left alone runs with the default count (fp32 sums then differ from the loading thread's, and on few cores
+        #: the compute threads oversubscribe the readers; measured on the 2-core machine, twenty-third session)
+        self.compute_threads = torch.get_num_threads()
         self.eos = self._eos_ids()
         #: the last generations, newest last: (tokens generated, stopped early by its request: the client left or
         #: a stop string was seen) — for logs and tests
@@ -200,6 +207,8 @@ class Server:
                     return
                 import torch
                 from transformers import StoppingCriteria, StoppingCriteriaList
+
+                torch.set_num_threads(self.compute_threads)  # this thread's matmuls as the loading thread's
 
                 class _Cancel(StoppingCriteria):
                     def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
