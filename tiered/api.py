@@ -242,7 +242,8 @@ def _refuse_inplace_rescale(module: nn.Module, plan: Plan, p: Placement) -> None
 
 def _build(h: Handle, p: Placement, progress: bool | None, rss0: int) -> None:
     """Allocate what ``p`` names — ring, reader, host tier, streamer, expert staging and cache — and load
-    the resident units and the host tier. Decides nothing."""
+    the resident units and the host tier. Decides nothing, but for one check on this machine's kernel: a head placed in
+    ring pieces whose pieces do not give the whole product's bits streams whole instead (:func:`_head_slots`)."""
     plan, dev, opts, dist = h.plan, h.device, h.opts, h.dist
     cuda = dev.type == "cuda"
     _stats_from(h.stats, plan, p, dist or _dist.SINGLE, rss0)
